@@ -1,0 +1,612 @@
+"""Drama 3: a Qwen3.5-MoE backbone that predicts the semantic code of each audio frame, and the
+Codebook-MTP tower that predicts its 9 acoustic codes.
+
+A position is a row `[main_id, c0 .. c9]`: text rows carry a token and zero codes, audio rows carry
+`<|semantic:c0|>` and the frame's codes. The backbone is transformers' `Qwen3_5MoeTextModel`,
+composed; only its input (partial codebook fusion) and the tower are new. Module names follow the
+published checkpoint, so its tensors load under their own names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeRMSNorm,
+    Qwen3_5MoeTextModel,
+    load_balancing_loss_func,
+)
+from transformers.utils import ModelOutput
+
+from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- outputs and cache
+
+
+@dataclass
+class Drama3Cache:
+    """Decode state: the backbone's hybrid cache (conv + recurrent states for Gated DeltaNet layers,
+    keys/values for attention layers) and one key/value cache per tower layer."""
+
+    backbone: DynamicCache
+    tower: DynamicCache
+
+    @classmethod
+    def empty(cls, config: Drama3Config) -> "Drama3Cache":
+        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
+
+    def get_seq_length(self) -> int:
+        return self.backbone.get_seq_length()
+
+
+@dataclass
+class Drama3Output(ModelOutput):
+    """Output of `Drama3ForSpeechGeneration.forward`.
+
+    Args:
+        loss: `text_loss + 0.5 semantic_loss + 0.5 codebook_loss (+ router aux loss)`.
+        logits: `[batch, rows, vocab]`, or `[batch, rows, codebook_size + 1]` when restricted to the
+            semantic band (indices 0..4095 = `<|semantic:0..4095|>`) followed by eos (last index).
+        codebook_logits: `[batch, rows, num_codebooks - 1, codebook_size]`; row t predicts codes
+            1..9 of row t+1 (teacher forcing).
+        hidden_states: `[batch, rows, hidden]` backbone output after its final norm.
+    """
+
+    loss: torch.Tensor | None = None
+    text_loss: torch.Tensor | None = None
+    semantic_loss: torch.Tensor | None = None
+    codebook_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    codebook_logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    cache: Drama3Cache | None = None
+
+
+# ----------------------------------------------------------------------------- tower modules
+
+
+def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+    """Rotate consecutive pairs (GPT-J style) of the first `rotary_dim` features, in float32.
+
+    x: [batch, heads, rows, head_dim]; positions: [batch, rows].
+    """
+    half = rotary_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / rotary_dim)
+    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [batch, 1, rows, half]
+    cos, sin = angles.cos(), angles.sin()
+    rotated, passthrough = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    even, odd = rotated[..., 0::2], rotated[..., 1::2]
+    pairs = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return torch.cat((pairs.flatten(-2).to(x.dtype), passthrough), dim=-1)
+
+
+class Drama3TowerAttention(nn.Module):
+    """Gated grouped-query attention; `wqkv` rows are [all queries | all gates | keys | values]."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_head, self.n_kv, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        self.rotary_dim, self.rope_base = config.rotary_dim, config.rope_base
+        q_width, kv_width = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        self.split_sizes = (q_width, q_width, kv_width, kv_width)
+        self.wqkv = nn.Linear(config.dim, 2 * q_width + 2 * kv_width, bias=False)
+        self.wo = nn.Linear(q_width, config.dim, bias=False)
+        self.q_norm = Qwen3_5MoeRMSNorm(config.head_dim, eps=config.norm_eps)
+        self.k_norm = Qwen3_5MoeRMSNorm(config.head_dim, eps=config.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache | None,
+    ) -> torch.Tensor:
+        """x: [batch, rows, dim]; attention_mask: bool [batch, 1, rows, keys] (True = attend)."""
+        batch, rows, _ = x.shape
+        q, gate, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q = self.q_norm(q.view(batch, rows, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, rows, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, rows, self.n_kv, self.head_dim).transpose(1, 2)
+        q = interleaved_rope(q, positions, self.rotary_dim, self.rope_base)
+        k = interleaved_rope(k, positions, self.rotary_dim, self.rope_base)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_index)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=self.head_dim**-0.5, enable_gqa=self.n_kv != self.n_head
+        )
+        out = out.transpose(1, 2).reshape(batch, rows, -1)
+        return self.wo(out * torch.sigmoid(gate))
+
+
+class Drama3TowerFeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Drama3TowerBlock(nn.Module):
+    """Pre-norm causal transformer block (`transformer_layer` in the checkpoint)."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig, layer_index: int):
+        super().__init__()
+        self.attention = Drama3TowerAttention(config, layer_index)
+        self.feed_forward = Drama3TowerFeedForward(config)
+        self.attention_norm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(self, x, positions, attention_mask, cache):
+        x = x + self.attention(self.attention_norm(x), positions, attention_mask, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Drama3TowerLayer(GradientCheckpointingLayer):
+    """One tower layer: `u = eh_proj([enorm(e); hnorm(h)])`, a causal block, then a final norm.
+
+    `e` embeds the code this layer injects (zero where the labelled frame is not audio).
+    Subclasses only name the embedding as the checkpoint does.
+    """
+
+    embedding_name: str
+
+    def __init__(self, config: Drama3AudioDecoderConfig, layer_index: int):
+        super().__init__()
+        setattr(self, self.embedding_name, nn.Embedding(config.vocab_size, config.dim))
+        self.enorm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
+        self.hnorm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
+        self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.transformer_layer = Drama3TowerBlock(config, layer_index)
+        self.final_layernorm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
+        self.codebook_size = config.vocab_size
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return getattr(self, self.embedding_name)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        codes: torch.Tensor,
+        is_audio: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache | None,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden: [batch, rows, dim]; codes, is_audio: [batch, rows]; extra: [batch, rows, dim]."""
+        e = self.embedding(codes.clamp(0, self.codebook_size - 1)) * is_audio[..., None].to(hidden.dtype)
+        if extra is not None:
+            e = e + extra
+        u = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(hidden)), dim=-1))
+        return self.final_layernorm(self.transformer_layer(u, positions, attention_mask, cache))
+
+
+class Drama3SharedTowerLayer(Drama3TowerLayer):
+    embedding_name = "semantic_embedding"
+
+
+class Drama3CodebookTowerLayer(Drama3TowerLayer):
+    embedding_name = "codebook_embedding"
+
+
+class Drama3SharedTower(nn.Module):
+    """`audio_decoder_mtp_shared`: the layers that inject the frame's semantic code."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            Drama3SharedTowerLayer(config, i) for i in range(config.shared_enrichment_layers)
+        )
+
+
+class Drama3CodebookTower(nn.Module):
+    """`audio_decoder_mtp`: layer i injects code i of the frame; head i predicts code i + 1."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig):
+        super().__init__()
+        first = config.shared_enrichment_layers
+        self.layers = nn.ModuleList(
+            Drama3CodebookTowerLayer(config, first + i) for i in range(config.num_codebooks - 1)
+        )
+        self.heads = nn.ModuleList(
+            nn.Linear(config.dim, config.vocab_size, bias=False) for _ in range(config.num_codebooks - 1)
+        )
+
+
+class Drama3CodebookEmbeddings(nn.Module):
+    """`audio_decoder`: one table for all codebooks; codebook k uses rows k * codebook_size ..."""
+
+    def __init__(self, config: Drama3AudioDecoderConfig):
+        super().__init__()
+        self.codebook_size = config.vocab_size
+        self.codebook_embeddings = nn.Embedding(config.num_codebooks * config.vocab_size, config.dim)
+
+    def sum_codebooks(self, codes: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Sum of the embeddings of codebooks first..end-1. codes: [batch, rows, num_codebooks]."""
+        if end <= first:
+            return codes.new_zeros(()).float()
+        offsets = torch.arange(first, end, device=codes.device) * self.codebook_size
+        rows = codes[..., first:end].clamp(0, self.codebook_size - 1) + offsets
+        return self.codebook_embeddings(rows).sum(dim=-2)
+
+
+class Drama3Model(nn.Module):
+    """Holds the backbone under the checkpoint's `model.language_model` prefix."""
+
+    def __init__(self, config: Drama3Config):
+        super().__init__()
+        self.language_model = Qwen3_5MoeTextModel(config.text_config)
+
+
+# ----------------------------------------------------------------------------- masks and positions
+
+
+def positions_from_mask(attention_mask: torch.Tensor, past_length: int = 0) -> torch.Tensor:
+    """Row positions that skip left padding: [batch, rows] from a [batch, past + rows] mask."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.clamp(min=0)[:, past_length:]
+
+
+def tower_attention_mask(attention_mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """Causal mask over the keys of a [batch, keys] padding mask, for the last `rows` queries.
+
+    Returns bool [batch, 1, rows, keys]. A padding query may attend to itself so that softmax
+    never sees an empty row (its output is never used).
+    """
+    keys = attention_mask.shape[-1]
+    query_index = torch.arange(keys - rows, keys, device=attention_mask.device)[:, None]
+    key_index = torch.arange(keys, device=attention_mask.device)[None, :]
+    causal = key_index <= query_index
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    allowed = allowed | (key_index == query_index)[None]
+    return allowed[:, None]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Drama3PreTrainedModel(PreTrainedModel):
+    config_class = Drama3Config
+    config: Drama3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3TowerLayer"]
+    _supports_sdpa = True
+    _is_stateful = True
+
+    def _init_weights(self, module):
+        # The tower is built from the same kinds of modules as the backbone (linears, embeddings,
+        # zero-centred norms), so the backbone's initialisation covers both.
+        self.model.language_model._init_weights(module)
+
+
+class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
+    """Drama 3 with its speech heads: lm_head for text and semantic tokens, the Codebook-MTP tower for
+    the acoustic codes.
+
+    Module names match the published checkpoint:
+    `model.language_model.*` (backbone), `lm_head`, `audio_decoder.codebook_embeddings`,
+    `audio_decoder_mtp_shared.layers.N.*`, `audio_decoder_mtp.layers.N.*`, `audio_decoder_mtp.heads.N`.
+    """
+
+    _keys_to_ignore_on_load_unexpected = [r"^mtp\."]
+
+    def __init__(self, config: Drama3Config):
+        super().__init__(config)
+        tower = config.audio_decoder_config
+        self.model = Drama3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.audio_decoder = Drama3CodebookEmbeddings(tower)
+        self.audio_decoder_mtp_shared = Drama3SharedTower(tower)
+        self.audio_decoder_mtp = Drama3CodebookTower(tower)
+        self.backbone_codebooks = tower.vq_backbone_codebooks
+        self.num_codebooks = tower.num_codebooks
+        self.post_init()
+
+    # -- small helpers used by generation and training ----------------------------------------
+
+    @property
+    def backbone(self) -> Qwen3_5MoeTextModel:
+        return self.model.language_model
+
+    @property
+    def tower_layers(self) -> list[Drama3TowerLayer]:
+        return [*self.audio_decoder_mtp_shared.layers, *self.audio_decoder_mtp.layers]
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.backbone.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.backbone.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def is_semantic(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return (token_ids >= self.config.semantic_start_token_id) & (
+            token_ids <= self.config.semantic_end_token_id
+        )
+
+    def speech_token_ids(self, device: torch.device | None = None) -> torch.Tensor:
+        """The ids a frame may be: the semantic band, then eos (restricted-logit order)."""
+        band = torch.arange(
+            self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device
+        )
+        return torch.cat((band, torch.tensor([self.config.eos_token_id], device=device)))
+
+    def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head restricted to the semantic band + eos: reads only those rows of the head.
+
+        hidden: [..., dim] -> [..., codebook_size + 1] (last index = eos).
+        """
+        rows = self.speech_token_ids(hidden.device)
+        return F.linear(hidden, self.lm_head.weight[rows])
+
+    def embed_rows(self, input_ids: torch.Tensor, audio_codes: torch.Tensor | None) -> torch.Tensor:
+        """Partial codebook fusion: backbone input for rows [batch, rows].
+
+        Audio rows: (E_text[main] + sum_{k=1..K} E_cb[k][c_k]) / sqrt(1 + K); text rows: E_text[main].
+        """
+        text = self.backbone.embed_tokens(input_ids)
+        if audio_codes is None or self.backbone_codebooks == 0:
+            return text
+        acoustic = self.audio_decoder.sum_codebooks(audio_codes, 1, 1 + self.backbone_codebooks)
+        fused = (text + acoustic.to(text.dtype)) * (1 + self.backbone_codebooks) ** -0.5
+        return torch.where(self.is_semantic(input_ids)[..., None], fused, text)
+
+    def unseen_codebooks(self, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> torch.Tensor:
+        """Codebooks K+1..9 of the input frame (zero on text rows): the first shared layer's extra input."""
+        extra = self.audio_decoder.sum_codebooks(audio_codes, 1 + self.backbone_codebooks, self.num_codebooks)
+        return extra * self.is_semantic(input_ids)[..., None]
+
+    # -- the tower ------------------------------------------------------------------------------
+
+    def run_tower(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        label_codes: torch.Tensor,
+        label_is_audio: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced tower: codebook logits for the frames `label_codes`.
+
+        hidden: [batch, rows, dim] backbone output; input_ids, audio_codes: the input rows;
+        label_codes: [batch, rows, num_codebooks] the frame each row predicts (the next row);
+        label_is_audio: [batch, rows]; attention_mask: bool [batch, 1, rows, keys].
+        Returns [batch, rows, num_codebooks - 1, codebook_size].
+        """
+        extra = self.unseen_codebooks(input_ids, audio_codes).to(hidden.dtype)
+        for index, layer in enumerate(self.audio_decoder_mtp_shared.layers):
+            hidden = layer(
+                hidden, label_codes[..., 0], label_is_audio, positions, attention_mask, cache,
+                extra if index == 0 else None,
+            )
+        logits = []
+        for index, (layer, head) in enumerate(zip(self.audio_decoder_mtp.layers, self.audio_decoder_mtp.heads)):
+            hidden = layer(hidden, label_codes[..., index], label_is_audio, positions, attention_mask, cache)
+            logits.append(head(hidden))
+        return torch.stack(logits, dim=2)
+
+    def sample_acoustic_codes(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        semantic_code: torch.Tensor,
+        is_audio: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
+        sample,
+    ) -> torch.Tensor:
+        """One decode step of the tower: codes 1..9 of the next frame, each drawn before the next layer.
+
+        hidden: [batch, 1, dim] backbone output of the current row; input_ids [batch, 1] and
+        audio_codes [batch, 1, num_codebooks] the current row; semantic_code [batch, 1] the sampled
+        code 0 of the next frame; `sample(logits [batch, 1, codebook_size], codebook) -> [batch, 1]`.
+        Returns codes [batch, 1, num_codebooks] of the next frame.
+        """
+        extra = self.unseen_codebooks(input_ids, audio_codes).to(hidden.dtype)
+        for index, layer in enumerate(self.audio_decoder_mtp_shared.layers):
+            hidden = layer(
+                hidden, semantic_code, is_audio, positions, attention_mask, cache, extra if index == 0 else None
+            )
+        codes = [semantic_code]
+        for index, (layer, head) in enumerate(zip(self.audio_decoder_mtp.layers, self.audio_decoder_mtp.heads)):
+            hidden = layer(hidden, codes[-1], is_audio, positions, attention_mask, cache)
+            codes.append(sample(head(hidden), index + 1))
+        return torch.stack(codes, dim=-1)
+
+    # -- incremental evaluation (generation) ----------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Drama3Cache,
+    ) -> torch.Tensor:
+        """Fill `cache` with a prompt of at least 2 rows and return the backbone output [batch, rows, dim].
+
+        The tower is teacher-forced over every row but the last, whose next frame is not known yet:
+        the first `tower_step` computes it.
+        """
+        rows = input_ids.shape[1]
+        if rows < 2:
+            raise ValueError(f"a prompt needs at least 2 rows; got input_ids of shape {tuple(input_ids.shape)}")
+        positions = positions_from_mask(attention_mask)
+        hidden = self.backbone(
+            inputs_embeds=self.embed_rows(input_ids, audio_codes),
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache.backbone,
+            use_cache=True,
+        ).last_hidden_state
+        known = attention_mask[:, :-1]
+        self.run_tower(
+            hidden[:, :-1], input_ids[:, :-1], audio_codes[:, :-1], audio_codes[:, 1:],
+            self.is_semantic(input_ids[:, 1:]) & attention_mask[:, 1:].bool(),
+            positions[:, :-1], tower_attention_mask(known, rows - 1), cache.tower,
+        )
+        return hidden
+
+    def decode_row(
+        self,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Drama3Cache,
+    ) -> torch.Tensor:
+        """Feed one new row per item through the backbone. input_ids: [batch, 1];
+        audio_codes: [batch, 1, num_codebooks]; attention_mask: [batch, past + 1]. Returns [batch, 1, dim]."""
+        positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
+        return self.backbone(
+            inputs_embeds=self.embed_rows(input_ids, audio_codes),
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache.backbone,
+            use_cache=True,
+        ).last_hidden_state
+
+    def tower_step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        semantic_code: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Drama3Cache,
+        sample,
+    ) -> torch.Tensor:
+        """Draw codes 1..9 of the next frame at the current row, given its semantic code.
+
+        hidden: [batch, 1, dim] backbone output of the current row (input_ids [batch, 1],
+        audio_codes [batch, 1, num_codebooks]); semantic_code: [batch, 1]; attention_mask:
+        [batch, rows so far] ending with the current row. Returns [batch, 1, num_codebooks].
+        """
+        positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
+        is_audio = torch.ones_like(semantic_code, dtype=torch.bool)
+        return self.sample_acoustic_codes(
+            hidden, input_ids, audio_codes, semantic_code, is_audio, positions,
+            tower_attention_mask(attention_mask, 1), cache.tower, sample,
+        )
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        audio_codes: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        restrict_logits: bool = False,
+        output_router_logits: bool | None = None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> Drama3Output:
+        """Teacher-forced forward over whole rows.
+
+        Args:
+            input_ids: [batch, rows]; audio rows carry `<|semantic:c0|>`.
+            audio_codes: [batch, rows, num_codebooks]; zeros on text rows.
+            attention_mask: [batch, rows], 1 for real rows (left padding allowed).
+            labels: [batch, rows], aligned with the input rows: `labels[t]` is `input_ids[t]` where
+                row t is supervised, -100 elsewhere. Row t is trained to predict row t + 1.
+            restrict_logits: return logits over the semantic band + eos only.
+        """
+        batch, rows = input_ids.shape
+        if audio_codes is None:
+            audio_codes = input_ids.new_zeros(batch, rows, self.num_codebooks)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if output_router_logits is None:
+            output_router_logits = labels is not None and self.config.text_config.output_router_logits
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+
+        outputs = self.backbone(
+            inputs_embeds=self.embed_rows(input_ids, audio_codes),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+
+        # Row t is labelled with row t + 1; the last row gets an empty placeholder frame.
+        next_ids = F.pad(input_ids[:, 1:], (0, 1), value=self.config.eos_token_id)
+        next_codes = F.pad(audio_codes[:, 1:], (0, 0, 0, 1))
+        next_is_audio = self.is_semantic(next_ids) & F.pad(attention_mask[:, 1:].bool(), (0, 1))
+        codebook_logits = self.run_tower(
+            hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids,
+            tower_attention_mask(attention_mask, rows),
+        )
+        logits = self.speech_logits(hidden) if restrict_logits else self.lm_head(hidden)
+
+        output = Drama3Output(
+            logits=logits,
+            codebook_logits=codebook_logits,
+            hidden_states=hidden,
+            router_logits=outputs.router_logits if output_router_logits else None,
+        )
+        if labels is not None:
+            self._add_losses(output, labels, next_codes, attention_mask, restrict_logits)
+        return output
+
+    def _add_losses(self, output, labels, next_codes, attention_mask, restricted) -> None:
+        """L = L_text + 0.5 L_sem + 0.5 L_cb (+ router load balancing), each averaged over its own rows."""
+        if restricted:
+            raise ValueError("labels need full-vocabulary logits; call forward with restrict_logits=False")
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [batch, rows]
+        supervised = targets != IGNORE_INDEX
+        semantic = supervised & self.is_semantic(targets)
+        text = supervised & ~semantic
+        logits = output.logits.float()
+        output.text_loss = _masked_cross_entropy(logits, targets, text)
+        output.semantic_loss = _masked_cross_entropy(logits, targets, semantic)
+        acoustic_targets = next_codes[..., 1:]  # [batch, rows, num_codebooks - 1]
+        acoustic_mask = semantic[..., None].expand_as(acoustic_targets)
+        output.codebook_loss = _masked_cross_entropy(output.codebook_logits.float(), acoustic_targets, acoustic_mask)
+        loss = (
+            output.text_loss
+            + self.config.semantic_loss_weight * output.semantic_loss
+            + self.config.codebook_loss_weight * output.codebook_loss
+        )
+        if output.router_logits is not None:
+            text_config = self.config.text_config
+            output.aux_loss = load_balancing_loss_func(
+                output.router_logits, text_config.num_experts, text_config.num_experts_per_tok, attention_mask
+            )
+            loss = loss + text_config.router_aux_loss_coef * output.aux_loss
+        output.loss = loss
+
+
+def _masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the positions where `mask` is True (0 with a gradient path if none)."""
+    if not mask.any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[mask], targets[mask])
