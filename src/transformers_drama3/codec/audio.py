@@ -1,0 +1,226 @@
+"""Checking and shaping what callers hand the codec: waveforms in, codes in.
+
+Every error is a ValueError that names the input and says what was expected, raised before any
+convolution runs.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# PCM integer dtypes and the value that maps to full scale (1.0).
+_PCM_FULL_SCALE = {
+    torch.int8: 2.0**7,
+    torch.int16: 2.0**15,
+    torch.int32: 2.0**31,
+}
+# Largest channel count accepted; more almost always means a [samples, channels] array.
+MAX_CHANNELS = 16
+SILENCE_THRESHOLD = 1e-4
+"""Peak amplitude at or under which audio counts as silent."""
+
+
+def as_float_waveform(audio, name: str) -> torch.Tensor:
+    """numpy array / torch tensor / nested list -> float32 CPU tensor, PCM integers scaled to [-1, 1].
+
+    Raises ValueError for complex, boolean or non-PCM integer dtypes, and for non-numeric input.
+    """
+    if isinstance(audio, np.ndarray):
+        if audio.dtype == np.uint8:
+            return (torch.from_numpy(audio.astype(np.float32)) - 128.0) / 128.0
+        if audio.dtype.kind not in "iuf" and audio.dtype.kind != "c" and audio.dtype.kind != "b":
+            raise ValueError(f"{name} has dtype {audio.dtype}; expected a float or PCM integer array")
+        if audio.dtype.kind in "iu" and audio.dtype not in (np.int8, np.int16, np.int32):
+            raise ValueError(
+                f"{name} has dtype {audio.dtype}; expected float audio or int8/int16/int32/uint8 PCM "
+                "(other integer types have no agreed full scale)"
+            )
+        audio = torch.from_numpy(np.ascontiguousarray(audio))
+    elif not isinstance(audio, torch.Tensor):
+        try:
+            audio = torch.as_tensor(np.asarray(audio, dtype=np.float32))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name} is a {type(audio).__name__} that is not numeric audio: {error}") from None
+    return _tensor_to_float(audio.detach().cpu(), name)
+
+
+def _tensor_to_float(audio: torch.Tensor, name: str) -> torch.Tensor:
+    if audio.is_complex():
+        raise ValueError(f"{name} is complex ({audio.dtype}); expected a real waveform")
+    if audio.dtype == torch.bool:
+        raise ValueError(f"{name} is boolean; expected a float waveform or PCM integers")
+    if audio.dtype == torch.uint8:
+        return (audio.float() - 128.0) / 128.0
+    if audio.dtype in _PCM_FULL_SCALE:
+        return audio.float() / _PCM_FULL_SCALE[audio.dtype]
+    if not audio.is_floating_point():
+        raise ValueError(
+            f"{name} has dtype {audio.dtype}; expected float audio or int8/int16/int32/uint8 PCM "
+            "(other integer types have no agreed full scale)"
+        )
+    return audio.float()
+
+
+def is_silent(audio: torch.Tensor, threshold: float = SILENCE_THRESHOLD) -> bool:
+    """True when no sample of `audio` exceeds `threshold` in magnitude."""
+    return audio.numel() == 0 or bool(audio.abs().max() <= threshold)
+
+
+def check_audio(
+    audio,
+    name: str = "audio",
+    *,
+    sampling_rate: float | None = None,
+    max_seconds: float | None = None,
+    reject_silence: bool = False,
+) -> torch.Tensor:
+    """Validate one waveform and return it as a float32 tensor of the same shape.
+
+    Checks: numeric real dtype (PCM integers are scaled), not empty, finite, at most
+    `max_seconds` long (needs `sampling_rate`; the last dim is time), and, with
+    `reject_silence`, not silent (peak <= SILENCE_THRESHOLD) — a reference voice that is all
+    silence tells the model nothing, while silence inside generated or edited audio is fine.
+    Raises ValueError naming `name`.
+    """
+    waveform = as_float_waveform(audio, name)
+    if waveform.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(waveform.shape)}); expected at least one sample")
+    if not torch.isfinite(waveform).all():
+        bad = int((~torch.isfinite(waveform)).sum())
+        raise ValueError(f"{name} has {bad} NaN or infinite samples; expected finite values in [-1, 1]")
+    if max_seconds is not None and sampling_rate is not None:
+        seconds = waveform.shape[-1] / sampling_rate
+        if seconds > max_seconds:
+            raise ValueError(
+                f"{name} is {seconds:.1f} s long; expected at most {max_seconds:g} s "
+                "(split it, or raise max_seconds)"
+            )
+    if reject_silence and is_silent(waveform):
+        raise ValueError(f"{name} is silent (peak amplitude <= {SILENCE_THRESHOLD:g}); expected audible audio")
+    return waveform
+
+
+def _check_rate(sampling_rate, name: str) -> float:
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float, np.integer, np.floating)):
+        raise ValueError(f"sampling_rate of {name} is {sampling_rate!r}; expected a positive number of Hz")
+    if not sampling_rate > 0:
+        raise ValueError(f"sampling_rate of {name} is {sampling_rate}; expected a positive number of Hz")
+    return float(sampling_rate)
+
+
+def _split_items(audio, lengths, name: str) -> list[tuple[str, torch.Tensor]]:
+    """Any accepted layout -> list of (item name, float waveform `[channels, samples]` or `[samples]`)."""
+    if isinstance(audio, (list, tuple)) and len(audio) and not np.isscalar(audio[0]):
+        if lengths is not None:
+            raise ValueError(f"lengths was given with a list {name}; a list already carries each item's length")
+        items = [(f"{name}[{i}]", as_float_waveform(item, f"{name}[{i}]")) for i, item in enumerate(audio)]
+        for item_name, item in items:
+            if item.dim() not in (1, 2):
+                raise ValueError(
+                    f"{item_name} has shape {tuple(item.shape)}; expected [samples] or [channels, samples]"
+                )
+        return items
+    waveform = as_float_waveform(audio, name)
+    if waveform.dim() == 1:
+        waveform = waveform[None]
+    if waveform.dim() not in (2, 3):
+        raise ValueError(
+            f"{name} has shape {tuple(waveform.shape)}; expected [samples], [batch, samples] "
+            "or [batch, channels, samples]"
+        )
+    if waveform.shape[0] == 0:
+        raise ValueError(f"{name} has an empty batch (shape {tuple(waveform.shape)})")
+    if lengths is None:
+        return [(f"{name}[{i}]", item) for i, item in enumerate(waveform)]
+    lengths = _check_lengths(lengths, waveform.shape[0], waveform.shape[-1], "lengths", "samples")
+    return [(f"{name}[{i}]", item[..., :length]) for i, (item, length) in enumerate(zip(waveform, lengths.tolist()))]
+
+
+def _check_lengths(lengths, batch: int, longest: int, name: str, unit: str) -> torch.Tensor:
+    lengths = torch.as_tensor(np.asarray(lengths))
+    if lengths.dtype.is_floating_point or lengths.is_complex() or lengths.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {lengths.dtype}; expected integer {unit} per item")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{name} has shape {tuple(lengths.shape)}; expected ({batch},), one per item")
+    if (lengths < 0).any() or (lengths > longest).any():
+        raise ValueError(f"{name} is {lengths.tolist()}; expected 0..{longest} {unit} per item")
+    return lengths.long()
+
+
+def _downmix(item: torch.Tensor, name: str) -> torch.Tensor:
+    """`[channels, samples]` -> `[samples]` (mean of the channels); `[samples]` unchanged."""
+    if item.dim() == 1:
+        return item
+    if item.shape[0] > MAX_CHANNELS:
+        raise ValueError(
+            f"{name} has shape {tuple(item.shape)}, i.e. {item.shape[0]} channels; expected "
+            f"[channels, samples] with at most {MAX_CHANNELS} channels (soundfile returns "
+            "[samples, channels]: transpose it)"
+        )
+    return item.mean(dim=0)
+
+
+def resample(waveform: torch.Tensor, from_rate: float, to_rate: float) -> torch.Tensor:
+    """Resample a mono `[samples]` float32 waveform with soxr (high quality)."""
+    if from_rate == to_rate:
+        return waveform
+    import soxr
+
+    return torch.from_numpy(np.ascontiguousarray(soxr.resample(waveform.numpy(), from_rate, to_rate)))
+
+
+def prepare_audio_batch(
+    audio,
+    sampling_rate,
+    target_rate: float,
+    *,
+    lengths=None,
+    max_seconds: float | None = None,
+    name: str = "audio",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any accepted audio layout -> mono float32 batch `[batch, samples]` at `target_rate`,
+    right-padded with zeros, and `lengths` `[batch]` (valid samples of each item).
+
+    See `Drama3CodecModel.encode` for the accepted layouts. Each item is checked with
+    `check_audio` before anything is computed.
+    """
+    rate = _check_rate(sampling_rate, name)
+    items = []
+    for item_name, item in _split_items(audio, lengths, name):
+        item = _downmix(check_audio(item, item_name, sampling_rate=rate, max_seconds=max_seconds), item_name)
+        items.append(resample(item, rate, target_rate))
+    sample_lengths = torch.tensor([item.shape[-1] for item in items], dtype=torch.long)
+    batch = torch.zeros(len(items), int(sample_lengths.max()))
+    for row, item in enumerate(items):
+        batch[row, : item.shape[-1]] = item
+    return batch, sample_lengths
+
+
+def check_codes(codes, num_codebooks: int, lengths=None, name: str = "codes") -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate codes for decoding -> (long `[batch, num_codebooks, frames]`, lengths `[batch]`).
+
+    Accepts `[num_codebooks, frames]` (one item) or `[batch, num_codebooks, frames]`, numpy or
+    torch, any integer dtype. Negative codes are a ValueError; codes above a codebook's size are
+    left for the decoder to clamp.
+    """
+    if isinstance(codes, np.ndarray):
+        codes = torch.from_numpy(codes)
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"{name} is a {type(codes).__name__}; expected an integer tensor or array")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {codes.dtype}; expected integer codes")
+    if codes.dim() == 2:
+        codes = codes[None]
+    if codes.dim() != 3 or codes.shape[1] != num_codebooks:
+        raise ValueError(
+            f"{name} has shape {tuple(codes.shape)}; expected [batch, {num_codebooks}, frames] "
+            f"or [{num_codebooks}, frames]"
+        )
+    if codes.numel() and int(codes.min()) < 0:
+        raise ValueError(f"{name} has negative values (min {int(codes.min())}); expected codes >= 0")
+    if lengths is None:
+        lengths = torch.full((codes.shape[0],), codes.shape[-1], dtype=torch.long)
+    else:
+        lengths = _check_lengths(lengths, codes.shape[0], codes.shape[-1], "lengths", "frames")
+    return codes.long(), lengths
