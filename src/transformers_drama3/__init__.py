@@ -1,3 +1,34 @@
-"""Fish Audio Drama 3 for Hugging Face Transformers."""
+"""Fish Audio Drama 3 for Hugging Face Transformers.
+
+`import transformers_drama3` registers the model with the Auto classes, so that
+`AutoModel.from_pretrained(path)` loads a published Drama 3 checkpoint (`model_type` "fish_omni").
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
+
+from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
+from .kernels import install_device_dispatch
+from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
 
 __version__ = "0.1.0"
+
+install_device_dispatch()
+
+
+def _register() -> None:
+    for config_class in (Drama3Config, Drama3TextConfig, Drama3AudioDecoderConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModel.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
+    AutoModelForTextToWaveform.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
+
+
+_register()
+
+__all__ = [
+    "Drama3AudioDecoderConfig",
+    "Drama3Cache",
+    "Drama3Config",
+    "Drama3ForSpeechGeneration",
+    "Drama3Output",
+    "Drama3TextConfig",
+]
