@@ -1,0 +1,668 @@
+"""Drama3Processor: scripts and conversations -> model rows; generated codes -> waveforms."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+
+from .prompting import (
+    CHUNK_BYTES,
+    CHUNK_SPEAKERS,
+    CODEBOOK_SIZE,
+    IGNORE_INDEX,
+    MAX_REFERENCE_SECONDS,
+    NUM_CODEBOOKS,
+    Clip,
+    Frames,
+    LayoutContext,
+    Literal,
+    PromptRows,
+    Reference,
+    Request,
+    Script,
+    Special,
+    StreamingScript,
+    Infill,
+    Take,
+    TokenIds,
+    as_clip,
+    assemble_infill,
+    check_codes,
+    check_free_text,
+    check_speaker,
+    encode_layout,
+    parse_rows,
+    parse_text,
+    semantic_token,
+)
+
+SAMPLING_RATE = 44100
+SAMPLES_PER_FRAME = 2048
+# Peak below -60 dBFS: nothing a codec could take a voice from.
+SILENCE_PEAK = 1e-3
+AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC"}
+
+
+class Drama3Processor(ProcessorMixin):
+    r"""The Drama 3 processor: the ChatML tokenizer plus the S2 codec.
+
+    Calling it turns scripts (see `transformers_drama3.prompting`), raw text, or lists of them into
+    a left-padded batch of model rows:
+
+    - `input_ids` [batch, rows] long: the main token of each row; an audio row carries
+      `<|semantic:c0|>` (= semantic_start + c0).
+    - `audio_codes` [batch, rows, num_codebooks] long: the frame's codes c0..c9 on audio rows,
+      zeros on text rows and padding.
+    - `attention_mask` [batch, rows] long: 1 on real rows, 0 on (left) padding.
+    - `labels` [batch, rows] long, when any request carries target audio (or `return_labels=True`):
+      ALIGNED with the input rows, `labels[b, t] = input_ids[b, t]` where row t is the model's own
+      output and -100 elsewhere. The model shifts by one (row t is trained to predict row t + 1);
+      the acoustic targets are the `audio_codes` of the supervised semantic rows. Supervised rows
+      are the target turn's audio frames, its learned `<|audio_separator|>` tokens and its closing
+      `<|im_end|>` — never references, never history takes, never `<|voice|>` or padding. In the
+      streaming layout every assistant turn is the model's own output and is supervised.
+
+    Audio (references, history takes, targets, infilling sources) may be given as codes
+    `[num_codebooks, frames]`; a codec is needed only for waveforms and files, and for decoding.
+
+    Args:
+        tokenizer: a tokenizer with every Drama 3 special token (the published `tokenizer.json`, or
+            `tokenizer_build.build_drama3_tokenizer()` for tests).
+        codec: a `Drama3CodecModel`, or None (codes-only use). Not a ProcessorMixin attribute (those
+            must be tokenizers or feature extractors): `save_pretrained` writes it to `codec/` and
+            `from_pretrained` reads it back.
+        chat_template: kept for `ProcessorMixin`; `apply_chat_template` does not render Jinja,
+            because audio rows cannot be written as a string token for token.
+        codebook_size: size of the semantic band (4096).
+        num_codebooks, sampling_rate, frame_rate: used when there is no codec (the codec's own
+            values win otherwise).
+        max_reference_seconds: references longer than this are refused.
+        chunk_bytes, chunk_speakers: the long-text chunking limits of `chunk`.
+    """
+
+    def __init__(
+        self,
+        tokenizer=None,
+        codec=None,
+        chat_template: str | None = None,
+        codebook_size: int = CODEBOOK_SIZE,
+        num_codebooks: int = NUM_CODEBOOKS,
+        sampling_rate: int = SAMPLING_RATE,
+        frame_rate: float = SAMPLING_RATE / SAMPLES_PER_FRAME,
+        max_reference_seconds: float = MAX_REFERENCE_SECONDS,
+        chunk_bytes: int = CHUNK_BYTES,
+        chunk_speakers: int = CHUNK_SPEAKERS,
+    ):
+        super().__init__(tokenizer, chat_template=chat_template)
+        self.codec = codec
+        self.codebook_size = codebook_size
+        self.num_codebooks = num_codebooks
+        self.sampling_rate = sampling_rate
+        self.frame_rate = frame_rate
+        self.max_reference_seconds = max_reference_seconds
+        self.chunk_bytes = chunk_bytes
+        self.chunk_speakers = chunk_speakers
+        self.token_ids = TokenIds.from_tokenizer(tokenizer, codebook_size)
+        if codec is not None:
+            self._adopt_codec_sizes(codec)
+
+    _CONFIG_KEYS = (
+        "codebook_size",
+        "num_codebooks",
+        "sampling_rate",
+        "frame_rate",
+        "max_reference_seconds",
+        "chunk_bytes",
+        "chunk_speakers",
+    )
+
+    def _adopt_codec_sizes(self, codec) -> None:
+        self.num_codebooks = int(codec.num_codebooks)
+        self.sampling_rate = int(codec.sampling_rate)
+        self.frame_rate = float(codec.frame_rate)
+
+    # ---- saving and loading -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        # ProcessorMixin would deep-copy every attribute, the codec's weights included.
+        output = {key: getattr(self, key) for key in self._CONFIG_KEYS}
+        output["processor_class"] = type(self).__name__
+        return output
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tokenizer={type(self.tokenizer).__name__}, codec={type(self.codec).__name__}, {self.to_json_string()})"
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """Tokenizer files + processor_config.json, and the codec in `codec/` when there is one."""
+        files = super().save_pretrained(save_directory, push_to_hub=False, **kwargs)
+        if self.codec is not None:
+            self.codec.save_pretrained(os.path.join(save_directory, "codec"))
+        if push_to_hub:
+            raise NotImplementedError("push the saved folder with huggingface_hub.upload_folder")
+        return files
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, codec=None, load_codec: bool = True, **kwargs):
+        """Load the tokenizer (and processor_config.json when present) and the codec.
+
+        The codec comes from `codec` when given, else from the `codec/` subfolder (written by
+        `save_pretrained`), else from the published `codec.pth` beside the tokenizer. With
+        `load_codec=False` or when none is found, the processor works on codes only."""
+        processor = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if codec is None and load_codec:
+            codec = _load_codec(pretrained_model_name_or_path, kwargs)
+        if codec is not None:
+            processor.codec = codec
+            processor._adopt_codec_sizes(codec)
+        return processor
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return ["input_ids", "audio_codes", "attention_mask"]
+
+    # ---- audio in ----------------------------------------------------------------------------------
+
+    @property
+    def samples_per_frame(self) -> int:
+        return int(round(self.sampling_rate / self.frame_rate))
+
+    def load_waveform(self, clip: Clip, location: str) -> np.ndarray:
+        """A clip as mono float32 samples at the codec's rate, checked: readable, finite, not silent."""
+        if clip.path is not None:
+            samples, rate = _read_audio_file(clip.path, location)
+        else:
+            waveform = clip.waveform
+            if isinstance(waveform, torch.Tensor):
+                waveform = waveform.detach().to("cpu", torch.float32).numpy()
+            samples = np.asarray(waveform, dtype=np.float32)
+            if samples.ndim == 2:
+                samples = samples.mean(axis=0)  # [channels, samples]
+            elif samples.ndim != 1:
+                raise ValueError(f"{location}: a waveform must be [samples] or [channels, samples]; got {samples.shape}")
+            rate = clip.sampling_rate or self.sampling_rate
+        if samples.size == 0:
+            raise ValueError(f"{location}: the audio is empty")
+        if not np.isfinite(samples).all():
+            raise ValueError(f"{location}: the audio holds NaN or infinite samples")
+        if float(np.abs(samples).max()) < SILENCE_PEAK:
+            raise ValueError(f"{location}: the audio is silent (peak below {SILENCE_PEAK})")
+        if rate != self.sampling_rate:
+            import soxr
+
+            samples = soxr.resample(samples, rate, self.sampling_rate).astype(np.float32)
+        return samples
+
+    def encode_audio(self, samples: np.ndarray, location: str) -> torch.Tensor:
+        """Mono samples at the codec rate -> codes [num_codebooks, frames] (long)."""
+        if self.codec is None:
+            raise ValueError(
+                f"{location}: audio needs a codec to become codes; load the processor with a codec or "
+                f"give codes [num_codebooks, frames] instead"
+            )
+        audio = torch.from_numpy(samples)[None]  # [1, samples]
+        with torch.no_grad():
+            encoded = self.codec.encode(audio, sampling_rate=self.sampling_rate)
+        codes, lengths = _unpack_encoded(encoded)
+        frames = int(lengths[0]) if lengths is not None else codes.shape[-1]
+        return codes[0, :, :frames].to("cpu", torch.long)
+
+    def codes_of(self, clip: Clip, location: str, is_reference: bool = False) -> torch.Tensor:
+        """Any clip -> checked codes [num_codebooks, frames]; references are held to the length cap."""
+        if clip.codes is not None:
+            codes = check_codes(clip.codes, self.num_codebooks, self.codebook_size, location)
+            self._check_reference_length(codes.shape[1] / self.frame_rate, is_reference, location)
+            return codes
+        samples = self.load_waveform(clip, location)
+        self._check_reference_length(samples.shape[0] / self.sampling_rate, is_reference, location)
+        return check_codes(self.encode_audio(samples, location), self.num_codebooks, self.codebook_size, location)
+
+    def _check_reference_length(self, seconds: float, is_reference: bool, location: str) -> None:
+        if is_reference and seconds > self.max_reference_seconds:
+            raise ValueError(
+                f"{location}: the reference is {seconds:.1f} s long; references may be at most "
+                f"{self.max_reference_seconds:g} s (cut a representative part)"
+            )
+
+    def layout_context(self) -> LayoutContext:
+        return LayoutContext(codes_of=self.codes_of, frame_rate=self.frame_rate)
+
+    # ---- requests -> rows ------------------------------------------------------------------------------
+
+    def references_from(
+        self,
+        reference_audio: Any = None,
+        reference_text: str | Sequence[str] | None = None,
+        reference_speaker: int | Sequence[int] | None = None,
+        sampling_rate: int | None = None,
+    ) -> tuple[Reference, ...]:
+        """Parallel lists of reference audio and transcripts (and speakers, 0 by default) -> references."""
+        if reference_audio is None and reference_text is None:
+            return ()
+        audios = list(reference_audio) if isinstance(reference_audio, (list, tuple)) else [reference_audio]
+        texts = [reference_text] if isinstance(reference_text, str) else list(reference_text or [])
+        if reference_audio is None or len(audios) != len(texts):
+            raise ValueError(
+                f"reference_audio/reference_text: {0 if reference_audio is None else len(audios)} reference "
+                f"audios but {len(texts)} transcripts; every reference needs exactly one transcript"
+            )
+        if reference_speaker is None:
+            speakers = [0] * len(audios)
+        elif isinstance(reference_speaker, (int, np.integer)):
+            speakers = [reference_speaker] * len(audios)
+        else:
+            speakers = list(reference_speaker)
+        if len(speakers) != len(audios):
+            raise ValueError(f"reference_speaker: {len(speakers)} speakers for {len(audios)} references")
+        return tuple(
+            Reference(text, as_clip(audio, f"references[{index}].audio", sampling_rate), speaker)
+            for index, (audio, text, speaker) in enumerate(zip(audios, texts, speakers))
+        )
+
+    def as_request(self, item: Any, references: Sequence[Reference], location: str) -> Request:
+        if isinstance(item, (Script, Infill, StreamingScript)):
+            if references:
+                raise ValueError(f"{location}: give references inside the script, not beside it")
+            return item
+        if isinstance(item, str):
+            return Script(lines=parse_text(item, location), references=references)
+        raise ValueError(f"{location}: expected a str, Script, Infill or StreamingScript; got {type(item).__name__}")
+
+    def rows(self, request: Request) -> PromptRows:
+        """One request's rows (no padding)."""
+        return encode_layout(request.layout(self.layout_context()), self.tokenizer, self.token_ids, self.num_codebooks)
+
+    def __call__(
+        self,
+        text: str | Request | Sequence[str | Request] | None = None,
+        *,
+        references: Sequence[Reference] | None = None,
+        reference_audio: Any = None,
+        reference_text: str | Sequence[str] | None = None,
+        reference_speaker: int | Sequence[int] | None = None,
+        sampling_rate: int | None = None,
+        return_labels: bool | None = None,
+        padding_side: str = "left",
+        return_tensors: str | None = "pt",
+        **kwargs,
+    ) -> BatchFeature:
+        """Rows for one request or a batch.
+
+        Args:
+            text: raw text (speaker tags `<|speaker:N|>` allowed), a `Script` / `LineByLineScript` /
+                `Infill` / `StreamingScript`, or a list of them (a batch).
+            references / reference_audio + reference_text (+ reference_speaker): voice references
+                for raw-text items (scripts carry their own).
+            sampling_rate: rate of waveforms given in reference_audio (the codec's when None).
+            return_labels: force labels on or off (default: on when a request has target audio).
+            padding_side: "left" (generation, default) or "right".
+        """
+        if kwargs:
+            raise TypeError(f"Drama3Processor got unexpected arguments {sorted(kwargs)}")
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors: only 'pt' is supported; got {return_tensors!r}")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side: 'left' or 'right'; got {padding_side!r}")
+        if text is None:
+            raise ValueError("text: nothing to speak")
+        items = list(text) if isinstance(text, (list, tuple)) else [text]
+        if not items:
+            raise ValueError("text: the batch is empty")
+        if references is not None and (reference_audio is not None or reference_text is not None):
+            raise ValueError("give references or reference_audio/reference_text, not both")
+        if references is None:
+            references = self.references_from(reference_audio, reference_text, reference_speaker, sampling_rate)
+        references = tuple(references)
+        location = (lambda index: f"text[{index}]") if len(items) > 1 else (lambda index: "text")
+        requests = [self.as_request(item, references, location(index)) for index, item in enumerate(items)]
+        rows = [self.rows(request) for request in requests]
+        if return_labels is None:
+            return_labels = any(bool(r.supervised.any()) for r in rows)
+        return self.pad(rows, return_labels=return_labels, padding_side=padding_side)
+
+    def pad(self, rows: Sequence[PromptRows], return_labels: bool = False, padding_side: str = "left") -> BatchFeature:
+        """Stack prompts into a batch: pad id / zero codes / mask 0 / label -100 on the padding."""
+        length = max(len(r) for r in rows)
+        batch = len(rows)
+        input_ids = torch.full((batch, length), self.token_ids.pad, dtype=torch.long)
+        audio_codes = torch.zeros(batch, length, self.num_codebooks, dtype=torch.long)
+        attention_mask = torch.zeros(batch, length, dtype=torch.long)
+        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+        for index, row in enumerate(rows):
+            span = slice(length - len(row), length) if padding_side == "left" else slice(0, len(row))
+            input_ids[index, span] = row.input_ids
+            audio_codes[index, span] = row.audio_codes
+            attention_mask[index, span] = 1
+            labels[index, span] = row.labels
+        data = {"input_ids": input_ids, "audio_codes": audio_codes, "attention_mask": attention_mask}
+        if return_labels:
+            data["labels"] = labels
+        return BatchFeature(data=data, tensor_type="pt")
+
+    def chunk(self, script: Script) -> list[Script]:
+        """Long text -> one script per chunk (spec §4 limits of this processor)."""
+        return script.chunks(self.chunk_bytes, self.chunk_speakers)
+
+    def infill_codes(self, infill: Infill, middle: torch.Tensor) -> torch.Tensor:
+        """The whole edited recording as codes [num_codebooks, frames]: prefix + middle + suffix.
+
+        `middle` is the generated middle, [num_codebooks, frames] or [frames, num_codebooks]."""
+        if middle.ndim == 2 and middle.shape[0] != self.num_codebooks and middle.shape[1] == self.num_codebooks:
+            middle = middle.T
+        middle = check_codes(middle, self.num_codebooks, self.codebook_size, "middle")
+        prefix, suffix = infill.kept_codes(self.layout_context())
+        return assemble_infill(prefix, middle, suffix)
+
+    def parse(self, batch: BatchFeature | dict, index: int = 0) -> Script:
+        """Rows of one batch item -> the Script they encode (padding removed)."""
+        mask = batch["attention_mask"][index].bool()
+        return parse_rows(batch["input_ids"][index][mask], batch["audio_codes"][index][mask], self.tokenizer, self.token_ids)
+
+    def render(self, request: Request) -> str:
+        """The prompt as text, audio frames written as their `<|semantic:c0|>` tokens (for reading)."""
+        out = []
+        for segment in request.layout(self.layout_context()):
+            if isinstance(segment, Frames):
+                out.extend(semantic_token(int(code)) for code in segment.codes[0])
+            else:
+                out.extend(part.token if isinstance(part, Special) else part for part in segment.parts)
+        return "".join(out)
+
+    # ---- conversations ---------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict] | list[list[dict]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        return_dict: bool = True,
+        return_tensors: str | None = "pt",
+        processor_kwargs: dict | None = None,
+        **kwargs,
+    ):
+        """Conversations in the Hugging Face audio style -> the same rows as the script model.
+
+        Messages, in order:
+        - `{"role": "system", "content": [text, audio, text, audio, ...]}`: references; each audio
+          item follows its transcript; speaker from the audio item's or the message's "speaker" (0).
+        - `{"role": "<N>"}` (a speaker 0-15, CSM style): text + audio = a reference of speaker N;
+          text only = a line of speaker N.
+        - `{"role": "user"}`: text = lines (raw text, `<|speaker:N|>` tags allowed).
+        - `{"role": "assistant"}`: one audio item, the take of the lines since the previous take.
+          Takes before the last lines are history; a take that ends the conversation is the target
+          (training rows with labels).
+        Content is a string or a list of `{"type": "text", "text"}` / `{"type": "audio", "path" |
+        "url" | "audio" (+ "sampling_rate") | "codes"}` items.
+
+        Returns the `__call__` BatchFeature (tokenize=True, return_dict=True), the input ids
+        alone (return_dict=False), or the prompt text with audio as semantic tokens (tokenize=False).
+        """
+        if chat_template is not None:
+            raise ValueError("chat_template: Drama 3 prompts are built by the layout, not by a Jinja template")
+        unknown = set(kwargs) - {"return_assistant_tokens_mask", "continue_final_message"}
+        if unknown:
+            raise TypeError(f"apply_chat_template got unexpected arguments {sorted(unknown)}")
+        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        conversations = conversation if batched else [conversation]
+        scripts = [
+            conversation_to_script(messages, f"conversation[{index}]" if batched else "conversation")
+            for index, messages in enumerate(conversations)
+        ]
+        if not add_generation_prompt and any(script.target is None for script in scripts):
+            raise ValueError(
+                "add_generation_prompt=False: a Drama 3 prompt without target audio always ends with the "
+                "voice turn <|im_start|>assistant\\n<|voice|>"
+            )
+        if not tokenize:
+            texts = [self.render(script) for script in scripts]
+            return texts if batched else texts[0]
+        outputs = self(scripts, return_tensors=return_tensors, **(processor_kwargs or {}))
+        return outputs if return_dict else outputs["input_ids"]
+
+    # ---- codes out -------------------------------------------------------------------------------------
+
+    def batch_decode(self, codes: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Generated codes -> waveforms through the codec.
+
+        Args:
+            codes: [batch, frames, num_codebooks] (the row layout of `audio_codes`), or a list of
+                [frames, num_codebooks] tensors of any lengths.
+            lengths: frames of each item (default: all frames).
+
+        Returns:
+            A list of 1-D float32 waveforms at `sampling_rate`, each `frames * samples_per_frame` long.
+        """
+        if self.codec is None:
+            raise ValueError("batch_decode needs a codec; load the processor with one")
+        if isinstance(codes, torch.Tensor):
+            if codes.ndim != 3 or codes.shape[-1] != self.num_codebooks:
+                raise ValueError(f"codes: expected [batch, frames, {self.num_codebooks}]; got {tuple(codes.shape)}")
+            items = list(codes)
+        else:
+            items = list(codes)
+        if lengths is not None:
+            if len(lengths) != len(items):
+                raise ValueError(f"lengths: {len(lengths)} lengths for {len(items)} items")
+            items = [item[: int(length)] for item, length in zip(items, lengths)]
+        checked = [
+            check_codes(item.T, self.num_codebooks, self.codebook_size, f"codes[{index}]") if len(item) else item.T
+            for index, item in enumerate(items)
+        ]
+        frames = [item.shape[1] for item in checked]
+        longest = max(frames)
+        if longest == 0:
+            return [torch.zeros(0) for _ in items]
+        stacked = torch.zeros(len(items), self.num_codebooks, longest, dtype=torch.long)
+        for index, item in enumerate(checked):
+            stacked[index, :, : item.shape[1]] = item
+        device = next(self.codec.parameters()).device
+        with torch.no_grad():
+            audio = _unpack_decoded(self.codec.decode(stacked.to(device)))  # [batch, samples]
+        audio = audio.reshape(len(items), -1).float().cpu()
+        return [audio[index, : count * self.samples_per_frame] for index, count in enumerate(frames)]
+
+    def decode(self, codes: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int] | None = None):
+        """One item [frames, num_codebooks] -> a waveform; a batch -> a list (see `batch_decode`)."""
+        if isinstance(codes, torch.Tensor) and codes.ndim == 2:
+            return self.batch_decode(codes[None], lengths)[0]
+        return self.batch_decode(codes, lengths)
+
+    def save_audio(self, audio: torch.Tensor | np.ndarray, path: str | os.PathLike, sampling_rate: int | None = None) -> None:
+        """Write a 1-D waveform as WAV or FLAC (from the file extension), 16-bit PCM."""
+        import soundfile
+
+        extension = os.path.splitext(os.fspath(path))[1].lower()
+        if extension not in AUDIO_FORMATS:
+            raise ValueError(f"path: write .wav or .flac; got {os.fspath(path)!r}")
+        if isinstance(audio, torch.Tensor):
+            audio = audio.detach().to("cpu", torch.float32).numpy()
+        samples = np.asarray(audio, dtype=np.float32).squeeze()
+        if samples.ndim != 1:
+            raise ValueError(f"audio: expected one waveform [samples]; got shape {samples.shape}")
+        soundfile.write(
+            os.fspath(path), np.clip(samples, -1.0, 1.0), sampling_rate or self.sampling_rate,
+            format=AUDIO_FORMATS[extension], subtype="PCM_16",
+        )
+
+
+# ---- conversations -> scripts -------------------------------------------------------------------------
+
+
+def _content_items(message: dict, location: str) -> list[dict]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{location}.content: a string or a list of items; got {type(content).__name__}")
+    for index, item in enumerate(content):
+        if not isinstance(item, dict) or item.get("type") not in ("text", "audio"):
+            raise ValueError(f"{location}.content[{index}]: items are {{'type': 'text'|'audio', ...}}")
+    return list(content)
+
+
+def _audio_clip(item: dict, location: str) -> Clip:
+    keys = [key for key in ("path", "url", "audio", "codes") if item.get(key) is not None]
+    if len(keys) != 1:
+        raise ValueError(f"{location}: an audio item needs exactly one of path, url, audio or codes; got {keys}")
+    value = item[keys[0]]
+    if keys[0] in ("path", "url"):
+        return Clip(path=os.fspath(value))
+    if keys[0] == "codes":
+        return Clip(codes=torch.as_tensor(value))
+    return as_clip(value, location, item.get("sampling_rate"))
+
+
+def _speaker_role(role: Any) -> int | None:
+    if isinstance(role, (int, np.integer)) and not isinstance(role, bool):
+        return int(role)
+    if isinstance(role, str) and role.isdigit():
+        return int(role)
+    return None
+
+
+def conversation_to_script(messages: Sequence[dict], location: str = "conversation") -> Script:
+    """A conversation (see `Drama3Processor.apply_chat_template`) -> the equivalent `Script`."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{location}: a conversation is a non-empty list of messages")
+    references: list[Reference] = []
+    takes: list[Take] = []
+    pending: list = []
+    for index, message in enumerate(messages):
+        where = f"{location}[{index}]"
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"{where}: a message is a dict with 'role' and 'content'")
+        role = message["role"]
+        items = _content_items(message, where)
+        speaker = _speaker_role(role)
+        if role == "system" or speaker is not None:
+            default = check_speaker(speaker if speaker is not None else message.get("speaker", 0), f"{where}.role")
+            texts: list[str] = []
+            for position, item in enumerate(items):
+                item_where = f"{where}.content[{position}]"
+                if item["type"] == "text":
+                    texts.append(item.get("text", ""))
+                    continue
+                if len(texts) != 1:
+                    raise ValueError(
+                        f"{item_where}: a reference audio needs exactly one transcript text item before it; "
+                        f"got {len(texts)}"
+                    )
+                item_speaker = check_speaker(item.get("speaker", default), f"{item_where}.speaker")
+                references.append(Reference(texts.pop(), _audio_clip(item, item_where), item_speaker))
+            if texts and role == "system":
+                raise ValueError(f"{where}: system text must be reference transcripts, each followed by its audio")
+            pending.extend(
+                line for text in texts for line in parse_text(text, f"{where}.content", default_speaker=default)
+            )
+        elif role == "user":
+            for position, item in enumerate(items):
+                if item["type"] != "text":
+                    raise ValueError(
+                        f"{where}.content[{position}]: user audio is not supported; give references in the "
+                        f"system message or with a speaker role"
+                    )
+                pending.extend(parse_text(item.get("text", ""), f"{where}.content[{position}]"))
+        elif role == "assistant":
+            audio = [item for item in items if item["type"] == "audio"]
+            if len(audio) != 1 or len(items) != 1:
+                raise ValueError(f"{where}: an assistant message holds exactly one audio item (the take)")
+            if not pending:
+                raise ValueError(f"{where}: a take must follow the lines it speaks")
+            takes.append(Take(tuple(pending), _audio_clip(audio[0], f"{where}.content[0]")))
+            pending = []
+        else:
+            raise ValueError(f"{where}.role: 'system', 'user', 'assistant' or a speaker 0-15; got {role!r}")
+    if pending:
+        return Script(lines=tuple(pending), references=tuple(references), history=tuple(takes))
+    if takes:
+        *history, last = takes
+        return Script(lines=last.lines, references=tuple(references), history=tuple(history), target=last.audio)
+    raise ValueError(f"{location}: nothing to speak (no text lines)")
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+
+
+def _read_audio_file(path: str, location: str) -> tuple[np.ndarray, int]:
+    """Mono float32 samples and their rate from a local path, a file:// URL or an http(s) URL."""
+    import soundfile
+
+    scheme = urllib.parse.urlparse(path).scheme
+    try:
+        if scheme in ("http", "https", "file"):
+            with urllib.request.urlopen(path, timeout=60) as response:
+                source: Any = io.BytesIO(response.read())
+        else:
+            source = path
+        samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
+    except Exception as error:  # soundfile, urllib and OS errors all mean the same to the caller
+        raise ValueError(f"{location}: cannot read audio {path!r}: {error}") from error
+    return samples.mean(axis=1), int(rate)
+
+
+def _unpack_encoded(encoded: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codec's encode output -> (codes [batch, num_codebooks, frames], lengths [batch] or None)."""
+    if isinstance(encoded, torch.Tensor):
+        return encoded, None
+    if isinstance(encoded, (tuple, list)):
+        return encoded[0], (encoded[1] if len(encoded) > 1 else None)
+    for name in ("audio_codes", "codes"):
+        codes = getattr(encoded, name, None)
+        if codes is not None:
+            lengths = getattr(encoded, "lengths", None)
+            if lengths is None:
+                lengths = getattr(encoded, "code_lengths", None)
+            return codes, lengths
+    raise TypeError(f"cannot read codes from the codec's encode output {type(encoded).__name__}")
+
+
+def _unpack_decoded(decoded: Any) -> torch.Tensor:
+    if isinstance(decoded, torch.Tensor):
+        return decoded
+    if isinstance(decoded, (tuple, list)):
+        return decoded[0]
+    for name in ("audio_values", "audio", "waveform"):
+        audio = getattr(decoded, name, None)
+        if audio is not None:
+            return audio
+    raise TypeError(f"cannot read audio from the codec's decode output {type(decoded).__name__}")
+
+
+def _load_codec(path: str | os.PathLike, kwargs: dict):
+    """The codec saved beside a processor (`codec/`), or the published `codec.pth`; None if neither."""
+    from transformers.utils import cached_file
+
+    hub = {key: kwargs[key] for key in ("cache_dir", "force_download", "token", "revision", "local_files_only") if key in kwargs}
+    probe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
+    if cached_file(path, "codec/config.json", **probe) is not None:
+        from .codec import Drama3CodecModel
+
+        return Drama3CodecModel.from_pretrained(path, subfolder="codec", **hub)
+    checkpoint = cached_file(path, "codec.pth", **probe)
+    if checkpoint is not None:
+        from .codec import Drama3CodecModel
+
+        loader = getattr(Drama3CodecModel, "from_codec_checkpoint", None) or getattr(Drama3CodecModel, "from_fish_checkpoint", None)
+        if loader is None:
+            raise ValueError(f"{path}: found codec.pth but the codec has no loader for it")
+        return loader(checkpoint)
+    return None
+
+
+def register_processor() -> None:
+    """Register Drama3Processor with AutoProcessor for model_type "fish_omni"."""
+    from transformers import AutoProcessor
+
+    from .configuration_drama3 import Drama3Config
+
+    AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)

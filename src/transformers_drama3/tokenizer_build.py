@@ -1,0 +1,133 @@
+"""A small byte-level BPE tokenizer that carries every Drama 3 special token.
+
+The published checkpoint ships a Qwen3.5 tokenizer (`tokenizer.json` + the special tokens of the
+"reference-bracket-v1" layout). Tests and tiny demo models need the same special tokens without
+that multi-megabyte vocabulary: `build_drama3_tokenizer` trains a byte-level BPE on a few sentences
+(any text still encodes, byte by byte if need be) and appends the special tokens in the published
+order, so the semantic band `<|semantic:0|>` .. `<|semantic:{codebook_size - 1}|>` is one
+contiguous id range, as in the real vocabulary.
+
+`<|audio_separator|>` is not in any public tokenizer file we have seen; it is added here for the
+layouts designed from the paper (line-by-line synthesis and infilling, see docs/prompt_layouts.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from .prompting import (
+    AUDIO_SEPARATOR,
+    CODEBOOK_SIZE,
+    IM_END,
+    IM_START,
+    INTERLEAVE,
+    NUM_SPEAKERS,
+    TEXT,
+    VOICE,
+    semantic_token,
+    speaker_token,
+)
+
+PAD = "<|endoftext|>"
+
+# A few sentences in several scripts, so the merges are not all English; byte fallback covers the rest.
+DEFAULT_TRAINING_TEXTS = (
+    "convert the provided text to speech reference to the following:",
+    "[Reference 1]\nText: Hello there, how are you today?\nSpeech: ",
+    "The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore!",
+    "<whisper>Keep your voice down.</whisper> [laughs] (fast) I can't believe it; really, truly.",
+    "Guten Tag, wie geht es Ihnen? Bonjour, comment allez-vous ? ¿Qué tal? Ciao, come stai?",
+    "你好，今天天气很好。我们去公园散步吧！こんにちは、元気ですか。안녕하세요, 반갑습니다.",
+    "user\nassistant\nsystem\n",
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{- item['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<|voice|>' -}}{%- endif -%}"
+)
+
+
+def drama3_special_tokens(codebook_size: int = CODEBOOK_SIZE) -> list[str]:
+    """Every special token, in id order: ChatML, layout markers, speakers, then the semantic band."""
+    return [
+        PAD,
+        IM_START,
+        IM_END,
+        VOICE,
+        TEXT,
+        INTERLEAVE,
+        AUDIO_SEPARATOR,
+        *(speaker_token(speaker) for speaker in range(NUM_SPEAKERS)),
+        *(semantic_token(code) for code in range(codebook_size)),
+    ]
+
+
+def build_drama3_tokenizer(
+    texts: Iterable[str] | None = None,
+    vocab_size: int = 512,
+    codebook_size: int = CODEBOOK_SIZE,
+    save_directory: str | os.PathLike | None = None,
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on `texts` and add the Drama 3 special tokens after its vocabulary.
+
+    Args:
+        texts: training sentences; a small multilingual default when None.
+        vocab_size: size of the BPE vocabulary before the special tokens (at least 256 + 1).
+        codebook_size: number of `<|semantic:N|>` tokens (the semantic codebook size, 4096 published).
+        save_directory: when given, writes tokenizer.json, tokenizer_config.json,
+            special_tokens_map.json and chat_template.jinja there.
+
+    Returns:
+        A `PreTrainedTokenizerFast` whose `eos_token` is `<|im_end|>` and `pad_token` `<|endoftext|>`.
+    """
+    if vocab_size <= 256:
+        raise ValueError(f"vocab_size must exceed the 256 byte symbols; got {vocab_size}")
+    if codebook_size < 1:
+        raise ValueError(f"codebook_size must be positive; got {codebook_size}")
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(list(texts) if texts is not None else DEFAULT_TRAINING_TEXTS, trainer)
+    backend.add_special_tokens(drama3_special_tokens(codebook_size))
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        model_max_length=1 << 20,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if save_directory is not None:
+        save_drama3_tokenizer(tokenizer, save_directory)
+    return tokenizer
+
+
+def save_drama3_tokenizer(tokenizer: PreTrainedTokenizerFast, save_directory: str | os.PathLike) -> None:
+    """Write the four published tokenizer files (transformers 5 no longer writes special_tokens_map.json)."""
+    os.makedirs(save_directory, exist_ok=True)
+    tokenizer.save_pretrained(save_directory)
+    special_tokens_map = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+    with open(os.path.join(save_directory, "special_tokens_map.json"), "w", encoding="utf-8") as handle:
+        json.dump(special_tokens_map, handle, indent=2)
+    template_path = os.path.join(save_directory, "chat_template.jinja")
+    if not os.path.exists(template_path):
+        with open(template_path, "w", encoding="utf-8") as handle:
+            handle.write(tokenizer.chat_template)
