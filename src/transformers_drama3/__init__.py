@@ -5,6 +5,10 @@
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
+from transformers.conversion_mapping import (
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
 
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .kernels import install_device_dispatch
@@ -16,6 +20,13 @@ install_device_dispatch()
 
 
 def _register() -> None:
+    # The published checkpoint stores routed experts one by one (`mlp.experts.E.gate_proj.weight`),
+    # transformers' Qwen3.5-MoE fuses them (`mlp.experts.gate_up_proj`). transformers already knows
+    # that conversion for its MoE models; registering it for the backbone's model_type applies it on
+    # load and, reversed, on save, so saved files keep the published names.
+    register_checkpoint_conversion_mapping(
+        Drama3TextConfig.model_type, get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
+    )
     for config_class in (Drama3Config, Drama3TextConfig, Drama3AudioDecoderConfig):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)

@@ -13,6 +13,8 @@ import math
 
 from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 
+from .quantization import is_block_fp8_config, transformers_quantization_config
+
 SPEECH_TEMPLATE_VERSION = "reference-bracket-v1"
 TEXT_MODEL_TYPES = ("fish_omni_text", "qwen3_5_moe_text")
 
@@ -229,6 +231,16 @@ class Drama3Config(PretrainedConfig):
         codebook_loss_weight: float = 0.5,
         **kwargs,
     ):
+        # The published "bsgemm-moe" experts are exactly transformers' fine-grained "fp8" format;
+        # transformers loads them only under that name (dequantised on CPU, FP8 on CUDA), so the
+        # published dict is kept aside and written back by to_dict.
+        quantization_config = kwargs.pop("quantization_config", None)
+        self.published_quantization_config = None
+        if is_block_fp8_config(quantization_config):
+            self.published_quantization_config = dict(quantization_config)
+            kwargs["quantization_config"] = transformers_quantization_config(quantization_config)
+        elif quantization_config is not None:
+            kwargs["quantization_config"] = quantization_config
         self.text_config = _text_config_from(text_config)
         self.audio_decoder_config = _tower_config_from(audio_decoder_config, self.text_config)
         self.semantic_start_token_id = semantic_start_token_id
@@ -298,9 +310,15 @@ class Drama3Config(PretrainedConfig):
 
     @property
     def is_block_fp8(self) -> bool:
-        quant = getattr(self, "quantization_config", None) or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        return method == "bsgemm-moe"
+        """Whether checkpoints of this config store the routed experts as block-FP8."""
+        return self.published_quantization_config is not None
+
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        published = output.pop("published_quantization_config", None)
+        if published is not None:
+            output["quantization_config"] = published
+        return output
 
 
 def _text_config_from(text_config) -> Drama3TextConfig:

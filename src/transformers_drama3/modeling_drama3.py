@@ -26,6 +26,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from transformers.utils import ModelOutput
 
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
+from .quantization import quantize_saved_experts
 
 IGNORE_INDEX = -100
 
@@ -322,6 +323,17 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         self.num_codebooks = tower.num_codebooks
         self.post_init()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save in the published layout: per-expert tensor names and, when the config says
+        "bsgemm-moe", the routed experts in block-FP8 with their `weight_scale_inv`.
+
+        Set `model.config.published_quantization_config = None` to save dense experts instead.
+        """
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if self.config.is_block_fp8 and kwargs.get("is_main_process", True):
+            block = tuple(self.config.published_quantization_config.get("weight_block_size", (128, 128)))
+            quantize_saved_experts(save_directory, block)
+
     # -- small helpers used by generation and training ----------------------------------------
 
     @property
@@ -603,6 +615,20 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             )
             loss = loss + text_config.router_aux_loss_coef * output.aux_loss
         output.loss = loss
+
+    # -- generation (generation_drama3.py) ---------------------------------------------------------
+
+    def generate(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+        """Speak: one prefill, then one decode step per frame. See `generation_drama3.generate`."""
+        from .generation_drama3 import generate
+
+        return generate(self, input_ids, audio_codes, attention_mask, generation_config, streamer, **kwargs)
+
+    def stream(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, **kwargs):
+        """Speak one prompt, yielding audio chunks as frames are produced. See `generation_drama3.stream`."""
+        from .generation_drama3 import stream
+
+        return stream(self, input_ids, audio_codes, attention_mask, generation_config, **kwargs)
 
 
 def _masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

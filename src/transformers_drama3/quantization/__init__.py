@@ -17,6 +17,7 @@ from .block_fp8 import (
     split_expert_weights,
     weight_block_size,
 )
+from .checkpoint import quantize_saved_experts
 from .transformers_fp8 import (
     NON_EXPERT_MODULES,
     fp8_quantization_config_for_cuda,
@@ -38,6 +39,7 @@ __all__ = [
     "is_block_fp8_config",
     "is_routed_expert_weight",
     "quantize_block_fp8",
+    "quantize_saved_experts",
     "quantize_state_dict",
     "scale_grid_shape",
     "split_expert_weights",

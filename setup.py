@@ -1,0 +1,48 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
+SERVE = ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29"]
+GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
+DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6"]
+
+setup(
+    name="transformers-drama3",
+    version="0.1.0",
+    description="Fish Audio Drama 3 (directed, multi-speaker text-to-speech) for Hugging Face Transformers",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    include_package_data=True,
+    package_data={"transformers_drama3": ["assets/**/*"]},
+    install_requires=[
+        "torch>=2.6,<3",
+        "transformers>=5.24,<6",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "huggingface_hub>=1.0",
+        "numpy>=1.26",
+        "soundfile>=0.12",
+        "soxr>=0.3",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "gpu": GPU,
+        "train": TRAIN,
+        "serve": SERVE,
+        "dev": DEV + TRAIN,
+        "all": GPU + TRAIN + SERVE + DEV,
+    },
+    entry_points={"console_scripts": ["drama3=transformers_drama3.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Multimedia :: Sound/Audio :: Speech",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
