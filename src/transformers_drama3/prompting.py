@@ -852,8 +852,8 @@ def split_line_text(text: str, max_bytes: int, location: str = "text") -> list[s
         if not candidates:
             snippet = text[start : start + 40]
             raise ValueError(
-                f"{location}: no cut point (sentence end, clause mark, space, tag boundary) within "
-                f"{max_bytes} bytes from {snippet!r}...; add punctuation or spaces, or shorten the tag span"
+                f"{location}: no cut point within {max_bytes} bytes (a sentence end, clause mark or space "
+                f"outside tags) from {snippet!r}...; add punctuation or spaces, or shorten the tag span"
             )
         best = min(level for level, _ in candidates)
         cut = max(position for level, position in candidates if level == best)
@@ -962,7 +962,13 @@ class TokenIds:
 
 def encode_text(tokenizer, text: str) -> list[int]:
     """Ids of plain text; special-token spellings in it stay plain text (never special tokens)."""
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    before = getattr(backend, "encode_special_tokens", None)
+    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if before is not None:
+        # transformers leaves the flag set on the shared backend; put it back for other users.
+        backend.encode_special_tokens = before
+    return ids
 
 
 def encode_layout(segments: Sequence[Segment], tokenizer, ids: TokenIds, num_codebooks: int) -> PromptRows:
