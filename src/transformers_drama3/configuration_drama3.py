@@ -314,10 +314,15 @@ class Drama3Config(PretrainedConfig):
         return self.published_quantization_config is not None
 
     def to_dict(self) -> dict:
-        output = super().to_dict()
-        published = output.pop("published_quantization_config", None)
-        if published is not None:
-            output["quantization_config"] = published
+        return self._with_published_quantization(super().to_dict())
+
+    def to_diff_dict(self) -> dict:
+        return self._with_published_quantization(super().to_diff_dict())
+
+    def _with_published_quantization(self, output: dict) -> dict:
+        output.pop("published_quantization_config", None)
+        if self.published_quantization_config is not None:
+            output["quantization_config"] = dict(self.published_quantization_config)
         return output
 
 
