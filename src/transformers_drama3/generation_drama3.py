@@ -1,0 +1,930 @@
+"""Generation for Drama 3: the published sampler, the decode loop, guards, streaming and long-form.
+
+One `generate()` call runs one prefill of the prompt rows, then one decode step per frame:
+
+    main token   <- lm_head restricted to the semantic band + eos, drawn by the main-token sampler
+                    (with repetition-aware sampling, RAS)
+    codes 1..9   <- the tower, run once per frame, each code drawn by the codebook sampler
+    next row     <- [main, c0..c9] fed back through partial codebook fusion
+
+until every item has drawn eos or used its frame budget. The eos frame is dropped, and so is a
+`<|semantic:0|>` frame right before eos (it decodes to a click after the trailing silence).
+
+The sampler follows the published serving code (spec §5): temperature before top-p; the main token
+has no top-k by default and keeps the token that crosses top-p (so eos stays reachable); the
+codebook heads cap top-k at 30 and drop the crossing token; rank 0 is always kept. RAS: when the
+first draw is a semantic token that repeats one of the last 16 main tokens (prompt rows
+included), a second draw at temperature 1.0 / top-p 0.95 / top-k 30 replaces it. Both draws
+always run, so the random stream of a request does not depend on its RAS window.
+
+Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so an item draws the
+same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
+E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import GenerationConfig
+from transformers.utils import ModelOutput
+
+from .modeling_drama3 import Drama3Cache
+
+# ----------------------------------------------------------------------------- published constants
+
+RAS_WINDOW = 16
+"""Main tokens (prompt rows included) a semantic draw is compared with."""
+RAS_TEMPERATURE = 1.0
+RAS_TOP_P = 0.95
+RAS_TOP_K = 30
+CODEBOOK_TOP_K = 30
+"""The codebook heads never keep more than this many candidates."""
+MIN_TEMPERATURE = 1e-5
+EMPTY_WINDOW_SLOT = -1
+"""Fills the RAS window where a row is padding; equals no token id."""
+
+# ----------------------------------------------------------------------------- guards (paper §7, §9)
+
+MAX_FRAMES = 4096
+"""No take is longer (the paper's cap, ~190 s)."""
+BUDGET_FACTOR = 2.5
+"""A take may last at most this many times its expected duration (paper §7)."""
+TOKENS_PER_SECOND = 3.0
+"""Expected speaking rate in text tokens per second. Qwen's tokenizer spends ~1.3 tokens on an
+English word (read at ~2.5 words/s) and ~0.7 on a Chinese character (read at ~4.5 chars/s), both
+~3.2 tokens/s; 3.0 errs towards a longer expected duration, the safe side for a budget."""
+WORDS_PER_SECOND = 2.5
+"""Expected speaking rate of space-separated text (English and similar)."""
+CJK_CHARACTERS_PER_SECOND = 4.5
+"""Expected speaking rate of Chinese, Japanese and Korean characters."""
+MIN_EXPECTED_SECONDS = 1.0
+"""The expected duration of any text, however short (a word still takes a breath)."""
+TOO_SHORT_FRACTION = 0.25
+"""A take that ends (eos) before this fraction of its expected duration is too short."""
+SILENCE_RMS = 10 ** (-50 / 20)
+"""A waveform window whose RMS is below -50 dBFS is silence."""
+SILENCE_WINDOW_SECONDS = 0.1
+LONG_SILENCE_SECONDS = 3.0
+"""A take with a silence longer than this inside it is anomalous (paper §9 "long silence")."""
+
+ANOMALIES = ("silent", "too_short", "runaway", "long_silence")
+
+
+# ----------------------------------------------------------------------------- sampling settings
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How frames are drawn.
+
+    Args:
+        do_sample: False draws every token by argmax (no RAS).
+        temperature: divides the logits before top-p, for the main token and the codebook heads.
+        top_p: nucleus mass for the main token and the codebook heads (1.0: off).
+        top_k: candidates kept for the main token (None: all); the codebook heads keep
+            `min(top_k, 30)`.
+        repetition_aware: apply RAS to the main token.
+    """
+
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 0.9
+    top_k: int | None = None
+    repetition_aware: bool = True
+
+    @property
+    def codebook_top_k(self) -> int:
+        return CODEBOOK_TOP_K if self.top_k is None else min(self.top_k, CODEBOOK_TOP_K)
+
+
+SERVING_DEFAULTS = SamplingSettings()
+"""The published serving defaults: temperature 1.0, top-p 0.9, main token uncapped."""
+PAPER_EVALUATION = SamplingSettings(temperature=0.7, top_p=0.7, top_k=30)
+"""The paper's evaluation setting (temperature 0.7, top-p 0.7, top-k 30). Capping the main token
+at 30 candidates makes takes without a reference go silent more often (spec §5)."""
+PRESETS = {"serving": SERVING_DEFAULTS, "paper-eval": PAPER_EVALUATION}
+
+
+def drama3_generation_config(config, **overrides) -> GenerationConfig:
+    """A `GenerationConfig` holding the published serving defaults for a model with `config`.
+
+    `max_new_tokens` is the hard cap of 4096 frames; each request is further capped by its own
+    budget (see `frame_budgets`)."""
+    values = dict(
+        do_sample=SERVING_DEFAULTS.do_sample,
+        temperature=SERVING_DEFAULTS.temperature,
+        top_p=SERVING_DEFAULTS.top_p,
+        max_new_tokens=MAX_FRAMES,
+        eos_token_id=config.eos_token_id,
+    )
+    values.update(overrides)
+    return GenerationConfig(**values)
+
+
+def resolve_settings(
+    model_config: GenerationConfig | None,
+    preset: str | SamplingSettings | None,
+    generation_config: GenerationConfig | None,
+    overrides: dict,
+) -> tuple[SamplingSettings, int | None, bool]:
+    """Sampling settings, max_new_tokens and return_dict_in_generate of one call.
+
+    Later sources win: the serving defaults, the model's generation config, the preset, the
+    `generation_config` argument, then keyword arguments. Unset (None) values never override.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"preset={preset!r}; expected one of {sorted(PRESETS)}")
+        preset = PRESETS[preset]
+    settings = SERVING_DEFAULTS
+    values: dict = {}
+    sources = [model_config, preset, generation_config, overrides]
+    for source in sources:
+        if source is None:
+            continue
+        if isinstance(source, SamplingSettings):
+            settings = source
+            values = {}
+            continue
+        items = source if isinstance(source, dict) else source.to_dict()
+        values.update({key: value for key, value in items.items() if value is not None})
+    changes = {key: values[key] for key in ("do_sample", "temperature", "top_p", "top_k") if key in values}
+    if "top_k" in changes and changes["top_k"] <= 0:
+        changes["top_k"] = None
+    settings = replace(settings, **changes)
+    if settings.do_sample and settings.temperature <= 0:
+        settings = replace(settings, do_sample=False)
+    if not 0 < settings.top_p <= 1:
+        raise ValueError(f"top_p={settings.top_p}; expected a value in (0, 1]")
+    return settings, values.get("max_new_tokens"), bool(values.get("return_dict_in_generate", False))
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def filtered_probabilities(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    keep_crossing: bool,
+) -> torch.Tensor:
+    """The distribution a draw samples from: logits `[..., V]` -> probabilities `[..., V]` (float32).
+
+    Temperature first, then top-p over the full softmax, then top-k; rank 0 is always kept.
+    `keep_crossing` keeps the token whose cumulative mass first exceeds top-p (main token);
+    otherwise it is dropped (codebook heads).
+    """
+    scaled = logits.float() / max(temperature, MIN_TEMPERATURE)
+    probabilities = torch.softmax(scaled, dim=-1)
+    sorted_probabilities, order = probabilities.sort(dim=-1, descending=True, stable=True)
+    cumulative = sorted_probabilities.cumsum(dim=-1)
+    mass_before = cumulative - sorted_probabilities if keep_crossing else cumulative
+    dropped = mass_before > top_p
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    if top_k is not None:
+        dropped |= ranks >= top_k
+    dropped &= ranks > 0
+    kept = sorted_probabilities.masked_fill(dropped, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+def exponential_race(probabilities: torch.Tensor, generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """One index per row of `probabilities` `[batch, V]`, row b drawn with `generators[b]`
+    (the global generator when None)."""
+    if generators is None:
+        noise = torch.empty_like(probabilities).exponential_()
+    else:
+        noise = torch.stack(
+            [
+                torch.empty(probabilities.shape[-1], device=probabilities.device).exponential_(generator=generator)
+                for generator in generators
+            ]
+        )
+    return (probabilities / noise).argmax(dim=-1)
+
+
+class Drama3Sampler:
+    """Draws the main token and the codebook codes of each frame, and keeps the RAS window.
+
+    Args:
+        settings: the sampling settings.
+        candidate_ids: `[codebook_size + 1]` token ids of the restricted main logits (band, then eos).
+        window: `[batch, RAS_WINDOW]` the last main tokens of each prompt (`EMPTY_WINDOW_SLOT` where
+            padding), oldest first.
+        generators: one per item, or None for torch's global generator.
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        candidate_ids: torch.Tensor,
+        window: torch.Tensor,
+        generators: Sequence[torch.Generator] | None = None,
+    ):
+        self.settings = settings
+        self.candidate_ids = candidate_ids
+        self.codebook_size = candidate_ids.shape[0] - 1
+        self.window = window
+        self.generators = generators
+        self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
+
+    def _draw(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, keep_crossing: bool):
+        probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        return exponential_race(probabilities, self.generators)
+
+    def main_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """Restricted main logits `[batch, 1, codebook_size + 1]` -> main token ids `[batch, 1]`."""
+        logits = logits[:, -1]
+        settings = self.settings
+        if not settings.do_sample:
+            choice = logits.argmax(dim=-1)
+        else:
+            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, keep_crossing=True)
+            if settings.repetition_aware:
+                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, keep_crossing=True)
+                first_ids = self.candidate_ids[choice]
+                repeats = (self.window == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
+                self.ras_replacements += repeats.long()
+                choice = torch.where(repeats, second, choice)
+        main_ids = self.candidate_ids[choice]
+        self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
+        return main_ids[:, None]
+
+    def codebook(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
+        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head)."""
+        logits = logits[:, -1]
+        settings = self.settings
+        if not settings.do_sample:
+            return logits.argmax(dim=-1)[:, None]
+        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, keep_crossing=False)
+        return codes[:, None]
+
+
+def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The RAS window of each prompt: its last `RAS_WINDOW` main tokens, `EMPTY_WINDOW_SLOT` on
+    padding (and before the prompt's first row). `[batch, rows]` -> `[batch, RAS_WINDOW]`."""
+    window = input_ids.masked_fill(~attention_mask.bool(), EMPTY_WINDOW_SLOT)[:, -RAS_WINDOW:]
+    missing = RAS_WINDOW - window.shape[1]
+    return torch.nn.functional.pad(window, (missing, 0), value=EMPTY_WINDOW_SLOT)
+
+
+def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
+    """One generator per item: `seed` (an int gives item b the seed `seed + b`, a list one seed each)."""
+    if seed is None:
+        return None
+    seeds = [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+    if len(seeds) != batch:
+        raise ValueError(f"seed has {len(seeds)} values for a batch of {batch}; expected one per item or an int")
+    return [torch.Generator(device=device).manual_seed(int(value)) for value in seeds]
+
+
+# ----------------------------------------------------------------------------- budgets and anomalies
+
+
+def _is_cjk(character: str) -> bool:
+    code = ord(character)
+    return (
+        0x3040 <= code <= 0x30FF  # kana
+        or 0x3400 <= code <= 0x9FFF  # CJK ideographs (+ extension A)
+        or 0xAC00 <= code <= 0xD7AF  # Hangul syllables
+        or 0xF900 <= code <= 0xFAFF
+    )
+
+
+def expected_seconds_of_text(text: str) -> float:
+    """How long `text` takes to say: CJK characters at 4.5/s plus other words at 2.5/s, at least 1 s.
+
+    Tags (`<|speaker:N|>`, `[laughs]`, `<whisper>`) count as a word each: they cost a little time."""
+    cjk = sum(_is_cjk(character) for character in text)
+    words = len("".join(" " if _is_cjk(character) else character for character in text).split())
+    return max(MIN_EXPECTED_SECONDS, cjk / CJK_CHARACTERS_PER_SECOND + words / WORDS_PER_SECOND)
+
+
+def target_text_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, is_semantic) -> torch.Tensor:
+    """Text tokens of the turn to speak, per prompt `[batch]`.
+
+    In the published layout the prompt ends `... <|im_end|>\\n <|im_start|>user\\n lines <|im_end|>\\n
+    <|im_start|>assistant\\n<|voice|>`: the turn to speak lies between the last two `<|im_end|>`.
+    A prompt with fewer than two counts all its text rows. The few layout tokens of the turn are
+    counted too (a slight overestimate)."""
+    real = attention_mask.bool() & ~is_semantic(input_ids)
+    ends = (input_ids == eos_token_id) & attention_mask.bool()
+    counts = []
+    for item in range(input_ids.shape[0]):
+        positions = ends[item].nonzero().flatten().tolist()
+        if len(positions) >= 2:
+            start, stop = positions[-2] + 1, positions[-1]
+            counts.append(int(real[item, start:stop].sum()))
+        else:
+            counts.append(int(real[item].sum()))
+    return torch.tensor(counts, dtype=torch.long)
+
+
+def expected_seconds_of_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """Expected speech duration of `tokens` text tokens at `TOKENS_PER_SECOND`, at least 1 s."""
+    return (tokens.float() / TOKENS_PER_SECOND).clamp(min=MIN_EXPECTED_SECONDS)
+
+
+def frame_budgets(expected_seconds: torch.Tensor, frame_rate: float, max_new_tokens: int | None = None) -> torch.Tensor:
+    """Frames each take may use: 2.5x its expected duration, never above 4096 nor `max_new_tokens`."""
+    budgets = (expected_seconds.double() * BUDGET_FACTOR * frame_rate).ceil().long().clamp(max=MAX_FRAMES)
+    if max_new_tokens is not None:
+        budgets = budgets.clamp(max=int(max_new_tokens))
+    return budgets.clamp(min=1)
+
+
+def longest_silence_seconds(waveform: torch.Tensor, sampling_rate: int) -> float:
+    """Longest run of silent 100 ms windows in a waveform `[samples]`, in seconds."""
+    window = max(1, int(SILENCE_WINDOW_SECONDS * sampling_rate))
+    windows = waveform.float().flatten()
+    usable = windows.shape[0] // window * window
+    if usable == 0:
+        return waveform.numel() / sampling_rate if float(waveform.float().pow(2).mean().sqrt().nan_to_num()) < SILENCE_RMS else 0.0
+    rms = windows[:usable].view(-1, window).pow(2).mean(dim=-1).sqrt()
+    longest = run = 0
+    for silent in (rms < SILENCE_RMS).tolist():
+        run = run + 1 if silent else 0
+        longest = max(longest, run)
+    return longest * window / sampling_rate
+
+
+def detect_anomalies(
+    length: int,
+    finish_reason: str,
+    expected_frames: float,
+    budget: int,
+    waveform: torch.Tensor | None = None,
+    sampling_rate: int | None = None,
+) -> list[str]:
+    """What is wrong with one take (paper §9): a subset of `ANOMALIES`, empty when it looks fine.
+
+    - runaway: it used its whole budget (2.5x the expected duration, or 4096 frames) without eos;
+    - too_short: it ended before 25% of its expected duration (or produced nothing);
+    - silent: its waveform is below -50 dBFS throughout (needs the waveform);
+    - long_silence: its waveform holds more than 3 s of silence (needs the waveform).
+    """
+    found = []
+    if finish_reason == "length" and length >= budget:
+        found.append("runaway")
+    if finish_reason == "eos" and (length == 0 or length < TOO_SHORT_FRACTION * expected_frames):
+        found.append("too_short")
+    if waveform is not None and waveform.numel():
+        rms = float(waveform.float().pow(2).mean().sqrt())
+        if rms < SILENCE_RMS:
+            found.append("silent")
+        elif longest_silence_seconds(waveform, sampling_rate) > LONG_SILENCE_SECONDS:
+            found.append("long_silence")
+    return found
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+@dataclass
+class FrameStep:
+    """What one decode step produced for the batch.
+
+    main_ids: [batch] the drawn main token (eos or `<|semantic:c0|>`); frames: [batch, num_codebooks];
+    produced: [batch] the item was still speaking and this is one of its frames (not eos);
+    ended: [batch] the item ended at this step (eos, or its budget is used up).
+    """
+
+    step: int
+    main_ids: torch.Tensor
+    frames: torch.Tensor
+    produced: torch.Tensor
+    ended: torch.Tensor
+    eos: torch.Tensor
+
+
+def decode_steps(
+    model,
+    input_ids: torch.Tensor,
+    audio_codes: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sampler: Drama3Sampler,
+    budgets: torch.Tensor,
+) -> Iterator[FrameStep]:
+    """Prefill once, then one step per frame until every item has ended.
+
+    input_ids [batch, rows], audio_codes [batch, rows, num_codebooks], attention_mask [batch, rows]
+    (left padding); budgets [batch] frames each item may produce. Items that ended keep stepping
+    with the batch (their outputs are ignored): every item's computation is independent of the
+    others', so a batch produces what each prompt produces alone.
+    """
+    config = model.config
+    cache = Drama3Cache.empty(config)
+    hidden = model.prefill(input_ids, audio_codes, attention_mask, cache)[:, -1:]
+    current_ids, current_codes, mask = input_ids[:, -1:], audio_codes[:, -1:], attention_mask
+    batch = input_ids.shape[0]
+    produced_count = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
+    active = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    budgets = budgets.to(input_ids.device)
+    step = 0
+    while True:
+        main_ids = sampler.main_token(model.speech_logits(hidden))  # [batch, 1]
+        eos = main_ids[:, 0] == config.eos_token_id
+        speaking = active & ~eos
+        if speaking.any():
+            semantic = (main_ids - config.semantic_start_token_id).clamp(0, config.codebook_size - 1)
+            frames = model.tower_step(hidden, current_ids, current_codes, semantic, mask, cache, sampler.codebook)
+        else:
+            frames = current_codes.new_zeros(batch, 1, config.num_codebooks)
+        produced_count += speaking.long()
+        ended = active & (eos | (produced_count >= budgets))
+        active = active & ~ended
+        yield FrameStep(step, main_ids[:, 0], frames[:, 0], speaking, ended, eos & ended)
+        if not active.any():
+            return
+        mask = torch.cat((mask, mask.new_ones(batch, 1)), dim=1)
+        hidden = model.decode_row(main_ids, frames, mask, cache)
+        current_ids, current_codes = main_ids, frames
+        step += 1
+
+
+class TakeCollector:
+    """Gathers the frames of every item from the decode steps; `finish()` drops click frames."""
+
+    def __init__(self, batch: int):
+        self.frames: list[torch.Tensor] = []
+        self.lengths = [0] * batch
+        self.finish_reasons = [""] * batch
+
+    def add(self, step: FrameStep) -> None:
+        self.frames.append(step.frames)
+        for item in step.produced.nonzero().flatten().tolist():
+            self.lengths[item] += 1
+        for item in step.ended.nonzero().flatten().tolist():
+            self.finish_reasons[item] = "eos" if bool(step.eos[item]) else "length"
+
+    def finish(self, num_codebooks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """codes [batch, frames, num_codebooks] (0 after each item's length), lengths [batch], and
+        which items lost a `<|semantic:0|>` frame right before eos."""
+        batch = len(self.lengths)
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
+        longest = int(lengths.max()) if batch else 0
+        if longest:
+            codes = torch.stack(self.frames[:longest], dim=1)
+        else:
+            codes = torch.zeros(batch, 0, num_codebooks, dtype=torch.long, device=device)
+        clicks = []
+        for item in range(batch):
+            length = self.lengths[item]
+            click = self.finish_reasons[item] == "eos" and length > 0 and int(codes[item, length - 1, 0]) == 0
+            clicks.append(click)
+            if click:
+                lengths[item] -= 1
+        frame_index = torch.arange(codes.shape[1], device=device)
+        codes = codes.masked_fill((frame_index[None, :] >= lengths[:, None])[..., None], 0)
+        return codes[:, : int(lengths.max()) if batch else 0], lengths, clicks
+
+
+class ClickFilter:
+    """Streaming counterpart of the click rule, for one item: a `<|semantic:0|>` frame is held back
+    one step and dropped if eos follows it."""
+
+    def __init__(self):
+        self.held: torch.Tensor | None = None
+
+    def release(self, step: FrameStep, item: int = 0) -> list[torch.Tensor]:
+        """Frames [num_codebooks] that are now final."""
+        if not bool(step.produced[item]):
+            self.held = None  # eos (or already ended): a held frame was a click
+            return []
+        released = [] if self.held is None else [self.held]
+        self.held = None
+        frame = step.frames[item]
+        if int(frame[0]) == 0 and not bool(step.ended[item]):
+            self.held = frame
+        else:
+            released.append(frame)
+        return released
+
+
+# ----------------------------------------------------------------------------- waveform streaming
+
+
+def default_stream_windows() -> Iterator[int]:
+    """Frames per streamed waveform chunk: 10, 10, 12, 32, then 64 for ever (the serving schedule)."""
+    yield from (10, 10, 12, 32)
+    while True:
+        yield 64
+
+
+def stream_windows(codec) -> Iterator[int]:
+    """The codec's window schedule when it publishes one, else `default_stream_windows()`."""
+    try:
+        from .codec.streaming import stream_decode_windows
+    except ImportError:
+        return default_stream_windows()
+    return iter(stream_decode_windows())
+
+
+@dataclass
+class AudioChunk:
+    """A piece of a streamed take.
+
+    audio: [samples] waveform at `sampling_rate`; codes: [frames, num_codebooks] the frames it
+    decodes; first_frame: index of its first frame in the take; elapsed: seconds since the
+    request started when the chunk was ready (the first chunk's is the time to first audio).
+    """
+
+    audio: torch.Tensor | None
+    codes: torch.Tensor
+    first_frame: int
+    elapsed: float
+    sampling_rate: int
+    is_last: bool = False
+
+
+class WaveformStreamer:
+    """Turns final frames into waveform chunks with the codec's streaming decoder, one window at
+    a time. The decoder is causal and keeps its state between windows, so the chunks concatenate
+    to the offline decode of the same frames."""
+
+    def __init__(self, codec, started: float, windows: Iterator[int] | None = None):
+        self.codec = codec
+        self.decoder = codec.streaming_decoder(batch_size=1) if codec is not None else None
+        self.windows = windows if windows is not None else (stream_windows(codec) if codec is not None else None)
+        self.window = next(self.windows) if self.windows is not None else 1
+        self.pending: list[torch.Tensor] = []
+        self.emitted_frames = 0
+        self.started = started
+        self.time_to_first_audio: float | None = None
+        self.sampling_rate = codec.sampling_rate if codec is not None else None
+
+    def push(self, frames: list[torch.Tensor]) -> list[AudioChunk]:
+        self.pending.extend(frames)
+        chunks = []
+        while len(self.pending) >= self.window:
+            chunks.append(self._emit(self.window, is_last=False))
+            self.window = next(self.windows) if self.windows is not None else 1
+        return chunks
+
+    def finish(self) -> list[AudioChunk]:
+        chunk = self._emit(len(self.pending), is_last=True)
+        if self.decoder is not None and hasattr(self.decoder, "flush"):
+            tail = self.decoder.flush()
+            if tail is not None and chunk.audio is not None and tail.numel():
+                chunk.audio = torch.cat((chunk.audio, tail.reshape(-1).to(chunk.audio)))
+        return [chunk]
+
+    def _emit(self, frames: int, is_last: bool) -> AudioChunk:
+        taken, self.pending = self.pending[:frames], self.pending[frames:]
+        codes = torch.stack(taken) if taken else torch.zeros(0, 0, dtype=torch.long)
+        audio = None
+        if self.decoder is not None:
+            if taken:
+                audio = self.decoder.push(codes.T[None].to(self.codec.device))[0].reshape(-1)
+            else:
+                audio = torch.zeros(0, device=self.codec.device)
+        elapsed = time.perf_counter() - self.started
+        if self.time_to_first_audio is None and taken:
+            self.time_to_first_audio = elapsed
+        chunk = AudioChunk(audio, codes, self.emitted_frames, elapsed, self.sampling_rate, is_last)
+        self.emitted_frames += len(taken)
+        return chunk
+
+
+# ----------------------------------------------------------------------------- generate()
+
+
+@dataclass
+class Drama3GenerationOutput(ModelOutput):
+    """What `generate(..., return_dict_in_generate=True)` returns.
+
+    Args:
+        audio_codes: [batch, frames, num_codebooks] the takes, 0 after each item's length.
+        sequences: the same tensor under the name `GenerationMixin` users (and the text-to-audio
+            pipeline, which decodes it with the processor) read.
+        lengths: [batch] frames of each take.
+        audio: per item a waveform [samples] (when a codec was given).
+        finish_reasons: per item "eos" or "length" (budget or max_new_tokens used up).
+        budgets: [batch] frames each take was allowed.
+        expected_frames: [batch] the expected duration of each take, in frames.
+        anomalies: per item the guard findings (see `detect_anomalies`).
+        regenerations: one record per regenerated item and attempt: {"item", "attempt",
+            "anomalies" (before), "new_anomalies", "kept"}.
+        ras_replacements: [batch] main tokens RAS replaced.
+        clicks_dropped: per item whether a `<|semantic:0|>` frame before eos was dropped.
+        time_to_first_audio: seconds from the call to the first streamed chunk (with a streamer).
+    """
+
+    audio_codes: torch.LongTensor | None = None
+    sequences: torch.LongTensor | None = None
+    lengths: torch.LongTensor | None = None
+    audio: list[torch.Tensor] | None = None
+    finish_reasons: list[str] | None = None
+    budgets: torch.LongTensor | None = None
+    expected_frames: torch.Tensor | None = None
+    anomalies: list[list[str]] | None = None
+    regenerations: list[dict] | None = None
+    ras_replacements: torch.LongTensor | None = None
+    clicks_dropped: list[bool] | None = None
+    time_to_first_audio: float | None = None
+
+
+_OWN_ARGUMENTS = ("seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly")
+
+
+def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check and shape a prompt: input_ids [batch, rows] (or [rows]), audio_codes [batch, rows,
+    num_codebooks] (zeros when None), attention_mask [batch, rows] (ones when None, left padding only)."""
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids: the prompt rows (processor output or [batch, rows] ids)")
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+        audio_codes = None if audio_codes is None else torch.as_tensor(audio_codes)[None]
+        attention_mask = None if attention_mask is None else torch.as_tensor(attention_mask)[None]
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; expected integer [batch, rows]")
+    batch, rows = input_ids.shape
+    if rows < 2:
+        raise ValueError(f"input_ids has {rows} row(s); a prompt needs at least 2")
+    codebooks = model.config.num_codebooks
+    if audio_codes is None:
+        audio_codes = input_ids.new_zeros(batch, rows, codebooks)
+    audio_codes = torch.as_tensor(audio_codes)
+    if tuple(audio_codes.shape) != (batch, rows, codebooks):
+        raise ValueError(
+            f"audio_codes has shape {tuple(audio_codes.shape)}; expected [batch, rows, num_codebooks] = "
+            f"{(batch, rows, codebooks)} to match input_ids"
+        )
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = torch.as_tensor(attention_mask)
+    if tuple(attention_mask.shape) != (batch, rows):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, rows)}")
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError("attention_mask: the last row of every prompt must be real; pad prompts on the left")
+    device = model.device
+    return input_ids.long().to(device), audio_codes.long().to(device), attention_mask.long().to(device)
+
+
+def _split_kwargs(kwargs: dict) -> dict:
+    """Generation parameters among `kwargs`; any other name is an error (it would be ignored)."""
+    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"generate() got unknown arguments {unknown}; it takes the prompt (input_ids, audio_codes, "
+            f"attention_mask), GenerationConfig fields and {list(_OWN_ARGUMENTS)}"
+        )
+    return kwargs
+
+
+@dataclass
+class _Request:
+    """Everything one run of the decode loop needs, resolved once per call."""
+
+    settings: SamplingSettings
+    budgets: torch.Tensor
+    guard_budgets: torch.Tensor
+    expected_frames: torch.Tensor
+
+
+def _resolve_request(model, input_ids, attention_mask, max_new_tokens, expected_seconds) -> _Request:
+    config = model.config
+    if expected_seconds is None:
+        tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
+        seconds = expected_seconds_of_tokens(tokens)
+    else:
+        seconds = torch.as_tensor(expected_seconds, dtype=torch.float32).flatten().cpu()
+        if seconds.numel() == 1:
+            seconds = seconds.expand(input_ids.shape[0])
+        if seconds.numel() != input_ids.shape[0] or bool((seconds <= 0).any()):
+            raise ValueError(f"expected_seconds={expected_seconds!r}; expected one positive value or one per item")
+    frame_rate = config.frame_rate
+    return _Request(
+        settings=SERVING_DEFAULTS,
+        budgets=frame_budgets(seconds, frame_rate, max_new_tokens),
+        guard_budgets=frame_budgets(seconds, frame_rate),
+        expected_frames=seconds * frame_rate,
+    )
+
+
+def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed, codec, streamer=None):
+    """One decode run over a batch: the takes, their waveforms and what the guards found."""
+    started = time.perf_counter()
+    generators = item_generators(seed, input_ids.shape[0], input_ids.device)
+    sampler = Drama3Sampler(
+        request.settings, model.speech_token_ids(input_ids.device), prompt_window(input_ids, attention_mask), generators
+    )
+    collector = TakeCollector(input_ids.shape[0])
+    waveform_streamer = clicks = None
+    if streamer is not None:
+        waveform_streamer, clicks = WaveformStreamer(codec, started), ClickFilter()
+    for step in decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets):
+        collector.add(step)
+        if waveform_streamer is not None:
+            for chunk in waveform_streamer.push(clicks.release(step)):
+                _put(streamer, chunk)
+    if waveform_streamer is not None:
+        for chunk in waveform_streamer.finish():
+            if chunk.codes.numel():
+                _put(streamer, chunk)
+        streamer.end()
+    codes, lengths, clicks_dropped = collector.finish(model.config.num_codebooks, input_ids.device)
+    audio = decode_audio(codec, codes, lengths) if codec is not None else None
+    anomalies = [
+        detect_anomalies(
+            int(lengths[item]),
+            collector.finish_reasons[item],
+            float(request.expected_frames[item]),
+            int(request.guard_budgets[item]),
+            None if audio is None else audio[item],
+            None if codec is None else codec.sampling_rate,
+        )
+        for item in range(input_ids.shape[0])
+    ]
+    return Drama3GenerationOutput(
+        audio_codes=codes,
+        sequences=codes,
+        lengths=lengths,
+        audio=audio,
+        finish_reasons=collector.finish_reasons,
+        budgets=request.budgets,
+        expected_frames=request.expected_frames,
+        anomalies=anomalies,
+        regenerations=[],
+        ras_replacements=sampler.ras_replacements,
+        clicks_dropped=clicks_dropped,
+        time_to_first_audio=None if waveform_streamer is None else waveform_streamer.time_to_first_audio,
+    )
+
+
+def _put(streamer, chunk: AudioChunk) -> None:
+    """A streamer receives waveform chunks [samples], or frames [1, frames, num_codebooks] without a codec."""
+    streamer.put(chunk.audio if chunk.audio is not None else chunk.codes[None])
+
+
+def decode_audio(codec, codes: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+    """Waveforms of takes: codes [batch, frames, num_codebooks] -> per item [samples]."""
+    if codes.shape[1] == 0:
+        return [torch.zeros(0, device=codec.device) for _ in range(codes.shape[0])]
+    decoded = codec.decode(codes.transpose(1, 2), lengths)
+    return [decoded.audio[item, : int(decoded.lengths[item])] for item in range(codes.shape[0])]
+
+
+REGENERATION_SEED_STRIDE = 1_000_003
+"""Attempt n of a seeded request draws with seed + n * this, so retries differ yet reproduce."""
+
+
+def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3GenerationOutput, attempts: int):
+    """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
+    one when it has no more anomalies. Every attempt is recorded in `output.regenerations`."""
+    input_ids, audio_codes, attention_mask = prompt
+    batch = input_ids.shape[0]
+    seeds = None if seed is None else ([seed + item for item in range(batch)] if isinstance(seed, int) else list(seed))
+    takes = [
+        [output.audio_codes[item, : int(output.lengths[item])], None if output.audio is None else output.audio[item]]
+        for item in range(batch)
+    ]
+    for attempt in range(1, attempts + 1):
+        items = [item for item in range(batch) if output.anomalies[item]]
+        if not items:
+            break
+        index = torch.tensor(items, device=input_ids.device)
+        sub_request = _Request(
+            request.settings, request.budgets[index.cpu()], request.guard_budgets[index.cpu()],
+            request.expected_frames[index.cpu()],
+        )
+        sub_seed = None if seeds is None else [seeds[item] + attempt * REGENERATION_SEED_STRIDE for item in items]
+        retry = _run(model, input_ids[index], audio_codes[index], attention_mask[index], sub_request, sub_seed, codec)
+        for position, item in enumerate(items):
+            kept = len(retry.anomalies[position]) <= len(output.anomalies[item])
+            output.regenerations.append(
+                {
+                    "item": item,
+                    "attempt": attempt,
+                    "anomalies": list(output.anomalies[item]),
+                    "new_anomalies": list(retry.anomalies[position]),
+                    "kept": kept,
+                }
+            )
+            if kept:
+                length = int(retry.lengths[position])
+                takes[item] = [retry.audio_codes[position, :length], None if retry.audio is None else retry.audio[position]]
+                output.anomalies[item] = retry.anomalies[position]
+                output.finish_reasons[item] = retry.finish_reasons[position]
+                output.clicks_dropped[item] = retry.clicks_dropped[position]
+                output.ras_replacements[item] = retry.ras_replacements[position]
+    lengths = torch.tensor([take[0].shape[0] for take in takes], dtype=torch.long, device=input_ids.device)
+    codes = input_ids.new_zeros(batch, int(lengths.max()) if batch else 0, model.config.num_codebooks)
+    for item, (take_codes, _) in enumerate(takes):
+        codes[item, : take_codes.shape[0]] = take_codes
+    output.audio_codes = output.sequences = codes
+    output.lengths = lengths
+    if output.audio is not None:
+        output.audio = [take[1] for take in takes]
+    return output
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids=None,
+    audio_codes=None,
+    attention_mask=None,
+    generation_config: GenerationConfig | None = None,
+    streamer=None,
+    *,
+    seed: int | Sequence[int] | None = None,
+    preset: str | SamplingSettings | None = None,
+    codec=None,
+    expected_seconds: float | Sequence[float] | None = None,
+    regenerate_on_anomaly: int = 0,
+    **kwargs,
+):
+    """Speak: prompt rows in, takes out (see the module docstring for the loop and the sampler).
+
+    Args:
+        input_ids, audio_codes, attention_mask: the prompt, as the processor returns it (a
+            `BatchFeature`, unpacked) or raw rows: `[batch, rows]`, `[batch, rows, num_codebooks]`,
+            `[batch, rows]` (left padding).
+        generation_config: a `GenerationConfig`; its `do_sample`, `temperature`, `top_p`, `top_k`,
+            `max_new_tokens` (frames) and `return_dict_in_generate` are read.
+        streamer: an object with `put(value)` and `end()` (a transformers `BaseStreamer`); batch 1.
+            It receives waveform chunks `[samples]` when `codec` is given, else frames
+            `[1, frames, num_codebooks]`, as soon as they are final.
+        seed: an int (item b uses seed + b) or one per item; each item draws from its own
+            generator, so a batch reproduces each prompt alone. None: torch's global generator.
+        preset: "serving" (the default settings) or "paper-eval" (0.7 / 0.7 / 30), or settings.
+        codec: a `Drama3CodecModel`; the output then carries waveforms.
+        expected_seconds: expected duration of each take; default from the text of the turn to
+            speak (`TOKENS_PER_SECOND`). The frame budget is 2.5x this, at most 4096 frames.
+        regenerate_on_anomaly: regenerate anomalous takes up to this many times (paper §9).
+        **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
+
+    Returns:
+        `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms
+        (a list, when `codec` is given) or `audio_codes` `[batch, frames, num_codebooks]`.
+    """
+    overrides = _split_kwargs(kwargs)
+    settings, max_new_tokens, return_dict = resolve_settings(
+        getattr(model, "generation_config", None), preset, generation_config, overrides
+    )
+    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
+    if streamer is not None and prompt[0].shape[0] != 1:
+        raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
+    if streamer is not None and regenerate_on_anomaly:
+        raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
+    request = _resolve_request(model, prompt[0], prompt[2], max_new_tokens, expected_seconds)
+    request.settings = settings
+    output = _run(model, *prompt, request, seed, codec, streamer)
+    if regenerate_on_anomaly:
+        output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
+    if return_dict:
+        return output
+    return output.audio if codec is not None else output.audio_codes
+
+
+@torch.no_grad()
+def stream(
+    model,
+    input_ids=None,
+    audio_codes=None,
+    attention_mask=None,
+    generation_config: GenerationConfig | None = None,
+    *,
+    seed: int | Sequence[int] | None = None,
+    preset: str | SamplingSettings | None = None,
+    codec=None,
+    expected_seconds: float | None = None,
+    windows: Iterator[int] | None = None,
+    **kwargs,
+) -> Iterator[AudioChunk]:
+    """Speak one prompt and yield `AudioChunk`s as frames are produced.
+
+    With a codec each chunk holds the waveform of a window of frames (10, 10, 12, 32, then 64;
+    `windows` overrides the schedule); the chunks concatenate to the offline waveform of the same
+    codes. Without a codec each chunk holds one frame's codes. The last chunk has `is_last`.
+    `chunk.elapsed` of the first chunk is the time to first audio. Arguments as in `generate`.
+    """
+    overrides = _split_kwargs(kwargs)
+    overrides.pop("return_dict_in_generate", None)
+    settings, max_new_tokens, _ = resolve_settings(
+        getattr(model, "generation_config", None), preset, generation_config, overrides
+    )
+    input_ids, audio_codes, attention_mask = prepare_prompt(model, input_ids, audio_codes, attention_mask)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
+    request = _resolve_request(model, input_ids, attention_mask, max_new_tokens, expected_seconds)
+    started = time.perf_counter()
+    sampler = Drama3Sampler(
+        settings, model.speech_token_ids(input_ids.device), prompt_window(input_ids, attention_mask),
+        item_generators(seed, 1, input_ids.device),
+    )
+    waveform_streamer = WaveformStreamer(codec, started, windows)
+    clicks = ClickFilter()
+    for step in decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets):
+        yield from waveform_streamer.push(clicks.release(step))
+    yield from waveform_streamer.finish()

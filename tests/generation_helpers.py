@@ -1,0 +1,92 @@
+"""Tiny models, prompts and a cache-free reference decoder for the generation tests.
+
+The reference recomputes everything with full forwards (no cache): the main token of the next
+row from `speech_logits(hidden[:, -1])`, then codes 1..C-1 of that row one at a time from the
+teacher-forced tower, appending the candidate row and refilling it code by code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model
+
+__all__ = [
+    "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "tiny_model",
+    "prompt", "left_pad", "reference_greedy", "script_main_tokens",
+]
+
+IM_START = 3  # any text id stands in for <|im_start|> in these prompts
+
+
+def prompt(seed: int, text_rows: int = 5, audio_rows: int = 4, tail_rows: int = 3):
+    """A prompt shaped like the published layout: text, a reference's frames, `<|im_end|>`, then
+    the turn to speak (text, `<|im_end|>`, a few rows). Returns input_ids [rows], audio_codes [rows, C]."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, SEMANTIC_START, (text_rows,), generator=generator).tolist()
+    codes = [[0] * NUM_CODEBOOKS for _ in ids]
+    for _ in range(audio_rows):
+        frame = torch.randint(0, CODEBOOK_SIZE, (NUM_CODEBOOKS,), generator=generator).tolist()
+        ids.append(SEMANTIC_START + frame[0])
+        codes.append(frame)
+    tail = [EOS, IM_START, *torch.randint(4, SEMANTIC_START, (tail_rows,), generator=generator).tolist(), EOS, IM_START]
+    ids += tail
+    codes += [[0] * NUM_CODEBOOKS for _ in tail]
+    return torch.tensor(ids), torch.tensor(codes)
+
+
+def left_pad(prompts, pad_id: int = 0):
+    """Left-pad prompts [(input_ids [rows], audio_codes [rows, C])] into a batch."""
+    rows = max(ids.shape[0] for ids, _ in prompts)
+    input_ids = torch.full((len(prompts), rows), pad_id, dtype=torch.long)
+    audio_codes = torch.zeros(len(prompts), rows, NUM_CODEBOOKS, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), rows, dtype=torch.long)
+    for item, (ids, codes) in enumerate(prompts):
+        input_ids[item, rows - ids.shape[0]:] = ids
+        audio_codes[item, rows - ids.shape[0]:] = codes
+        attention_mask[item, rows - ids.shape[0]:] = 1
+    return input_ids, audio_codes, attention_mask
+
+
+@torch.no_grad()
+def reference_greedy(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, max_frames: int):
+    """Greedy frames of one prompt (input_ids [rows], audio_codes [rows, C]) by full forwards only.
+
+    Returns (frames [n, C] before eos, whether eos ended it)."""
+    ids, codes = input_ids[None].clone(), audio_codes[None].clone()
+    frames = []
+    for _ in range(max_frames):
+        hidden = model(ids, codes).hidden_states
+        main = int(model.speech_token_ids()[model.speech_logits(hidden[0, -1]).argmax()])
+        if main == EOS:
+            return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), True
+        frame = [main - SEMANTIC_START] + [0] * (NUM_CODEBOOKS - 1)
+        for codebook in range(1, NUM_CODEBOOKS):
+            candidate_ids = torch.cat((ids, torch.tensor([[main]])), dim=1)
+            candidate_codes = torch.cat((codes, torch.tensor([[frame]])), dim=1)
+            logits = model(candidate_ids, candidate_codes).codebook_logits[0, -2, codebook - 1]
+            frame[codebook] = int(logits.argmax())
+        frames.append(frame)
+        ids = torch.cat((ids, torch.tensor([[main]])), dim=1)
+        codes = torch.cat((codes, torch.tensor([[frame]])), dim=1)
+    return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), False
+
+
+def script_main_tokens(model, scripts: list[list[int]]):
+    """Make `model` draw the given main token ids, one list per item, step by step (then eos):
+    replaces its `speech_logits` with logits that put all mass on the scripted id."""
+    candidates = model.speech_token_ids()
+    index_of = {int(token): index for index, token in enumerate(candidates)}
+    state = {"step": 0}
+
+    def speech_logits(hidden):
+        step = state["step"]
+        state["step"] += 1
+        logits = torch.full((hidden.shape[0], hidden.shape[1], candidates.shape[0]), -1e4)
+        for item, script in enumerate(scripts):
+            token = script[step] if step < len(script) else EOS
+            logits[item, :, index_of[token]] = 0.0
+        return logits
+
+    model.speech_logits = speech_logits
+    return model
