@@ -647,15 +647,14 @@ def _load_codec(path: str | os.PathLike, kwargs: dict):
     if cached_file(path, "codec/config.json", **probe) is not None:
         from .codec import Drama3CodecModel
 
+        if os.path.isdir(path):
+            return Drama3CodecModel.from_pretrained(os.path.join(path, "codec"))
         return Drama3CodecModel.from_pretrained(path, subfolder="codec", **hub)
     checkpoint = cached_file(path, "codec.pth", **probe)
     if checkpoint is not None:
         from .codec import Drama3CodecModel
 
-        loader = getattr(Drama3CodecModel, "from_codec_checkpoint", None) or getattr(Drama3CodecModel, "from_fish_checkpoint", None)
-        if loader is None:
-            raise ValueError(f"{path}: found codec.pth but the codec has no loader for it")
-        return loader(checkpoint)
+        return Drama3CodecModel.from_pretrained(checkpoint)
     return None
 
 
