@@ -111,6 +111,8 @@ def _check_rate(sampling_rate, name: str) -> float:
 
 def _split_items(audio, lengths, name: str) -> list[tuple[str, torch.Tensor]]:
     """Any accepted layout -> list of (item name, float waveform `[channels, samples]` or `[samples]`)."""
+    if isinstance(audio, (list, tuple)) and not len(audio):
+        raise ValueError(f"{name} is an empty list; expected at least one waveform")
     if isinstance(audio, (list, tuple)) and len(audio) and not np.isscalar(audio[0]):
         if lengths is not None:
             raise ValueError(f"lengths was given with a list {name}; a list already carries each item's length")

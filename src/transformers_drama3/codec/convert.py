@@ -13,7 +13,7 @@ renaming is weight norm's older spelling, used by the quantiser projections:
 
 (transformers applies the same renaming to `weight_g` / `weight_v` when it loads a folder.)
 
-Command line: `python -m transformers_drama3.codec.convert codec.pth OUT_DIR`.
+Command line: `python -m transformers_drama3.codec.convert codec.pth OUT_DIR [--config config.json]`.
 """
 
 import argparse
@@ -123,8 +123,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Convert fish-speech's codec.pth to a Hugging Face folder.")
     parser.add_argument("src", help="codec.pth (plain or {'state_dict': {'generator.*': ...}})")
     parser.add_argument("out", help="output folder (config.json + model.safetensors)")
+    parser.add_argument("--config", help="config.json of the codec's sizes (default: the published codec)")
     arguments = parser.parse_args(argv)
-    print(convert_codec_checkpoint(arguments.src, arguments.out))
+    config = Drama3CodecConfig.from_json_file(arguments.config) if arguments.config else None
+    print(convert_codec_checkpoint(arguments.src, arguments.out, config=config))
 
 
 if __name__ == "__main__":

@@ -626,6 +626,8 @@ class Drama3CodecModel(PreTrainedAudioTokenizerBase):
 
         With a `cache`, continues the stream it holds (see the module docstring).
         """
+        if audio.shape[-1] < self.hop_length:
+            return torch.zeros(audio.shape[0], self.num_codebooks, 0, dtype=torch.long, device=audio.device)
         latent = self.encoder(audio[:, None, :], cache)
         return self.quantizer.encode(latent, cache)
 
@@ -634,6 +636,8 @@ class Drama3CodecModel(PreTrainedAudioTokenizerBase):
 
         Codes above a codebook's size are clamped to its last code, as the published decoder does.
         """
+        if codes.shape[-1] == 0:
+            return torch.zeros(codes.shape[0], 0, device=codes.device, dtype=self.dtype)
         return self.decoder(self.quantizer.decode(codes, cache), cache)[:, 0, :]
 
     # -- public API ------------------------------------------------------------------------
