@@ -191,19 +191,22 @@ def account(config: Drama3Config | None = None) -> Drama3Accounting:
 def format_table(accounting: Drama3Accounting, paper: PaperFigures = PAPER_DRAMA3) -> str:
     """The computed figures beside the paper's, one per line."""
     a = accounting
-    experts = f"{a.active_experts_per_layer} routed experts x {a.backbone_full_attention_layers + a.backbone_linear_attention_layers} layers (FP8)"
+    layers = a.backbone_full_attention_layers + a.backbone_linear_attention_layers
+    experts = f"{a.active_experts_per_layer} routed experts x {layers} layers (FP8)"
     rows = [
         ("total parameters", f"{a.total_parameters / 1e9:.2f} B", f"~{paper.total_parameters / 1e9:g} B"),
         ("backbone active parameters per token", f"{a.active_parameters_per_token / 1e9:.2f} B",
          f"~{paper.active_parameters_per_token / 1e9:g} B"),
-        ("weights read per frame", f"{a.weights_bytes_per_frame / GB:.2f} GB", f"~{paper.weights_read_per_frame_gb} GB"),
+        ("weights read per frame", f"{a.weights_bytes_per_frame / GB:.2f} GB",
+         f"~{paper.weights_read_per_frame_gb} GB"),
         ("  backbone without routed experts (bf16)", f"{a.backbone_bytes_per_frame / GB:.2f} GB",
          f"{paper.backbone_without_routed_experts_gb} GB"),
         ("  Codebook-MTP tower (bf16)", f"{a.tower_bytes_per_frame / GB:.2f} GB", f"{paper.tower_gb} GB"),
         (f"  {experts}", f"{a.routed_expert_bytes_per_frame / GB:.2f} GB", "-"),
         ("sequential layers after the backbone", str(a.sequential_layers_after_backbone),
          str(paper.sequential_layers_after_backbone)),
-        ("layers whose KV cache grows with context", str(a.growing_kv_cache_layers), str(paper.growing_kv_cache_layers)),
+        ("layers whose KV cache grows with context", str(a.growing_kv_cache_layers),
+         str(paper.growing_kv_cache_layers)),
     ]
     header = ("figure", "computed", "paper (Drama 3)")
     width = max(len(row[0]) for row in (header, *rows))
