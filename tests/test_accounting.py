@@ -6,7 +6,7 @@ from transformers_drama3.accounting import GB, PAPER_DRAMA3, account, format_tab
 from transformers_drama3.configuration_drama3 import Drama3Config
 
 
-def tiny_config() -> Drama3Config:
+def tiny_config(**kwargs) -> Drama3Config:
     text = dict(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         vocab_size=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -15,7 +15,8 @@ def tiny_config() -> Drama3Config:
     )
     tower = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=96, vocab_size=32,
                  num_codebooks=4, shared_enrichment_layers=2)
-    return Drama3Config(text_config=text, audio_decoder_config=tower, semantic_start_token_id=64, eos_token_id=2)
+    return Drama3Config(text_config=text, audio_decoder_config=tower, semantic_start_token_id=64, eos_token_id=2,
+                        **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,13 @@ def test_tiny_config_counts_equal_a_hand_computation():
     assert counted.routed_expert_bytes_per_frame == 4 * 2 * (one_expert + 3 * 4)
     assert counted.sequential_layers_after_backbone == 5
     assert counted.growing_kv_cache_layers == 1 + 5
+
+
+def test_expert_scales_follow_the_configured_fp8_block():
+    quantization = {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    counted = account(tiny_config(quantization_config=quantization))
+    # Per expert: gate and up [32, 64] -> 2 x 4 blocks each, down [64, 32] -> 4 x 2 blocks.
+    assert counted.routed_expert_scales_per_frame == 4 * 2 * (8 + 8 + 8)
 
 
 def test_format_table_shows_computed_and_paper_figures(full_size):

@@ -48,7 +48,7 @@ from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3TowerAttention
 BF16_BYTES = 2
 FP8_BYTES = 1
 SCALE_BYTES = 4  # weight_scale_inv is float32
-# The published quantization_config's weight_block_size; a config that carries its own wins.
+# The published quantization_config's weight_block_size; a "bsgemm-moe" config's own size wins.
 DEFAULT_FP8_BLOCK = (128, 128)
 GB = 1e9
 
@@ -221,10 +221,8 @@ def main() -> None:
 
 
 def _fp8_block(config: Drama3Config) -> tuple[int, int]:
-    quant = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict()
-    return tuple(quant.get("weight_block_size", DEFAULT_FP8_BLOCK))
+    published = config.published_quantization_config or {}
+    return tuple(published.get("weight_block_size", DEFAULT_FP8_BLOCK))
 
 
 def _one_expert(name: str, shape: torch.Size, block: tuple[int, int]) -> tuple[int, int]:
