@@ -1,0 +1,19 @@
+"""Training: datasets -> codes, collators, packing, losses, Muon, LoRA presets, reward model, GRPO.
+
+See docs/training.md.
+"""
+
+from .collators import (
+    CloningCollator,
+    DialogueCollator,
+    InfillCollator,
+    LineByLineCollator,
+    ReferencePool,
+    RowCollator,
+    TTSCollator,
+)
+from .data import PreparationReport, load_speech_records, prepare_dataset
+from .losses import document_losses, row_losses, weighted_speech_loss
+from .optim import MuonWithAdamW, build_optimizer, split_parameters
+from .packing import PackingCollator, pack_greedy, unpack
+from .trainer import Drama3Trainer, drama3_loss

@@ -1,0 +1,314 @@
+"""Speech records -> codes, once: load, validate, resample, encode with the codec, cache, report.
+
+A record is (audio, transcript[, speaker]). Sources:
+
+- a folder of `name.wav` + `name.txt` pairs (the usual "my voice" folder),
+- a folder in `datasets`' audiofolder layout (audio files + `metadata.csv`/`metadata.jsonl`),
+- a CSV or JSONL manifest (columns `audio` or `path`, `text` or `transcript`, optional `speaker`;
+  relative paths are read from the manifest's folder),
+- a Hub dataset name or any `datasets.Dataset` with an audio column.
+
+Audio is never decoded by `datasets` (that needs torchcodec): the audio column is cast to
+`Audio(decode=False)` and read with soundfile. Bad records are skipped and reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+TEXT_COLUMNS = ("text", "transcript", "transcription", "sentence")
+AUDIO_COLUMNS = ("audio", "path", "file", "file_name", "audio_path")
+SPEAKER_COLUMNS = ("speaker", "speaker_id", "voice")
+SILENCE_PEAK = 1e-3  # same rule as the processor's references: peak below -60 dBFS is silence
+MIN_SECONDS = 0.5
+MAX_SECONDS = 30.0
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+
+def load_speech_records(source, split: str = "train", audio_column: str | None = None, **load_kwargs):
+    """Any supported source -> a `datasets.Dataset` with columns `audio` ({"path", "bytes"}, not
+    decoded), `text` (str or None) and `speaker` (str).
+
+    Args:
+        source: a folder, a `.csv` / `.jsonl` / `.json` manifest, a Hub dataset name, or a
+            `datasets.Dataset`.
+        split: split of a Hub dataset or audiofolder.
+        audio_column: the audio column of a Hub dataset / `Dataset` (found by name when None).
+    """
+    import datasets
+
+    if isinstance(source, datasets.Dataset):
+        return _normalise_columns(source, audio_column, base_dir=None)
+    path = Path(os.fspath(source))
+    if path.is_dir():
+        if any((path / name).exists() for name in ("metadata.csv", "metadata.jsonl")):
+            dataset = datasets.load_dataset("audiofolder", data_dir=str(path), split=split, **load_kwargs)
+            return _normalise_columns(dataset, audio_column or "audio", base_dir=None)
+        return _sidecar_folder(path)
+    if path.suffix in (".csv", ".jsonl", ".json") and path.exists():
+        builder = "csv" if path.suffix == ".csv" else "json"
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **load_kwargs)
+        return _normalise_columns(dataset, audio_column, base_dir=path.parent)
+    dataset = datasets.load_dataset(os.fspath(source), split=split, **load_kwargs)
+    return _normalise_columns(dataset, audio_column, base_dir=None)
+
+
+def _sidecar_folder(folder: Path):
+    """A folder of `x.wav` + `x.txt` (speaker: the sub-folder name, or the folder's own name)."""
+    import datasets
+
+    records = []
+    for audio in sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES):
+        transcript = audio.with_suffix(".txt")
+        text = transcript.read_text(encoding="utf-8").strip() if transcript.exists() else None
+        speaker = audio.parent.name if audio.parent != folder else folder.name
+        records.append({"audio": str(audio), "text": text, "speaker": speaker})
+    if not records:
+        raise ValueError(f"{folder}: no audio files ({', '.join(AUDIO_SUFFIXES)}) found")
+    dataset = datasets.Dataset.from_list(records)
+    return dataset.cast_column("audio", datasets.Audio(decode=False))
+
+
+def _pick(columns: Iterable[str], candidates: tuple[str, ...], given: str | None, what: str) -> str | None:
+    columns = list(columns)
+    if given is not None:
+        if given not in columns:
+            raise ValueError(f"{what} column {given!r} is not in the dataset (columns: {columns})")
+        return given
+    return next((name for name in candidates if name in columns), None)
+
+
+def _normalise_columns(dataset, audio_column: str | None, base_dir: Path | None):
+    import datasets
+
+    audio = _pick(dataset.column_names, AUDIO_COLUMNS, audio_column, "audio")
+    if audio is None:
+        raise ValueError(f"no audio column among {dataset.column_names}; expected one of {AUDIO_COLUMNS}")
+    text = _pick(dataset.column_names, TEXT_COLUMNS, None, "text")
+    speaker = _pick(dataset.column_names, SPEAKER_COLUMNS, None, "speaker")
+    if base_dir is not None and not isinstance(dataset.features[audio], datasets.Audio):
+        dataset = dataset.map(
+            lambda value: {audio: value if value is None or os.path.isabs(value) else str(base_dir / value)},
+            input_columns=audio,
+        )
+    dataset = dataset.map(
+        lambda row: {
+            "text": None if text is None or row[text] is None else str(row[text]),
+            "speaker": "0" if speaker is None or row[speaker] is None else str(row[speaker]),
+        },
+        remove_columns=[name for name in dataset.column_names if name not in (audio,)],
+    )
+    if audio != "audio":
+        dataset = dataset.rename_column(audio, "audio")
+    return dataset.cast_column("audio", datasets.Audio(decode=False))
+
+
+# ---- reading and validating ----------------------------------------------------------------------
+
+
+def read_audio(value: Any) -> tuple[np.ndarray, int]:
+    """An undecoded `Audio` value ({"path", "bytes"}) or a path -> (mono float32 samples, rate)."""
+    import soundfile
+
+    if isinstance(value, dict):
+        source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
+    else:
+        source = value
+    if source is None:
+        raise ValueError("no audio (neither bytes nor a path)")
+    samples, rate = soundfile.read(source, dtype="float32", always_2d=True)  # [samples, channels]
+    return samples.mean(axis=1), int(rate)
+
+
+@dataclass
+class Skipped:
+    """One record left out: its index in the source, where its audio came from, and why."""
+
+    index: int
+    source: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class PreparationReport:
+    """What `prepare_dataset` kept and skipped. `reasons` counts skips per reason."""
+
+    total: int = 0
+    kept: int = 0
+    from_cache: int = 0
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def reasons(self) -> dict[str, int]:
+        return dict(Counter(item.reason for item in self.skipped))
+
+    def summary(self) -> str:
+        lines = [f"{self.kept} of {self.total} records kept ({self.from_cache} from the cache)"]
+        for reason, count in sorted(self.reasons.items()):
+            lines.append(f"  skipped {count}: {reason}")
+        for item in self.skipped[:20]:
+            lines.append(f"    #{item.index} {item.source}: {item.reason} {item.detail}".rstrip())
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "total": self.total,
+            "kept": self.kept,
+            "from_cache": self.from_cache,
+            "reasons": self.reasons,
+            "skipped": [vars(item) for item in self.skipped],
+        }
+
+
+def check_record(
+    text: str | None, samples: np.ndarray, rate: int, min_seconds: float, max_seconds: float
+) -> tuple[str, str] | None:
+    """(reason, detail) when a record is unusable, else None. Reasons: "missing transcript",
+    "empty audio", "non-finite samples", "silent", "too short", "too long"."""
+    if text is None or not text.strip():
+        return "missing transcript", ""
+    if samples.size == 0:
+        return "empty audio", ""
+    if not np.isfinite(samples).all():
+        return "non-finite samples", ""
+    if float(np.abs(samples).max()) < SILENCE_PEAK:
+        return "silent", f"peak {float(np.abs(samples).max()):.2e}"
+    seconds = samples.shape[0] / rate
+    if seconds < min_seconds:
+        return "too short", f"{seconds:.2f} s < {min_seconds} s"
+    if seconds > max_seconds:
+        return "too long", f"{seconds:.2f} s > {max_seconds} s"
+    return None
+
+
+# ---- encoding with a cache -----------------------------------------------------------------------
+
+
+def codec_fingerprint(codec) -> str:
+    """A short hash of the codec's config and weights: cached codes are only reused by the same codec."""
+    digest = hashlib.sha1(json.dumps(codec.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(codec.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().sum().item().hex().encode())
+    return digest.hexdigest()[:16]
+
+
+def _record_key(audio_value: Any, fingerprint: str) -> str:
+    digest = hashlib.sha1(fingerprint.encode())
+    if isinstance(audio_value, dict) and audio_value.get("bytes"):
+        digest.update(audio_value["bytes"])
+    else:
+        path = audio_value.get("path") if isinstance(audio_value, dict) else audio_value
+        stat = os.stat(path)
+        digest.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _describe(audio_value: Any) -> str:
+    if isinstance(audio_value, dict):
+        return str(audio_value.get("path") or "<bytes>")
+    return str(audio_value)
+
+
+def prepare_dataset(
+    records,
+    codec,
+    cache_dir: str | os.PathLike,
+    batch_size: int = 8,
+    min_seconds: float = MIN_SECONDS,
+    max_seconds: float = MAX_SECONDS,
+    progress: bool = True,
+    report_path: str | os.PathLike | None = None,
+):
+    """Validate, resample and encode every record once; returns (dataset, report).
+
+    The dataset has columns `text`, `speaker`, `codes` ([num_codebooks][frames] ints), `frames`
+    and `source`. Codes are cached per record under `cache_dir` (keyed by the audio and the codec's
+    fingerprint), so a second call, or a call after an interruption, encodes only what is missing.
+    Items are encoded `batch_size` at a time (the codec is causal: right padding leaves codes
+    unchanged). Skipped records are listed in the report (also written to `report_path` as JSON).
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    fingerprint = codec_fingerprint(codec)
+    report = PreparationReport(total=len(records))
+    kept: dict[int, dict] = {}
+    pending: list[tuple[int, dict, np.ndarray, Path]] = []
+
+    def flush():
+        if not pending:
+            return
+        encoded = codec.encode([item[2] for item in pending], sampling_rate=codec.sampling_rate, max_seconds=max_seconds + 1)
+        for (index, row, _, path), codes, length in zip(pending, encoded.codes, encoded.lengths):
+            codes = codes[:, : int(length)].to("cpu", torch.int32).numpy()
+            np.save(path.with_suffix(".tmp.npy"), codes)
+            os.replace(path.with_suffix(".tmp.npy"), path)  # atomic: an interrupted run leaves no half file
+            kept[index] = {**row, "codes": codes.tolist(), "frames": int(codes.shape[1])}
+        pending.clear()
+
+    for index, record in enumerate(tqdm(records, desc="encoding", disable=not progress)):
+        audio_value, text = record["audio"], record["text"]
+        source = _describe(audio_value)
+        row = {"text": (text or "").strip(), "speaker": record.get("speaker", "0"), "source": source}
+        try:
+            path = cache / f"{_record_key(audio_value, fingerprint)}.npy"
+        except (OSError, TypeError) as error:
+            report.skipped.append(Skipped(index, source, "unreadable", str(error)))
+            continue
+        if path.exists() and text and text.strip():
+            codes = np.load(path)
+            kept[index] = {**row, "codes": codes.tolist(), "frames": int(codes.shape[1])}
+            report.from_cache += 1
+            continue
+        try:
+            samples, rate = read_audio(audio_value)
+        except Exception as error:  # soundfile raises several types for broken files
+            report.skipped.append(Skipped(index, source, "unreadable", f"{type(error).__name__}: {error}"))
+            continue
+        problem = check_record(text, samples, rate, min_seconds, max_seconds)
+        if problem is not None:
+            report.skipped.append(Skipped(index, source, *problem))
+            continue
+        if rate != codec.sampling_rate:
+            import soxr
+
+            samples = soxr.resample(samples, rate, codec.sampling_rate).astype(np.float32)
+        pending.append((index, row, samples, path))
+        if len(pending) >= batch_size:
+            flush()
+    flush()
+
+    report.kept = len(kept)
+    rows = [kept[index] for index in sorted(kept)]
+    features = datasets.Features(
+        {
+            "text": datasets.Value("string"),
+            "speaker": datasets.Value("string"),
+            "source": datasets.Value("string"),
+            "codes": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
+            "frames": datasets.Value("int32"),
+        }
+    )
+    dataset = datasets.Dataset.from_list(rows, features=features) if rows else datasets.Dataset.from_dict(
+        {name: [] for name in features}, features=features
+    )
+    if report_path is not None:
+        Path(report_path).write_text(json.dumps(report.to_json(), indent=2), encoding="utf-8")
+    return dataset, report

@@ -1,0 +1,67 @@
+"""`Drama3Trainer`: `transformers.Trainer` plus three small things the collators can ask for.
+
+Plain `Trainer` already trains `Drama3ForSpeechGeneration` (the model returns `loss`; pass
+`remove_unused_columns=False` so the collator receives the prepared columns). This subclass adds:
+
+- `optimizer="muon"`: `MuonWithAdamW` (see optim.py) instead of the default AdamW;
+- packed batches (`document_ids`): unpacked to one row per document before the forward, which
+  is exact whatever the backbone's kernels (see packing.py);
+- `row_weights` (infilling seams): the loss is recomputed from the logits with per-row weights,
+  since the model's forward has no weight argument.
+"""
+
+from __future__ import annotations
+
+from transformers import Trainer
+
+from .losses import row_losses, weighted_speech_loss
+from .optim import build_optimizer
+from .packing import is_packed, unpack
+
+
+def drama3_loss(model, inputs: dict, pad_id: int = 0):
+    """(loss, output) of one batch: unpacks packed batches and applies `row_weights` when present."""
+    inputs = dict(inputs)
+    if is_packed(inputs):
+        inputs = unpack(inputs, pad_id)
+    row_weights = inputs.pop("row_weights", None)
+    if row_weights is None:
+        output = model(**inputs)
+        return output.loss, output
+    labels = inputs.pop("labels")
+    output = model(**inputs)
+    core = getattr(model, "module", model)  # DDP
+    while not hasattr(core, "is_semantic") and hasattr(core, "get_base_model"):
+        core = core.get_base_model()  # PEFT
+    terms = weighted_speech_loss(row_losses(core, output, labels, inputs["audio_codes"]), core.config, row_weights)
+    return terms["loss"], output
+
+
+class Drama3Trainer(Trainer):
+    """`Trainer` with `optimizer="adamw"|"muon"` and support for packed and weighted batches.
+
+    Args:
+        optimizer: which optimiser `create_optimizer` builds ("adamw" or "muon"); ignored when
+            `optimizers=(...)` is given.
+        pad_id: padding id used when unpacking packed batches.
+        (everything else as `transformers.Trainer`)
+    """
+
+    def __init__(self, *args, optimizer: str = "adamw", pad_id: int = 0, **kwargs):
+        self.optimizer_name = optimizer
+        self.pad_id = pad_id
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(
+                model if model is not None else self.model,
+                self.optimizer_name,
+                lr=self.args.learning_rate,
+                weight_decay=self.args.weight_decay,
+            )
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, output = drama3_loss(model, inputs, self.pad_id)
+        return (loss, output) if return_outputs else loss
