@@ -25,7 +25,6 @@ from torch.nn.utils.parametrizations import weight_norm
 from transformers.modeling_utils import PreTrainedAudioTokenizerBase
 from transformers import initialization as init
 from transformers.models.dac.modeling_dac import Snake1d
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from .audio import check_codes, prepare_audio_batch
 from .configuration_codec import Drama3CodecConfig
@@ -161,7 +160,7 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, table_d
     """cos, sin of RoPE angles for absolute `positions` [time] -> two `[time, head_dim / 2]`.
 
     Rounded to `table_dtype` the way fish-speech rounds its precomputed table, then returned in
-    float32 (the rotation itself runs in float32).
+    float32.
     """
     inverse_frequencies = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
     angles = positions.float()[:, None] * inverse_frequencies[None, :]
@@ -169,8 +168,10 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, table_d
 
 
 def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of `x` [batch, time, heads, head_dim] by the angles of each time."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    """Rotate pairs (x[2i], x[2i+1]) of `x` [batch, time, heads, head_dim] by the angles of each time.
+
+    Runs in float32 at least (as fish-speech does for bfloat16 models), in float64 for float64."""
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
@@ -224,6 +225,20 @@ class FeedForward(nn.Module):
         return self.w2(self.dropout(F.silu(self.w1(hidden)) * self.w3(hidden)))
 
 
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in float32 at least (float64 stays float64)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        wide = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(hidden.dtype) * self.weight
+
+
 class LayerScale(nn.Module):
     """Learned per-channel scale `gamma` of a residual branch."""
 
@@ -242,8 +257,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(dim, heads, head_dim, config.transformer_dropout)
         self.feed_forward = FeedForward(dim, intermediate_size, config.transformer_dropout)
-        self.ffn_norm = LlamaRMSNorm(dim, eps=config.norm_eps)
-        self.attention_norm = LlamaRMSNorm(dim, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=config.norm_eps)
         self.attention_layer_scale = LayerScale(dim, config.layer_scale_init)
         self.ffn_layer_scale = LayerScale(dim, config.layer_scale_init)
 
@@ -281,7 +296,7 @@ class WindowLimitedTransformer(CausalModule):
         self.layers = nn.ModuleList(
             TransformerBlock(dim, heads, self.head_dim, intermediate_size, config) for _ in range(layers)
         )
-        self.norm = LlamaRMSNorm(dim, eps=config.norm_eps)
+        self.norm = RMSNorm(dim, eps=config.norm_eps)
         self.input_proj = nn.Linear(input_dim, dim) if input_dim != dim else nn.Identity()
         self.output_proj = nn.Linear(dim, input_dim) if input_dim != dim else nn.Identity()
 
@@ -588,7 +603,7 @@ class Drama3CodecModel(PreTrainedAudioTokenizerBase):
             init.normal_(module.weight)
         elif isinstance(module, Snake1d):
             init.ones_(module.alpha)
-        elif isinstance(module, (LlamaRMSNorm, nn.LayerNorm)):
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
             init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 init.zeros_(module.bias)
