@@ -1,13 +1,12 @@
 """Drama3Processor without a codec: labels, batching, round trips, conversations, saving, bad input."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from processor_helpers import only_item, random_codes, tiny_processor, tiny_tokenizer, token_id
+from processor_helpers import random_codes, tiny_processor, tiny_tokenizer, token_id
 from transformers_drama3.processing_drama3 import Drama3Processor, conversation_to_script
 from transformers_drama3.prompting import (
     IGNORE_INDEX,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import urllib.parse
 import urllib.request
@@ -25,7 +24,6 @@ from .prompting import (
     Clip,
     Frames,
     LayoutContext,
-    Literal,
     PromptRows,
     Reference,
     Request,
@@ -38,7 +36,6 @@ from .prompting import (
     as_clip,
     assemble_infill,
     check_codes,
-    check_free_text,
     check_speaker,
     encode_layout,
     parse_rows,
@@ -92,7 +89,7 @@ class Drama3Processor(ProcessorMixin):
 
     def __init__(
         self,
-        tokenizer=None,
+        tokenizer,
         codec=None,
         chat_template: str | None = None,
         codebook_size: int = CODEBOOK_SIZE,
