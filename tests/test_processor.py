@@ -434,3 +434,16 @@ def test_save_audio_writes_wav_and_flac(tmp_path):
         assert rate == 44100 and np.abs(read - wave).max() < 1e-3
     with pytest.raises(ValueError, match=r"\.wav or \.flac"):
         processor.save_audio(wave, tmp_path / "a.mp3")
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Infill("x", prefix=random_codes(2, 1), suffix=random_codes(2, 2)),
+        StreamingScript(["a.", "b."], spoken=[random_codes(2, 3)]),
+    ],
+)
+def test_rows_of_other_layouts_are_not_parsed_as_a_script(request_):
+    processor = tiny_processor()
+    with pytest.raises(ValueError):
+        processor.parse(processor(request_))

@@ -181,7 +181,7 @@ def _check_annotation(value: str | None, location: str, forbidden: str) -> str |
 # ---- audio given three ways -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: tensors have no single truth value
 class Clip:
     """Audio given as precomputed codes `[num_codebooks, frames]`, a waveform, or a file path / URL.
 
@@ -384,7 +384,7 @@ class Literal:
     parts: tuple[str | Special, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Frames:
     """Audio rows: codes `[num_codebooks, frames]`."""
 
@@ -1016,6 +1016,10 @@ class Message:
     closed: bool = False
 
 
+def _is_special(item: object, token: str) -> bool:
+    return isinstance(item, Special) and item.token == token
+
+
 def rows_to_messages(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, ids: TokenIds) -> list[Message]:
     """Split rows into messages. Runs of text ids decode to strings, runs of audio rows to codes
     `[num_codebooks, frames]`, other special ids to `Special`."""
@@ -1038,14 +1042,14 @@ def rows_to_messages(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokeniz
         index = end
     messages: list[Message] = []
     for item in items:
-        if item == Special(IM_START):
+        if _is_special(item, IM_START):
             messages.append(Message(role=""))
         elif not messages:
             raise ValueError("rows must start with <|im_start|>")
-        elif item == Special(IM_END):
+        elif _is_special(item, IM_END):
             messages[-1].closed = True
         elif messages[-1].closed:
-            if item != "\n":
+            if not (isinstance(item, str) and item == "\n"):
                 raise ValueError(f"unexpected {item!r} between messages")
         elif not messages[-1].role and not messages[-1].items and isinstance(item, str):
             role, _, rest = item.partition("\n")
@@ -1064,7 +1068,7 @@ def _parse_lines(items: Sequence[str | Special | torch.Tensor], separator: str |
     for item in items:
         if isinstance(item, Special) and item.token.startswith("<|speaker:"):
             speaker = int(item.token[len("<|speaker:") : -2])
-        elif isinstance(item, Special) and item.token == separator:
+        elif separator is not None and _is_special(item, separator):
             groups.append([])
         elif isinstance(item, str) and speaker is not None:
             groups[-1].append(Line(item[1:] if item.startswith(" ") else item, speaker))
@@ -1110,6 +1114,8 @@ def parse_system(message: Message) -> list[Reference]:
 def parse_rows(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, ids: TokenIds) -> Script:
     """Rows in the published layout (or the line-by-line one) -> the `Script` they encode.
 
+    Infilling and streaming rows are not parsed back (they raise a ValueError).
+
     Padding must be removed first. Rows that end with a closed assistant turn give a script with a
     `target`. Used by round-trip tests and to inspect training data."""
     messages = rows_to_messages(input_ids, audio_codes, tokenizer, ids)
@@ -1117,14 +1123,16 @@ def parse_rows(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, id
         raise ValueError("rows must start with a system turn")
     references = parse_system(messages[0])
     turns = messages[1:]
-    separated = any(Special(AUDIO_SEPARATOR) in message.items for message in turns)
+    separated = any(
+        isinstance(item, Special) and item.token == AUDIO_SEPARATOR for message in turns for item in message.items
+    )
     pairs = []
     for position in range(0, len(turns), 2):
         user = turns[position]
         assistant = turns[position + 1] if position + 1 < len(turns) else None
         if user.role != "user" or assistant is None or assistant.role != "assistant":
             raise ValueError("turns must alternate user, assistant")
-        if not assistant.items or assistant.items[0] != Special(VOICE):
+        if not assistant.items or not _is_special(assistant.items[0], VOICE):
             raise ValueError("an assistant turn must start with <|voice|>")
         pairs.append((user, assistant))
     history = []
