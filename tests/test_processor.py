@@ -231,6 +231,17 @@ def test_chat_with_system_references_user_text_and_history_gives_the_rows_of_the
     assert torch.equal(processor.apply_chat_template(conversation)["input_ids"], processor(script)["input_ids"])
 
 
+def test_chat_user_text_with_audio_is_a_reference():
+    processor = tiny_processor()
+    ref = random_codes(3, seed=1)
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Ref words."}, {"type": "audio", "codes": ref}]},
+        {"role": "user", "content": [{"type": "text", "text": "Now say this."}]},
+    ]
+    rows = processor("Now say this.", reference_audio=ref, reference_text="Ref words.")
+    assert torch.equal(processor.apply_chat_template(conversation)["input_ids"], rows["input_ids"])
+
+
 def test_chat_ending_with_an_assistant_take_is_a_training_example():
     processor = tiny_processor()
     target = random_codes(3, seed=1)
@@ -261,7 +272,7 @@ def test_chat_batches_and_text_rendering():
         ([{"role": "0", "content": [{"type": "audio", "codes": random_codes(2)}]}], "exactly one transcript"),
         ([{"role": "system", "content": "just text"}], "system text"),
         ([{"role": "assistant", "content": [{"type": "audio", "codes": random_codes(2)}]}], "must follow"),
-        ([{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]}], "user audio"),
+        ([{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]}], "exactly one transcript"),
         ([{"role": "0", "content": [{"type": "text", "text": "x"}, {"type": "audio"}]}], "exactly one of path"),
         ([{"role": "16", "content": "x"}], "speaker 16"),
         ([], "non-empty"),

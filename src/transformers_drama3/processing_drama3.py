@@ -394,7 +394,8 @@ class Drama3Processor(ProcessorMixin):
           item follows its transcript; speaker from the audio item's or the message's "speaker" (0).
         - `{"role": "<N>"}` (a speaker 0-15, CSM style): text + audio = a reference of speaker N;
           text only = a line of speaker N.
-        - `{"role": "user"}`: text = lines (raw text, `<|speaker:N|>` tags allowed).
+        - `{"role": "user"}`: text = lines (raw text, `<|speaker:N|>` tags allowed); text followed
+          by audio = a reference (speaker from the item's or message's "speaker", 0 by default).
         - `{"role": "assistant"}`: one audio item, the take of the lines since the previous take.
           Takes before the last lines are history; a take that ends the conversation is the target
           (training rows with labels).
@@ -541,7 +542,7 @@ def conversation_to_script(messages: Sequence[dict], location: str = "conversati
         role = message["role"]
         items = _content_items(message, where)
         speaker = _speaker_role(role)
-        if role == "system" or speaker is not None:
+        if role in ("system", "user") or speaker is not None:
             default = check_speaker(speaker if speaker is not None else message.get("speaker", 0), f"{where}.role")
             texts: list[str] = []
             for position, item in enumerate(items):
@@ -561,14 +562,6 @@ def conversation_to_script(messages: Sequence[dict], location: str = "conversati
             pending.extend(
                 line for text in texts for line in parse_text(text, f"{where}.content", default_speaker=default)
             )
-        elif role == "user":
-            for position, item in enumerate(items):
-                if item["type"] != "text":
-                    raise ValueError(
-                        f"{where}.content[{position}]: user audio is not supported; give references in the "
-                        f"system message or with a speaker role"
-                    )
-                pending.extend(parse_text(item.get("text", ""), f"{where}.content[{position}]"))
         elif role == "assistant":
             audio = [item for item in items if item["type"] == "audio"]
             if len(audio) != 1 or len(items) != 1:
