@@ -13,7 +13,7 @@ from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tin
 
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "tiny_model",
-    "prompt", "left_pad", "reference_greedy", "script_main_tokens",
+    "prompt", "left_pad", "reference_greedy", "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint",
 ]
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
@@ -90,3 +90,40 @@ def script_main_tokens(model, scripts: list[list[int]]):
 
     model.speech_logits = speech_logits
     return model
+
+
+# ---- a tiny model that matches a real tokenizer and codec (pipelines, CLI, long-form) -------------
+
+BUNDLE_CODEBOOK_SIZE = 32
+
+
+def tiny_speech_bundle(seed: int = 0):
+    """(model, processor): a tiny model whose token ids match a tiny Drama 3 tokenizer (32 semantic
+    tokens) and a tiny codec (4 codebooks), float32, random weights."""
+    from codec_helpers import tiny_codec
+    from model_helpers import tiny_config_dict
+    from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+
+    tokenizer = build_drama3_tokenizer(vocab_size=300, codebook_size=BUNDLE_CODEBOOK_SIZE)
+    vocab = tokenizer.get_vocab()
+    semantic_start = vocab["<|semantic:0|>"]
+    config = tiny_config_dict(
+        text={"vocab_size": len(tokenizer)},
+        semantic_start_token_id=semantic_start,
+        semantic_end_token_id=semantic_start + BUNDLE_CODEBOOK_SIZE - 1,
+        eos_token_id=vocab["<|im_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = Drama3ForSpeechGeneration(Drama3Config(**config)).float().eval()
+    processor = Drama3Processor(tokenizer, codec=tiny_codec(seed), codebook_size=BUNDLE_CODEBOOK_SIZE)
+    return model, processor
+
+
+def save_tiny_checkpoint(directory, seed: int = 0):
+    """Write a tiny model + processor (tokenizer, codec/) into `directory`; returns (model, processor)."""
+    model, processor = tiny_speech_bundle(seed)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model, processor

@@ -928,3 +928,134 @@ def stream(
     for step in decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets):
         yield from waveform_streamer.push(clicks.release(step))
     yield from waveform_streamer.finish()
+
+
+# ----------------------------------------------------------------------------- long-form
+
+
+LONG_FORM_FRAMES_PER_CHUNK = 1024
+"""Default cap on the frames of one chunk of a long text (as the MLX port)."""
+
+
+@dataclass
+class LongFormOutput:
+    """A long text spoken chunk by chunk.
+
+    audio: [samples] the whole waveform (when the processor has a codec), decoded in one pass;
+    audio_codes: [frames, num_codebooks] every chunk's take, in order; chunk_lengths: frames per
+    chunk; chunks: the chunk scripts; finish_reasons / anomalies: per chunk; time_to_first_audio:
+    seconds to the first streamed chunk (with a streamer).
+    """
+
+    audio: torch.Tensor | None
+    audio_codes: torch.Tensor
+    chunk_lengths: list[int]
+    chunks: list
+    finish_reasons: list[str]
+    anomalies: list[list[str]]
+    sampling_rate: int | None = None
+    time_to_first_audio: float | None = None
+
+
+class _FramesToWaveform:
+    """A streamer for `generate` (frames in, no end per chunk) that feeds one `WaveformStreamer`
+    across every chunk, so the codec's decoder state runs on over the chunk seams."""
+
+    def __init__(self, target, waveform_streamer: WaveformStreamer):
+        self.target, self.waveform_streamer = target, waveform_streamer
+
+    def put(self, frames: torch.Tensor) -> None:
+        for chunk in self.waveform_streamer.push(list(frames[0])):
+            _put(self.target, chunk)
+
+    def end(self) -> None:
+        """A chunk ended; the stream goes on."""
+
+    def close(self) -> None:
+        for chunk in self.waveform_streamer.finish():
+            if chunk.codes.numel():
+                _put(self.target, chunk)
+        self.target.end()
+
+
+@torch.no_grad()
+def generate_long_form(
+    model,
+    processor,
+    text,
+    *,
+    references=None,
+    reference_audio=None,
+    reference_text=None,
+    seed: int | None = None,
+    streamer=None,
+    progress: bool = True,
+    max_new_tokens: int = LONG_FORM_FRAMES_PER_CHUNK,
+    **generate_kwargs,
+) -> LongFormOutput:
+    """Speak a script of any length, one chunk at a time, keeping the voice across chunks.
+
+    The processor cuts the script into chunks (~300 UTF-8 bytes, at most 3 speakers each; spec
+    §4). Chunk k is generated with the history of the first chunk's take and the previous
+    chunk's take (`prompting.long_text_history`), after any history the script already has, so
+    the voice carries over. A tqdm bar counts the chunks.
+
+    Args:
+        text: raw text (speaker tags allowed) or a `prompting.Script`.
+        references / reference_audio + reference_text: voice references for raw text.
+        seed: chunk k draws with seed + k.
+        streamer: receives waveform chunks across the whole script (batch 1), `end()` once.
+        max_new_tokens: frames cap of one chunk (also bounded by its own budget).
+        **generate_kwargs: passed to `generate` (sampling settings, preset, ...).
+    """
+    from tqdm.auto import tqdm
+
+    from .prompting import Script, Take, long_text_history
+
+    if references is None:
+        references = processor.references_from(reference_audio, reference_text)
+    script = processor.as_request(text, tuple(references), "text")
+    if not isinstance(script, Script) or type(script) is not Script:
+        raise ValueError(f"text: long-form generation takes raw text or a Script; got {type(script).__name__}")
+    chunks = processor.chunk(script)
+    codec = processor.codec
+    started = time.perf_counter()
+    relay = None
+    if streamer is not None:
+        relay = _FramesToWaveform(streamer, WaveformStreamer(codec, started))
+    takes, pieces, outputs = [], [], []
+    for index, chunk in enumerate(tqdm(chunks, desc="chunks", unit="chunk", disable=not progress)):
+        request = chunk.with_history((*script.history, *long_text_history(takes)))
+        inputs = processor(request)
+        output = generate(
+            model,
+            inputs["input_ids"],
+            inputs["audio_codes"],
+            inputs["attention_mask"],
+            streamer=relay,
+            seed=None if seed is None else seed + index,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+        codes = output.audio_codes[0, : int(output.lengths[0])]
+        pieces.append(codes)
+        outputs.append(output)
+        if codes.shape[0]:
+            takes.append(Take(lines=chunk.lines, audio=codes.T.cpu()))
+    if relay is not None:
+        relay.close()
+    audio_codes = torch.cat(pieces) if pieces else torch.zeros(0, model.config.num_codebooks, dtype=torch.long)
+    audio = None
+    if codec is not None:
+        audio = decode_audio(codec, audio_codes[None], torch.tensor([audio_codes.shape[0]]))[0]
+    return LongFormOutput(
+        audio=audio,
+        audio_codes=audio_codes,
+        chunk_lengths=[piece.shape[0] for piece in pieces],
+        chunks=chunks,
+        finish_reasons=[output.finish_reasons[0] for output in outputs],
+        anomalies=[output.anomalies[0] for output in outputs],
+        sampling_rate=None if codec is None else codec.sampling_rate,
+        time_to_first_audio=None if relay is None else relay.waveform_streamer.time_to_first_audio,
+    )
