@@ -97,6 +97,6 @@ def write_voice_folder(folder: Path, count: int = 4, rate: int = 16000) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        soundfile.write(folder / f"clip{i}.wav", tone(0.6 + 0.1 * i, rate, 200 + 30 * i), rate)
+        soundfile.write(folder / f"clip{i}.wav", tone(0.2 + 0.05 * i, rate, 200 + 30 * i), rate)
         (folder / f"clip{i}.txt").write_text(sentence(i), encoding="utf-8")
     return folder

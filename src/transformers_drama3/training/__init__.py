@@ -17,3 +17,14 @@ from .losses import document_losses, row_losses, weighted_speech_loss
 from .optim import MuonWithAdamW, build_optimizer, split_parameters
 from .packing import PackingCollator, pack_greedy, unpack
 from .trainer import Drama3Trainer, drama3_loss
+from .grpo import GRPOConfig, GRPOTrainer, Prompt, Takes, pairwise_advantages, rollout, standardise
+from .lora import apply_lora, lora_config, merge_and_save
+from .reward import (
+    Drama3ForRewardModeling,
+    PreferenceCollator,
+    bradley_terry_loss,
+    preference_accuracy,
+    register_reward_model,
+)
+
+register_reward_model()

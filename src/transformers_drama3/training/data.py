@@ -99,20 +99,22 @@ def _normalise_columns(dataset, audio_column: str | None, base_dir: Path | None)
         raise ValueError(f"no audio column among {dataset.column_names}; expected one of {AUDIO_COLUMNS}")
     text = _pick(dataset.column_names, TEXT_COLUMNS, None, "text")
     speaker = _pick(dataset.column_names, SPEAKER_COLUMNS, None, "speaker")
-    if base_dir is not None and not isinstance(dataset.features[audio], datasets.Audio):
-        dataset = dataset.map(
-            lambda value: {audio: value if value is None or os.path.isabs(value) else str(base_dir / value)},
-            input_columns=audio,
-        )
+    if not isinstance(dataset.features[audio], datasets.Audio):
+        # paths as Audio structs; relative paths are read from the manifest's folder
+        def as_struct(value):
+            if value is not None and base_dir is not None and not os.path.isabs(value):
+                value = str(base_dir / value)
+            return {audio: {"bytes": None, "path": value}}
+
+        dataset = dataset.map(as_struct, input_columns=audio)
     dataset = dataset.map(
         lambda row: {
-            "text": None if text is None or row[text] is None else str(row[text]),
-            "speaker": "0" if speaker is None or row[speaker] is None else str(row[speaker]),
+            "_text": None if text is None or row[text] is None else str(row[text]),
+            "_speaker": "0" if speaker is None or row[speaker] is None else str(row[speaker]),
         },
-        remove_columns=[name for name in dataset.column_names if name not in (audio,)],
+        remove_columns=[name for name in dataset.column_names if name != audio],
     )
-    if audio != "audio":
-        dataset = dataset.rename_column(audio, "audio")
+    dataset = dataset.rename_columns({audio: "audio", "_text": "text", "_speaker": "speaker"})
     return dataset.cast_column("audio", datasets.Audio(decode=False))
 
 
