@@ -1,0 +1,266 @@
+"""Seeded sentence grammars for the drama3-tiny corpus: English (main) and Spanish (bonus).
+
+Every sentence is generated here from word lists written for this project (no dataset text).
+Numbers are always spelled out, because the tiny model reads words, not digits. The generators
+take a `random.Random` so a corpus is a pure function of its seed.
+"""
+
+from __future__ import annotations
+
+import random
+
+# ---- numbers spelled out ------------------------------------------------------------------------
+
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen"
+).split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_to_words(n: int) -> str:
+    """English words for 0 <= n < 10000, e.g. 2417 -> 'two thousand four hundred seventeen'."""
+    if not 0 <= n < 10000:
+        raise ValueError(f"number_to_words covers 0..9999; got {n}")
+    if n < 20:
+        return _ONES[n]
+    if n < 100:
+        tens, ones = divmod(n, 10)
+        return _TENS[tens] + (f" {_ONES[ones]}" if ones else "")
+    if n < 1000:
+        hundreds, rest = divmod(n, 100)
+        return f"{_ONES[hundreds]} hundred" + (f" {number_to_words(rest)}" if rest else "")
+    thousands, rest = divmod(n, 1000)
+    return f"{_ONES[thousands]} thousand" + (f" {number_to_words(rest)}" if rest else "")
+
+
+def year_to_words(year: int) -> str:
+    """A year as it is read aloud: 1984 -> 'nineteen eighty four', 2007 -> 'two thousand seven'."""
+    if 2000 <= year < 2010:
+        return number_to_words(year)
+    high, low = divmod(year, 100)
+    if low == 0:
+        return f"{number_to_words(high)} hundred"
+    return f"{number_to_words(high)} {'oh ' + _ONES[low] if low < 10 else number_to_words(low)}"
+
+
+# ---- English vocabulary -------------------------------------------------------------------------
+
+NAMES = (
+    "Anna Bruno Clara Daniel Edith Felix Greta Hugo Irene Jonas Karin Leo Mara Nils Olga Peter "
+    "Rosa Simon Tara Victor Wanda Yusuf Zelda Amir Bianca Conrad Delia Emil Fiona Gideon Hazel "
+    "Ivan Julia Kofi Lena Milo Nadia Oscar Priya Ruben"
+).split()
+
+NOUNS = (
+    "lamp kettle ladder blanket basket candle mirror bucket saddle drawer violin trumpet parcel "
+    "envelope notebook pencil compass lantern umbrella suitcase wagon bicycle tractor canoe sailboat "
+    "rocket helmet jacket sweater scarf glove boot necklace bracelet teapot saucer spoon fork plate "
+    "bottle barrel crate hammer shovel rake ribbon button feather pebble shell acorn pumpkin melon "
+    "carrot onion lemon apple pear cherry biscuit pancake sandwich pie pudding loaf cabbage turnip "
+    "garden meadow orchard river harbour bridge tower castle cottage cabin chapel market bakery "
+    "library museum station airport island valley canyon glacier desert forest swamp village "
+    "harvest concert festival riddle puzzle letter message rumour secret promise journey voyage "
+    "photograph painting statue sculpture poem novel chapter recipe ticket passport map calendar "
+    "clock engine motor signal whistle drum guitar piano flute banner flag tent fence gate chimney "
+    "window curtain carpet pillow mattress cupboard shelf table chair bench stool stove oven "
+    "fountain lighthouse windmill tunnel highway pathway staircase balcony rooftop cellar attic "
+    "dolphin penguin tortoise rabbit squirrel sparrow falcon pigeon beetle spider donkey pony camel "
+    "goat lamb kitten puppy otter beaver badger walrus lobster"
+).split()
+
+_IRREGULAR_PLURALS = {"loaf": "loaves", "shelf": "shelves", "scarf": "scarves", "knife": "knives"}
+
+ADJECTIVES = (
+    "old young quiet noisy bright gloomy tiny enormous heavy light narrow wide crooked straight "
+    "dusty shiny rusty polished wooden golden silver purple orange yellow crimson pale dark "
+    "cheerful grumpy clever careless patient stubborn gentle fierce curious sleepy hungry thirsty "
+    "ancient modern fragile sturdy slippery smooth rough warm chilly frozen soggy crisp fragrant "
+    "bitter sweet sour salty spotless muddy broken borrowed forgotten hidden famous ordinary "
+    "peculiar mysterious elegant clumsy lonely crowded empty tidy messy striped spotted velvet"
+).split()
+
+# (base, past)
+TRANSITIVE_VERBS = (
+    ("carry", "carried"), ("paint", "painted"), ("repair", "repaired"), ("borrow", "borrowed"),
+    ("polish", "polished"), ("bury", "buried"), ("deliver", "delivered"), ("measure", "measured"),
+    ("sketch", "sketched"), ("wrap", "wrapped"), ("open", "opened"), ("hide", "hid"),
+    ("find", "found"), ("sell", "sold"), ("buy", "bought"), ("throw", "threw"),
+    ("catch", "caught"), ("build", "built"), ("fold", "folded"), ("lift", "lifted"),
+    ("clean", "cleaned"), ("count", "counted"), ("weigh", "weighed"), ("return", "returned"),
+    ("describe", "described"), ("examine", "examined"), ("guard", "guarded"), ("trade", "traded"),
+    ("steal", "stole"), ("drop", "dropped"), ("push", "pushed"), ("pull", "pulled"),
+    ("chase", "chased"), ("admire", "admired"), ("forget", "forgot"), ("remember", "remembered"),
+    ("unlock", "unlocked"), ("decorate", "decorated"), ("rescue", "rescued"), ("inspect", "inspected"),
+)
+INTRANSITIVE_VERBS = (
+    ("sing", "sang"), ("laugh", "laughed"), ("whistle", "whistled"), ("wander", "wandered"),
+    ("shiver", "shivered"), ("arrive", "arrived"), ("vanish", "vanished"), ("sparkle", "sparkled"),
+    ("tremble", "trembled"), ("rest", "rested"), ("wait", "waited"), ("dance", "danced"),
+    ("sleep", "slept"), ("hurry", "hurried"), ("complain", "complained"), ("listen", "listened"),
+    ("glow", "glowed"), ("drift", "drifted"), ("rattle", "rattled"), ("squeak", "squeaked"),
+    ("giggle", "giggled"), ("stumble", "stumbled"), ("sneeze", "sneezed"), ("yawn", "yawned"),
+)
+
+ADVERBS = (
+    "slowly quickly quietly loudly carefully happily sadly suddenly gently proudly eagerly "
+    "nervously politely calmly bravely lazily secretly boldly patiently cheerfully"
+).split()
+
+PLACES = (
+    "near the harbour", "behind the old mill", "under the kitchen table", "beside the river",
+    "at the top of the hill", "inside the museum", "across the valley", "on the balcony",
+    "in the crowded market", "next to the station", "at the edge of the forest", "in the attic",
+    "under the bridge", "by the fountain", "in the back garden", "on the second floor",
+    "outside the bakery", "along the narrow path", "behind the lighthouse", "in the cellar",
+)
+
+TIMES = (
+    "this morning", "last night", "before breakfast", "after lunch", "at midnight", "on Sunday",
+    "on Tuesday evening", "every Friday", "in the spring", "during the storm", "at sunrise",
+    "yesterday afternoon", "next winter", "before the concert", "after the festival",
+    "on Monday", "at dawn", "later today", "in early autumn", "on Thursday",
+)
+
+DEADLINES = ("breakfast", "lunch", "midnight", "sunset", "the concert", "Friday", "the storm")
+
+RELATIVES = "aunt uncle cousin grandmother grandfather neighbour sister brother teacher friend".split()
+
+CITIES = (
+    "Lisbon Oslo Vienna Dublin Prague Madrid Warsaw Helsinki Athens Geneva Boston Denver Seattle "
+    "Toronto Sydney Nairobi Cairo Lima Quito Osaka"
+).split()
+
+CONTAINERS = "box jar tin drawer basket bag chest bowl".split()
+
+
+def pluralize(noun: str) -> str:
+    """English plural of a noun from the lists above."""
+    if noun in _IRREGULAR_PLURALS:
+        return _IRREGULAR_PLURALS[noun]
+    if noun.endswith(("s", "sh", "ch", "x")):
+        return noun + "es"
+    if noun.endswith("y") and noun[-2] not in "aeiou":
+        return noun[:-1] + "ies"
+    return noun + "s"
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _capitalize(sentence: str) -> str:
+    return sentence[0].upper() + sentence[1:]
+
+
+def _count(rng: random.Random) -> str:
+    """A spelled-out count, mostly small, sometimes large."""
+    n = rng.choice((rng.randint(2, 20), rng.randint(21, 99), rng.randint(100, 9999)))
+    return number_to_words(n)
+
+
+def _clock(rng: random.Random) -> str:
+    hour = number_to_words(rng.randint(1, 12))
+    minute = rng.choice((0, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55))
+    if minute == 0:
+        return f"{hour} o'clock"
+    return f"{hour} {'oh five' if minute == 5 else number_to_words(minute)}"
+
+
+def _english_templates(rng: random.Random) -> str:
+    c = rng.choice
+    noun, noun2 = c(NOUNS), c(NOUNS)
+    adj, adj2 = c(ADJECTIVES), c(ADJECTIVES)
+    t_base, t_past = c(TRANSITIVE_VERBS)
+    i_base, i_past = c(INTRANSITIVE_VERBS)
+    name, name2 = c(NAMES), c(NAMES)
+    templates = (
+        lambda: f"{name} {t_past} {_article(adj)} {adj} {noun} {c(PLACES)}.",
+        lambda: f"the {adj} {noun} {i_past} {c(ADVERBS)} {c(TIMES)}.",
+        lambda: f"we counted {_count(rng)} {pluralize(noun)} {c(PLACES)}.",
+        lambda: f"did {name} really {t_base} the {noun} {c(TIMES)}?",
+        lambda: f"please {t_base} the {adj} {noun} before {c(DEADLINES)}.",
+        lambda: f"in {year_to_words(rng.randint(1890, 2009))}, {name} {t_past} {_count(rng)} {pluralize(noun)}.",
+        lambda: f"the {noun} {c(PLACES)} was {adj} and {adj2}.",
+        lambda: f"{name} said that the {noun} would {i_base} {c(ADVERBS)}.",
+        lambda: f"there are {_count(rng)} {adj} {pluralize(noun)} {c(PLACES)}.",
+        lambda: f"why did the {adj} {noun} {i_base} {c(TIMES)}?",
+        lambda: f"my {c(RELATIVES)} keeps {_count(rng)} {pluralize(noun)} in {_article(adj)} {adj} {c(CONTAINERS)}.",
+        lambda: f"the train to {c(CITIES)} leaves at {_clock(rng)}.",
+        lambda: f"{name} and {name2} {t_past} the {noun2} {c(ADVERBS)}.",
+        lambda: f"nobody knew why the {noun} was so {adj}.",
+        lambda: f"the {c(RELATIVES)} from {c(CITIES)} {t_past} {_count(rng)} {adj} {pluralize(noun2)}.",
+        lambda: f"if the {noun} is {adj}, {name} will {t_base} the {noun2}.",
+        lambda: f"{name} {i_past} {c(ADVERBS)} while the {adj} {noun} {c(INTRANSITIVE_VERBS)[1]}.",
+        lambda: f"room {number_to_words(rng.randint(100, 999))} has {_article(adj)} {adj} {noun} and {_count(rng)} {pluralize(noun2)}.",
+    )
+    return _capitalize(c(templates)())
+
+
+def english_sentence(rng: random.Random) -> str:
+    """One English sentence, 5-16 words, numbers spelled out; a pure function of `rng`'s state."""
+    return _english_templates(rng)
+
+
+# ---- Spanish vocabulary (the bonus language) ----------------------------------------------------
+
+_ES_ONES = (
+    "cero uno dos tres cuatro cinco seis siete ocho nueve diez once doce trece catorce quince "
+    "dieciséis diecisiete dieciocho diecinueve veinte"
+).split()
+
+# (singular, plural, gender)
+ES_NOUNS = (
+    ("libro", "libros", "m"), ("mesa", "mesas", "f"), ("ventana", "ventanas", "f"),
+    ("perro", "perros", "m"), ("gato", "gatos", "m"), ("casa", "casas", "f"),
+    ("barco", "barcos", "m"), ("flor", "flores", "f"), ("llave", "llaves", "f"),
+    ("silla", "sillas", "f"), ("árbol", "árboles", "m"), ("camino", "caminos", "m"),
+    ("manzana", "manzanas", "f"), ("carta", "cartas", "f"), ("reloj", "relojes", "m"),
+    ("pájaro", "pájaros", "m"), ("puente", "puentes", "m"), ("lámpara", "lámparas", "f"),
+    ("guitarra", "guitarras", "f"), ("sombrero", "sombreros", "m"), ("botella", "botellas", "f"),
+    ("caballo", "caballos", "m"), ("nube", "nubes", "f"), ("vaso", "vasos", "m"),
+)
+ES_ADJECTIVES = (  # (masculine, feminine)
+    ("viejo", "vieja"), ("nuevo", "nueva"), ("pequeño", "pequeña"), ("rojo", "roja"),
+    ("blanco", "blanca"), ("tranquilo", "tranquila"), ("bonito", "bonita"), ("oscuro", "oscura"),
+    ("grande", "grande"), ("verde", "verde"), ("azul", "azul"), ("alegre", "alegre"),
+)
+ES_NAMES = "Lucía Mateo Carmen Diego Elena Pablo Sofía Andrés Julia Tomás".split()
+ES_PLACES = (
+    "en la plaza", "en el mercado", "cerca del río", "en la cocina", "junto al puerto",
+    "en el jardín", "detrás de la iglesia", "en la estación",
+)
+ES_DESTINATIONS = ("a la plaza", "al mercado", "al río", "a la playa", "al puerto", "a la estación")
+ES_TIMES = ("hoy", "mañana", "ayer", "el lunes", "el viernes", "esta noche", "por la tarde")
+ES_VERBS_PAST = ("compró", "encontró", "pintó", "vendió", "buscó", "limpió", "guardó", "trajo")
+
+
+def _es_det(gender: str, plural: bool = False) -> str:
+    return {("m", False): "el", ("f", False): "la", ("m", True): "los", ("f", True): "las"}[gender, plural]
+
+
+def spanish_sentence(rng: random.Random) -> str:
+    """One Spanish sentence from a small grammar (gender and number agree); spelled-out numbers."""
+    c = rng.choice
+    sing, plural, gender = c(ES_NOUNS)
+    masc, fem = c(ES_ADJECTIVES)
+    adj = masc if gender == "m" else fem
+    adj_plural = adj + ("es" if adj[-1] not in "aeo" else "s")
+    count = _ES_ONES[rng.randint(2, 20)]
+    templates = (
+        lambda: f"{c(ES_NAMES)} {c(ES_VERBS_PAST)} {count} {plural} {adj_plural} {c(ES_PLACES)}.",
+        lambda: f"{_es_det(gender)} {sing} {adj} está {c(ES_PLACES)}.",
+        lambda: f"{c(ES_TIMES)} vamos {c(ES_DESTINATIONS)} con {c(ES_NAMES)}.",
+        lambda: f"¿Dónde está {_es_det(gender)} {sing} de {c(ES_NAMES)}?",
+        lambda: f"hay {count} {plural} {c(ES_PLACES)}.",
+        lambda: f"{c(ES_NAMES)} dice que {_es_det(gender, True)} {plural} son {adj_plural}.",
+    )
+    return _capitalize(c(templates)())
+
+
+def english_content_words() -> set[str]:
+    """Every distinct content word the English grammar can use (for the vocabulary test)."""
+    words = set(NAMES) | set(NOUNS) | {pluralize(n) for n in NOUNS} | set(ADJECTIVES) | set(ADVERBS)
+    words |= {w for pair in TRANSITIVE_VERBS + INTRANSITIVE_VERBS for w in pair}
+    words |= set(RELATIVES) | set(CITIES) | set(CONTAINERS)
+    return {w.lower() for w in words}
