@@ -117,7 +117,8 @@ def tiny_speech_bundle(seed: int = 0):
     )
     torch.manual_seed(seed)
     model = Drama3ForSpeechGeneration(Drama3Config(**config)).float().eval()
-    processor = Drama3Processor(tokenizer, codec=tiny_codec(seed), codebook_size=BUNDLE_CODEBOOK_SIZE)
+    codec = tiny_codec(seed, semantic_codebook_size=BUNDLE_CODEBOOK_SIZE)
+    processor = Drama3Processor(tokenizer, codec=codec, codebook_size=BUNDLE_CODEBOOK_SIZE)
     return model, processor
 
 

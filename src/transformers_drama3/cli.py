@@ -1,0 +1,194 @@
+"""The `drama3` command.
+
+    drama3 say "text" -o out.wav [--reference a.wav --reference-text "..."] [--model PATH_OR_REPO]
+                                 [--stream] [--seed N] [--preset serving|paper-eval] ...
+
+Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
+its parser and sets `handler` (a function of the parsed arguments returning an exit code).
+Add `convert`, `table`, `eval`, `finetune`, `serve` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_MODEL = "fishaudio/drama-3"
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """An error the user can fix; printed as one message, without a traceback."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_model_and_processor(source: str, device: str, dtype: str):
+    """The model and processor (with its codec) from a folder or a Hub repo id."""
+    import torch
+
+    from . import Drama3ForSpeechGeneration
+    from .processing_drama3 import Drama3Processor
+
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
+    looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+    if not os.path.isdir(source) and not looks_like_repo_id:
+        raise CommandError(_missing_model_message(source, "no such folder"))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    try:
+        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=torch_dtype).to(device).eval()
+        processor = Drama3Processor.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
+        raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
+    if processor.codec is None:
+        raise CommandError(
+            f"--model {source}: found the model but no codec (looked for codec/ and codec.pth beside it); "
+            f"download the full checkpoint folder"
+        )
+    processor.codec.to(device)
+    return model, processor
+
+
+def _missing_model_message(source: str, reason: str) -> str:
+    return (
+        f"no Drama 3 model at {source!r} ({reason}).\n"
+        f"Looked for a local folder with config.json, then the Hugging Face Hub repo {source!r}.\n"
+        f"Get the published model with:  huggingface-cli download {DEFAULT_MODEL} --local-dir drama-3\n"
+        f"then run with --model drama-3 (or pass --model PATH to your own checkpoint folder)."
+    )
+
+
+# ----------------------------------------------------------------------------- say
+
+
+class FileStreamer:
+    """Writes waveform chunks to a WAV/FLAC file as they arrive; reports the time to first audio."""
+
+    def __init__(self, path: str, sampling_rate: int, started: float):
+        import soundfile
+
+        self.file = soundfile.SoundFile(path, mode="w", samplerate=sampling_rate, channels=1, subtype="PCM_16")
+        self.started, self.first, self.samples = started, None, 0
+
+    def put(self, value) -> None:
+        import numpy as np
+
+        samples = value.detach().to("cpu").float().numpy().reshape(-1)
+        if self.first is None and samples.size:
+            self.first = time.perf_counter() - self.started
+        self.file.write(np.clip(samples, -1.0, 1.0))
+        self.samples += samples.size
+
+    def end(self) -> None:
+        self.file.close()
+
+
+def add_say(subparsers) -> None:
+    parser = subparsers.add_parser("say", help="speak a text into an audio file")
+    parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
+    parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or Hub repo (default {DEFAULT_MODEL})")
+    parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
+    parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
+    parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
+    parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
+    parser.add_argument("--preset", choices=["serving", "paper-eval"], default="serving", help="sampling preset")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
+    parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run_say)
+
+
+def run_say(args) -> int:
+    from .generation_drama3 import generate_long_form
+
+    extension = os.path.splitext(args.output)[1].lower()
+    if extension not in (".wav", ".flac"):
+        raise CommandError(f"-o {args.output}: write a .wav or .flac file")
+    if len(args.reference) != len(args.reference_text):
+        raise CommandError(
+            f"--reference given {len(args.reference)} time(s) but --reference-text {len(args.reference_text)}; "
+            f"each reference audio needs its transcript"
+        )
+    for path in args.reference:
+        if not os.path.isfile(path):
+            raise CommandError(f"--reference {path}: no such file")
+    if args.stream and args.regenerate:
+        raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
+    model, processor = load_model_and_processor(args.model, args.device, args.dtype)
+    sampling = {
+        key: value
+        for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
+        if value is not None
+    }
+    if args.max_frames is not None:
+        sampling["max_new_tokens"] = args.max_frames
+    if args.regenerate:
+        sampling["regenerate_on_anomaly"] = args.regenerate
+    started = time.perf_counter()
+    streamer = FileStreamer(args.output, processor.sampling_rate, started) if args.stream else None
+    try:
+        output = generate_long_form(
+            model,
+            processor,
+            args.text,
+            reference_audio=args.reference or None,
+            reference_text=args.reference_text or None,
+            seed=args.seed,
+            streamer=streamer,
+            progress=not args.quiet,
+            preset=args.preset,
+            **sampling,
+        )
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    if streamer is None:
+        processor.save_audio(output.audio.cpu(), args.output)
+    elapsed = time.perf_counter() - started
+    seconds = output.audio_codes.shape[0] / processor.frame_rate
+    report = f"wrote {args.output}: {seconds:.2f} s of audio in {elapsed:.2f} s, {len(output.chunks)} chunk(s)"
+    if streamer is not None and streamer.first is not None:
+        report += f", first audio after {streamer.first:.3f} s"
+    print(report)
+    for index, anomalies in enumerate(output.anomalies):
+        if anomalies:
+            print(f"warning: chunk {index}: {', '.join(anomalies)}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry point
+
+SUBCOMMANDS = [add_say]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drama3", description="Fish Audio Drama 3 text-to-speech")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except CommandError as error:
+        print(f"drama3 {args.command}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

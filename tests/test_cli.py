@@ -1,0 +1,76 @@
+"""The `drama3 say` command and the quick-start example, run on a tiny checkpoint written by the test."""
+
+import runpy
+import sys
+
+import numpy as np
+import pytest
+import soundfile
+
+from generation_helpers import save_tiny_checkpoint
+from transformers_drama3.cli import build_parser, main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_drama3_cli")
+    save_tiny_checkpoint(directory)
+    return str(directory)
+
+
+def say(checkpoint, output, *extra):
+    return main(["say", "Hello there. How are you?", "-o", str(output), "--model", checkpoint,
+                 "--max-frames", "6", "--quiet", *extra])
+
+
+def test_say_writes_a_wav_file(checkpoint, tmp_path, capsys):
+    assert say(checkpoint, tmp_path / "out.wav", "--seed", "0") == 0
+    audio, rate = soundfile.read(tmp_path / "out.wav")
+    assert rate == 44100 and audio.ndim == 1
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_say_is_reproducible_with_a_seed(checkpoint, tmp_path):
+    say(checkpoint, tmp_path / "a.wav", "--seed", "3")
+    say(checkpoint, tmp_path / "b.wav", "--seed", "3")
+    np.testing.assert_array_equal(soundfile.read(tmp_path / "a.wav")[0], soundfile.read(tmp_path / "b.wav")[0])
+
+
+def test_say_streaming_writes_the_same_audio(checkpoint, tmp_path, capsys):
+    say(checkpoint, tmp_path / "offline.wav", "--seed", "4")
+    assert say(checkpoint, tmp_path / "streamed.wav", "--seed", "4", "--stream") == 0
+    assert "first audio after" in capsys.readouterr().out
+    offline, streamed = soundfile.read(tmp_path / "offline.wav")[0], soundfile.read(tmp_path / "streamed.wav")[0]
+    np.testing.assert_allclose(streamed, offline, atol=2 / 32768)  # 16-bit PCM, one step of rounding
+
+
+def test_say_with_a_reference(checkpoint, tmp_path):
+    reference = tmp_path / "reference.wav"
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, 44100 // 4).astype(np.float32)
+    soundfile.write(reference, noise, 44100)
+    code = say(checkpoint, tmp_path / "cloned.wav", "--reference", str(reference), "--reference-text", "A reference.")
+    assert code == 0 and (tmp_path / "cloned.wav").exists()
+
+
+def test_a_missing_model_gives_a_clear_message(tmp_path, capsys):
+    code = main(["say", "hi", "-o", str(tmp_path / "x.wav"), "--model", str(tmp_path / "nowhere")])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert "no Drama 3 model" in error and "huggingface-cli download" in error and "Traceback" not in error
+
+
+def test_a_reference_without_its_transcript_is_refused(checkpoint, tmp_path, capsys):
+    code = main(["say", "hi", "-o", str(tmp_path / "x.wav"), "--model", checkpoint, "--reference", "a.wav"])
+    assert code == 2 and "--reference-text" in capsys.readouterr().err
+
+
+def test_subcommands_are_pluggable():
+    assert "say" in build_parser()._subparsers._group_actions[0].choices
+
+
+def test_quickstart_example_runs_on_a_tiny_model(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--model", checkpoint, "-o", str(tmp_path / "q.wav"), "--max-frames", "5"])
+    runpy.run_path("examples/quickstart.py", run_name="__main__")
+    out = capsys.readouterr().out
+    assert "1. generate" in out and "2. pipeline" in out and "3. stream" in out
+    assert (tmp_path / "q.wav").exists()

@@ -1,0 +1,82 @@
+"""Long-form: a script longer than one chunk is spoken chunk by chunk, each chunk with the first
+and the previous take as history, into one waveform or one stream."""
+
+import pytest
+import torch
+
+from generation_helpers import tiny_speech_bundle
+from transformers_drama3.generation_drama3 import decode_audio, generate_long_form
+
+SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
+TEXT = SENTENCE * 8  # ~660 bytes: three chunks of at most 300
+
+
+class RecordingProcessor:
+    """Delegates to a processor and keeps every request it is called with."""
+
+    def __init__(self, processor):
+        self.processor, self.requests = processor, []
+
+    def __call__(self, request, **kwargs):
+        self.requests.append(request)
+        return self.processor(request, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.processor, name)
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return tiny_speech_bundle(seed=0)
+
+
+def test_each_chunk_sees_the_first_and_the_previous_take(bundle):
+    model, processor = bundle
+    recorder = RecordingProcessor(processor)
+    out = generate_long_form(model, recorder, TEXT, seed=0, max_new_tokens=3, progress=False)
+    assert len(out.chunks) == len(recorder.requests) >= 3
+    histories = [request.history for request in recorder.requests]
+    assert histories[0] == ()
+    assert len(histories[1]) == 1 and torch.equal(histories[1][0].audio.codes, out.audio_codes[: out.chunk_lengths[0]].T)
+    first, previous = histories[2]
+    assert torch.equal(first.audio.codes, histories[1][0].audio.codes)
+    start = out.chunk_lengths[0]
+    assert torch.equal(previous.audio.codes, out.audio_codes[start : start + out.chunk_lengths[1]].T)
+    assert first.lines == out.chunks[0].lines and previous.lines == out.chunks[1].lines
+
+
+def test_one_waveform_of_all_the_chunks(bundle):
+    model, processor = bundle
+    out = generate_long_form(model, processor, TEXT, seed=1, max_new_tokens=3, progress=False)
+    assert out.audio_codes.shape[0] == sum(out.chunk_lengths)
+    expected = decode_audio(processor.codec, out.audio_codes[None], torch.tensor([out.audio_codes.shape[0]]))[0]
+    assert torch.equal(out.audio, expected)
+    assert out.sampling_rate == 44100
+
+
+def test_a_long_form_stream_equals_the_offline_waveform(bundle):
+    model, processor = bundle
+
+    class Collector:
+        def __init__(self):
+            self.values, self.ends = [], 0
+
+        def put(self, value):
+            self.values.append(value)
+
+        def end(self):
+            self.ends += 1
+
+    streamer = Collector()
+    streamed = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False, streamer=streamer)
+    offline = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False)
+    assert streamer.ends == 1
+    # float32 codec: its streaming state and one offline pass round differently (~1e-4 at most)
+    assert torch.allclose(torch.cat(streamer.values), offline.audio, atol=1e-3)
+    assert streamed.time_to_first_audio is not None
+
+
+def test_the_progress_bar_counts_chunks(bundle, capsys):
+    model, processor = bundle
+    generate_long_form(model, processor, TEXT, seed=0, max_new_tokens=1, progress=True)
+    assert "chunk" in capsys.readouterr().err
