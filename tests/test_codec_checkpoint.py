@@ -192,3 +192,11 @@ def test_convert_command_line_defaults_to_the_published_sizes(tmp_path):
     torch.save(random_fish_speech_state_dict(tiny_codec_config()), tmp_path / "codec.pth")
     with pytest.raises(ValueError, match="does not match the codec config"):
         main([str(tmp_path / "codec.pth"), str(tmp_path / "out")])
+
+
+def test_auto_classes_load_a_saved_codec(tmp_path):
+    from transformers import AutoConfig, AutoModel
+
+    tiny_codec().save_pretrained(tmp_path)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), Drama3CodecConfig)
+    assert isinstance(AutoModel.from_pretrained(tmp_path), Drama3CodecModel)

@@ -1,14 +1,37 @@
-"""The S2 audio codec (44.1 kHz, 2048 samples and 10 codes per frame), streaming included."""
+"""The S2 audio codec (44.1 kHz, 2048 samples and 10 codes per frame), streaming included.
+
+    from transformers_drama3.codec import Drama3CodecModel
+    codec = Drama3CodecModel.from_pretrained("path/to/codec.pth")      # or an HF folder
+    encoded = codec.encode(waveform, sampling_rate=16000)              # codes [batch, 10, frames]
+    audio = codec.decode(encoded.codes, encoded.lengths).audio         # [batch, samples] at 44.1 kHz
+
+    stream = codec.streaming_decoder()
+    for window in stream_decode_windows():                             # 10, 10, 12, 32, 64, ...
+        play(stream.push(next_codes(window)))
+
+Importing this module registers "drama3_codec" with `AutoConfig` and `AutoModel`.
+"""
+
+from transformers import AutoConfig, AutoModel
 
 from .audio import check_audio, is_silent
 from .configuration_codec import Drama3CodecConfig
+from .convert import convert_codec_checkpoint
 from .modeling_codec import DecodedAudio, Drama3CodecModel, EncodedAudio
+from .streaming import StreamingDecoder, StreamingEncoder, stream_decode_windows
+
+AutoConfig.register(Drama3CodecConfig.model_type, Drama3CodecConfig, exist_ok=True)
+AutoModel.register(Drama3CodecConfig, Drama3CodecModel, exist_ok=True)
 
 __all__ = [
     "Drama3CodecConfig",
     "Drama3CodecModel",
     "EncodedAudio",
     "DecodedAudio",
+    "StreamingEncoder",
+    "StreamingDecoder",
+    "stream_decode_windows",
+    "convert_codec_checkpoint",
     "check_audio",
     "is_silent",
 ]

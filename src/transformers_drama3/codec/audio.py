@@ -140,7 +140,7 @@ def _split_items(audio, lengths, name: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _check_lengths(lengths, batch: int, longest: int, name: str, unit: str) -> torch.Tensor:
-    lengths = torch.as_tensor(np.asarray(lengths))
+    lengths = lengths.detach().cpu() if isinstance(lengths, torch.Tensor) else torch.as_tensor(np.asarray(lengths))
     if lengths.dtype.is_floating_point or lengths.is_complex() or lengths.dtype == torch.bool:
         raise ValueError(f"{name} has dtype {lengths.dtype}; expected integer {unit} per item")
     if lengths.shape != (batch,):

@@ -80,7 +80,7 @@ class CausalConv1d(CausalModule):
         hidden = torch.cat([past, hidden], dim=-1)
         frames = max(0, (hidden.shape[-1] - self.receptive_field) // self.stride + 1)
         # What the next call needs: everything from the start of the next output's window.
-        _write_cache(cache, self, hidden[..., frames * self.stride :])
+        _write_cache(cache, self, hidden[..., frames * self.stride :].clone())
         if frames == 0:
             return hidden.new_zeros(hidden.shape[0], self.conv.out_channels, 0)
         return self.conv(hidden)
@@ -107,7 +107,7 @@ class CausalConvTranspose1d(CausalModule):
         if past is None:
             past = hidden.new_zeros(hidden.shape[0], hidden.shape[1], self.context)
         hidden = torch.cat([past, hidden], dim=-1)
-        _write_cache(cache, self, hidden[..., hidden.shape[-1] - self.context :])
+        _write_cache(cache, self, hidden[..., hidden.shape[-1] - self.context :].clone())
         if frames == 0:
             return hidden.new_zeros(hidden.shape[0], self.conv.out_channels, 0)
         start = self.context * self.stride
@@ -326,8 +326,9 @@ class WindowLimitedTransformer(CausalModule):
         new_keys, new_values = [], []
         for layer, past_keys, past_values in zip(self.layers, state.keys, state.values):
             hidden, keys, values = layer(hidden, cos, sin, past_keys, past_values, mask)
-            new_keys.append(keys[:, :, keys.shape[2] - min(keep, keys.shape[2]) :])
-            new_values.append(values[:, :, values.shape[2] - min(keep, values.shape[2]) :])
+            # Copies, so the state does not pin the whole block's keys/values in memory.
+            new_keys.append(keys[:, :, keys.shape[2] - min(keep, keys.shape[2]) :].clone())
+            new_values.append(values[:, :, values.shape[2] - min(keep, values.shape[2]) :].clone())
         return hidden, TransformerStreamState(state.position + time, new_keys, new_values)
 
 
