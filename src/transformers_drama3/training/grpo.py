@@ -225,7 +225,7 @@ class GRPOTrainer:
             log_probs = policy_log_probs(model, prompt.input_ids, prompt.audio_codes, takes)
             loss = -sum(a * lp.sum() for a, lp in zip(advantages.tolist(), log_probs)) / tokens
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         self.optimizer.step()
         stats["loss"] = total
         return stats
