@@ -11,6 +11,9 @@ The serving code Fish ships decodes in windows of 10, 10, 12, 32, then 64 frames
 a 32-frame overlap before each window to hide the seams of a stateless decoder. With the exact
 state kept here there is no seam: push each window once, no overlap needed.
 `stream_decode_windows()` gives that schedule, for the generation code to pace its pushes.
+
+Speed: weight norm recomputes every convolution's weight on each push. Around a whole stream,
+`with torch.nn.utils.parametrize.cached():` computes them once (inference only).
 """
 
 from collections.abc import Iterator
