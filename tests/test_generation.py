@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generation_helpers import (
-    EOS, NUM_CODEBOOKS, SEMANTIC_START, left_pad, prompt, reference_greedy, script_main_tokens, tiny_model,
+    NUM_CODEBOOKS, SEMANTIC_START, left_pad, prompt, reference_greedy, script_main_tokens, tiny_model,
 )
 from transformers import GenerationConfig
 from transformers_drama3.generation_drama3 import (
@@ -143,3 +143,8 @@ def test_settings_precedence_preset_then_config_then_kwargs():
     assert (settings.temperature, settings.top_p, settings.top_k) == (0.9, 0.8, 30)
     settings, _, _ = resolve_settings(GenerationConfig(temperature=0.5), None, None, {})
     assert settings.temperature == 0.5
+
+
+def test_a_preset_keeps_the_frame_cap_of_the_model_generation_config():
+    _, max_new_tokens, _ = resolve_settings(GenerationConfig(max_new_tokens=300, temperature=0.5), "paper-eval", None, {})
+    assert max_new_tokens == 300

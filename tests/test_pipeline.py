@@ -3,7 +3,6 @@ a string, a list of strings, a chat conversation."""
 
 import numpy as np
 import pytest
-import torch
 from transformers import pipeline
 
 from generation_helpers import save_tiny_checkpoint

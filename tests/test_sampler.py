@@ -2,9 +2,6 @@
 top-p crossing token (kept for the main token, dropped for the codebook heads), top-k caps,
 rank 0 always kept, and repetition-aware sampling (RAS)."""
 
-import math
-
-import pytest
 import torch
 
 from transformers_drama3.generation_drama3 import (

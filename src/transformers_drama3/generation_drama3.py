@@ -24,10 +24,9 @@ E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig
@@ -126,6 +125,9 @@ def drama3_generation_config(config, **overrides) -> GenerationConfig:
     return GenerationConfig(**values)
 
 
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
+
+
 def resolve_settings(
     model_config: GenerationConfig | None,
     preset: str | SamplingSettings | None,
@@ -148,12 +150,12 @@ def resolve_settings(
         if source is None:
             continue
         if isinstance(source, SamplingSettings):
-            settings = source
-            values = {}
+            settings = source  # the preset's sampling settings replace those read so far
+            values = {key: value for key, value in values.items() if key not in _SAMPLING_KEYS}
             continue
         items = source if isinstance(source, dict) else source.to_dict()
         values.update({key: value for key, value in items.items() if value is not None})
-    changes = {key: values[key] for key in ("do_sample", "temperature", "top_p", "top_k") if key in values}
+    changes = {key: values[key] for key in _SAMPLING_KEYS if key in values}
     if "top_k" in changes and changes["top_k"] <= 0:
         changes["top_k"] = None
     settings = replace(settings, **changes)
@@ -691,7 +693,7 @@ class _Request:
     expected_frames: torch.Tensor
 
 
-def _resolve_request(model, input_ids, attention_mask, max_new_tokens, expected_seconds) -> _Request:
+def _resolve_request(model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds) -> _Request:
     config = model.config
     if expected_seconds is None:
         tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
@@ -704,7 +706,7 @@ def _resolve_request(model, input_ids, attention_mask, max_new_tokens, expected_
             raise ValueError(f"expected_seconds={expected_seconds!r}; expected one positive value or one per item")
     frame_rate = config.frame_rate
     return _Request(
-        settings=SERVING_DEFAULTS,
+        settings=settings,
         budgets=frame_budgets(seconds, frame_rate, max_new_tokens),
         guard_budgets=frame_budgets(seconds, frame_rate),
         expected_frames=seconds * frame_rate,
@@ -877,8 +879,7 @@ def generate(
         raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
-    request = _resolve_request(model, prompt[0], prompt[2], max_new_tokens, expected_seconds)
-    request.settings = settings
+    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds)
     output = _run(model, *prompt, request, seed, codec, streamer)
     if regenerate_on_anomaly:
         output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
@@ -917,7 +918,7 @@ def stream(
     input_ids, audio_codes, attention_mask = prepare_prompt(model, input_ids, audio_codes, attention_mask)
     if input_ids.shape[0] != 1:
         raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
-    request = _resolve_request(model, input_ids, attention_mask, max_new_tokens, expected_seconds)
+    request = _resolve_request(model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds)
     started = time.perf_counter()
     sampler = Drama3Sampler(
         settings, model.speech_token_ids(input_ids.device), prompt_window(input_ids, attention_mask),
