@@ -47,7 +47,7 @@ def bad_folder(tmp_path):
     (folder / "broken.txt").write_text("broken file", encoding="utf-8")
     soundfile.write(folder / "silent.wav", np.zeros(4000, dtype=np.float32), 16000)
     (folder / "silent.txt").write_text("nothing here", encoding="utf-8")
-    soundfile.write(folder / "short.wav", tone(0.02), 16000)
+    soundfile.write(folder / "short.wav", tone(0.001), 16000)
     (folder / "short.txt").write_text("too short", encoding="utf-8")
     soundfile.write(folder / "notext.wav", tone(0.2), 16000)
     return folder
@@ -55,7 +55,7 @@ def bad_folder(tmp_path):
 
 def test_bad_records_are_reported_not_fatal(tmp_path):
     records = load_speech_records(bad_folder(tmp_path))
-    dataset, report = prepare_dataset(records, codec(), tmp_path / "cache", batch_size=2, progress=False, min_seconds=0.1,
+    dataset, report = prepare_dataset(records, codec(), tmp_path / "cache", batch_size=2, progress=False, min_seconds=0.005,
                                       report_path=tmp_path / "report.json")
     assert report.total == 7 and report.kept == 3 == len(dataset)
     assert report.reasons == {"unreadable": 1, "silent": 1, "too short": 1, "missing transcript": 1}
@@ -68,16 +68,16 @@ def test_bad_records_are_reported_not_fatal(tmp_path):
 def test_encoding_is_cached_and_resumable(tmp_path):
     folder = write_voice_folder(tmp_path / "voice", count=3)
     records = load_speech_records(folder)
-    first, _ = prepare_dataset(records.select(range(2)), codec(), tmp_path / "cache", progress=False, min_seconds=0.1)  # "interrupted"
-    second, report = prepare_dataset(records, codec(), tmp_path / "cache", progress=False, min_seconds=0.1)
+    first, _ = prepare_dataset(records.select(range(2)), codec(), tmp_path / "cache", progress=False, min_seconds=0.005)  # "interrupted"
+    second, report = prepare_dataset(records, codec(), tmp_path / "cache", progress=False, min_seconds=0.005)
     assert report.from_cache == 2 and report.kept == 3
     assert second[0]["codes"] == first[0]["codes"]
 
 
 def test_batched_encoding_equals_one_by_one(tmp_path):
     records = load_speech_records(write_voice_folder(tmp_path / "voice", count=3))
-    batched, _ = prepare_dataset(records, codec(), tmp_path / "a", batch_size=3, progress=False, min_seconds=0.1)
-    single, _ = prepare_dataset(records, codec(), tmp_path / "b", batch_size=1, progress=False, min_seconds=0.1)
+    batched, _ = prepare_dataset(records, codec(), tmp_path / "a", batch_size=3, progress=False, min_seconds=0.005)
+    single, _ = prepare_dataset(records, codec(), tmp_path / "b", batch_size=1, progress=False, min_seconds=0.005)
     assert batched["codes"] == single["codes"]
 
 
@@ -92,7 +92,7 @@ def test_csv_and_jsonl_manifests_resolve_relative_paths(tmp_path):
         handle.write(json.dumps({"audio": "clip0.wav", "text": "hi", "speaker": 3}) + "\n")
     from_csv = load_speech_records(folder / "manifest.csv")
     assert sorted(from_csv.column_names) == ["audio", "speaker", "text"] and from_csv[0]["speaker"] == "anna"
-    dataset, report = prepare_dataset(from_csv, codec(), tmp_path / "cache", progress=False, min_seconds=0.1)
+    dataset, report = prepare_dataset(from_csv, codec(), tmp_path / "cache", progress=False, min_seconds=0.005)
     assert report.kept == 1 and report.reasons == {"missing transcript": 1}
     assert load_speech_records(folder / "manifest.jsonl")[0]["speaker"] == "3"
 
@@ -101,10 +101,10 @@ def test_hub_style_dataset_with_audio_bytes(tmp_path):
     import io
 
     buffer = io.BytesIO()
-    soundfile.write(buffer, tone(0.2, 22050), 22050, format="WAV")
+    soundfile.write(buffer, tone(0.02, 22050), 22050, format="WAV")
     records = datasets.Dataset.from_dict({"audio": [{"bytes": buffer.getvalue(), "path": None}], "sentence": ["hi"]})
     records = records.cast_column("audio", datasets.Audio(decode=False))
-    dataset, report = prepare_dataset(load_speech_records(records), codec(), tmp_path / "cache", progress=False, min_seconds=0.1)
+    dataset, report = prepare_dataset(load_speech_records(records), codec(), tmp_path / "cache", progress=False, min_seconds=0.005)
     assert report.kept == 1 and dataset[0]["text"] == "hi"
 
 
