@@ -206,6 +206,7 @@ def test_pack_greedy_respects_the_row_budget():
         pack_greedy([11], max_rows=10)
 
 
+@pytest.mark.slow
 def test_packed_batch_gives_each_sample_its_separate_loss():
     model, proc = stack_model(), processor()
     examples = voice_examples(0, 4, frames=5) + voice_examples(1, 2, frames=9, seed=1)
@@ -303,6 +304,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_weighted_and_packed_batches_train_with_drama3_trainer(tmp_path):
     model, proc = stack_model(), processor()
     examples = [dict(e, window=[2, 6]) for e in voice_examples(0, 8, frames=8)]
