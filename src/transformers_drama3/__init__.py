@@ -1,7 +1,8 @@
 """Fish Audio Drama 3 for Hugging Face Transformers.
 
-`import transformers_drama3` registers the model with the Auto classes, so that
-`AutoModel.from_pretrained(path)` loads a published Drama 3 checkpoint (`model_type` "fish_omni").
+`import transformers_drama3` registers the model and processor with the Auto classes, so that
+`AutoModel.from_pretrained(path)` loads a published Drama 3 checkpoint (`model_type` "fish_omni"),
+`AutoProcessor` its tokenizer and codec, and `pipeline("text-to-speech", model=path)` speaks.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
@@ -13,6 +14,7 @@ from transformers.conversion_mapping import (
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .kernels import install_device_dispatch
 from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
+from .processing_drama3 import Drama3Processor, register_processor
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ def _register() -> None:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
     AutoModelForTextToWaveform.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
+    register_processor()
 
 
 _register()
@@ -41,5 +44,6 @@ __all__ = [
     "Drama3Config",
     "Drama3ForSpeechGeneration",
     "Drama3Output",
+    "Drama3Processor",
     "Drama3TextConfig",
 ]

@@ -170,7 +170,28 @@ def run_say(args) -> int:
 
 # ----------------------------------------------------------------------------- entry point
 
-SUBCOMMANDS = [add_say]
+def add_table(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "table", help="print the paper's per-frame table computed from the model built on the meta device"
+    )
+    parser.add_argument("--config", help="a config.json to account instead of the default full-size Drama 3")
+    parser.set_defaults(handler=run_table)
+
+
+def run_table(args) -> int:
+    from .accounting import account, format_table
+    from .configuration_drama3 import Drama3Config
+
+    config = None
+    if args.config:
+        if not os.path.isfile(args.config):
+            raise CommandError(f"--config {args.config}: no such file")
+        config = Drama3Config.from_json_file(args.config)
+    print(format_table(account(config)))
+    return 0
+
+
+SUBCOMMANDS = [add_say, add_table]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -322,6 +322,10 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         self.backbone_codebooks = tower.vq_backbone_codebooks
         self.num_codebooks = tower.num_codebooks
         self.post_init()
+        # The published serving defaults, so pipelines and saved checkpoints carry them.
+        from .generation_drama3 import drama3_generation_config
+
+        self.generation_config = drama3_generation_config(config)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save in the published layout: per-expert tensor names and, when the config says
