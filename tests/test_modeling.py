@@ -306,3 +306,15 @@ def test_a_one_row_prompt_is_refused():
     cache = Drama3Cache.empty(model.config)
     with pytest.raises(ValueError, match="at least 2 rows"):
         model.prefill(torch.tensor([[5]]), torch.zeros(1, 1, NUM_CODEBOOKS, dtype=torch.long), torch.ones(1, 1), cache)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_load_state_dict_accepts_the_published_file(tmp_path, fp8):
+    """A published-layout file read directly (as Trainer does on resume) loads strictly."""
+    model = tiny_model()
+    write_published_checkpoint(model, tmp_path, fp8=fp8)
+    fresh = tiny_model(seed=1)
+    fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
+    expected = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
+    for (name, a), b in zip(fresh.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -26,7 +26,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from transformers.utils import ModelOutput
 
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
-from .quantization import quantize_saved_experts
+from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
 
 IGNORE_INDEX = -100
 
@@ -326,6 +326,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         from .generation_drama3 import drama3_generation_config
 
         self.generation_config = drama3_generation_config(config)
+        self._register_load_state_dict_pre_hook(_published_layout_to_modules, with_module=True)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save in the published layout: per-expert tensor names and, when the config says
@@ -633,6 +634,18 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         from .generation_drama3 import stream
 
         return stream(self, input_ids, audio_codes, attention_mask, generation_config, **kwargs)
+
+
+def _published_layout_to_modules(module, state_dict, prefix, *args) -> None:
+    """`load_state_dict` pre-hook: accept the published layout (per-expert names, block-FP8 experts)
+    as `from_pretrained` does, so that a checkpoint file read directly (Trainer's resume, a user's
+    `load_file`) loads into the fused experts."""
+    if not any(name.endswith("_scale_inv") or ".mlp.experts.0." in name for name in state_dict):
+        return
+    dense, _ = dequantize_state_dict(state_dict, dtype=module.dtype)
+    converted = fuse_expert_weights(dense)
+    state_dict.clear()
+    state_dict.update(converted)
 
 
 def _masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
