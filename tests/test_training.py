@@ -321,19 +321,20 @@ def logged_losses(trainer) -> list[float]:
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_continues_with_identical_losses(tmp_path):
+def test_plain_trainer_resumes_from_a_checkpoint_with_identical_losses(tmp_path):
+    """Checkpoints are in the published layout; the model's load_state_dict reads it back."""
     proc = processor()
     examples = voice_examples(0, 16, frames=6)
     collator = TTSCollator(proc)
     dataset = datasets.Dataset.from_list(examples)
     args = dict(max_steps=6, per_device_train_batch_size=2, save_strategy="steps", save_steps=3)
-    straight = Drama3Trainer(model=stack_model(), args=training_args(tmp_path / "a", **args), train_dataset=dataset,
+    straight = Trainer(model=stack_model(), args=training_args(tmp_path / "a", **args), train_dataset=dataset,
                        data_collator=collator)
     straight.train()
-    first = Drama3Trainer(model=stack_model(), args=training_args(tmp_path / "b", **args), train_dataset=dataset,
+    first = Trainer(model=stack_model(), args=training_args(tmp_path / "b", **args), train_dataset=dataset,
                     data_collator=collator)
     first.train()
-    resumed = Drama3Trainer(model=stack_model(seed=5), args=training_args(tmp_path / "b", **args), train_dataset=dataset,
+    resumed = Trainer(model=stack_model(seed=5), args=training_args(tmp_path / "b", **args), train_dataset=dataset,
                       data_collator=collator)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-3"))
     expected = logged_losses(straight)

@@ -1,4 +1,4 @@
-"""`Drama3Trainer`: `transformers.Trainer` plus three small things the collators can ask for.
+"""`Drama3Trainer`: `transformers.Trainer` plus two small things the collators can ask for.
 
 Plain `Trainer` already trains `Drama3ForSpeechGeneration` (the model returns `loss`; pass
 `remove_unused_columns=False` so the collator receives the prepared columns). This subclass adds:
@@ -7,16 +7,15 @@ Plain `Trainer` already trains `Drama3ForSpeechGeneration` (the model returns `l
 - packed batches (`document_ids`): unpacked to one row per document before the forward, which
   is exact whatever the backbone's kernels (see packing.py);
 - `row_weights` (infilling seams): the loss is recomputed from the logits with per-row weights,
-  since the model's forward has no weight argument;
-- resuming from a checkpoint written in the published layout (plain `Trainer` would silently
-  leave the routed experts at their current values: its `load_state_dict` does not convert names).
+  since the model's forward has no weight argument.
+
+Resuming needs nothing special: checkpoints are written in the published layout and the model's
+`load_state_dict` reads that layout back.
 """
 
 from __future__ import annotations
 
-import os
-
-from transformers import PreTrainedModel, Trainer
+from transformers import Trainer
 
 from .losses import row_losses, weighted_speech_loss
 from .optim import build_optimizer
@@ -65,22 +64,6 @@ class Drama3Trainer(Trainer):
                 weight_decay=self.args.weight_decay,
             )
         return self.optimizer
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Checkpoints are written in the published layout (per-expert tensor names, see
-        `Drama3ForSpeechGeneration.save_pretrained`), which `Trainer`'s plain `load_state_dict`
-        cannot read back (it would leave the routed experts untouched and only warn). Read them
-        through `from_pretrained`, which converts the layout, and copy the weights in."""
-        model = model if model is not None else self.model
-        target = model
-        while hasattr(target, "module"):
-            target = target.module
-        if not isinstance(target, PreTrainedModel) or not os.path.exists(
-            os.path.join(resume_from_checkpoint, "config.json")
-        ):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        loaded = type(target).from_pretrained(resume_from_checkpoint, dtype=target.dtype)
-        target.load_state_dict(loaded.state_dict())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, output = drama3_loss(model, inputs, self.pad_id)
