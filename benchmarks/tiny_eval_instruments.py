@@ -10,7 +10,7 @@ per voice) and prints:
   - voice identification accuracy of the originals against the enrolment centroids;
   - DTW identification accuracy (right sentence among 9 other held-out sentences, same voice) of
     the originals against re-renderings: identical, re-timed/re-pitched (speed x0.85, pitch +8),
-    with white noise at 20 dB SNR, and across voices (A's originals against B's renderings).
+    with white noise at 20 and 10 dB SNR, and across voices (A's originals against B's renderings).
 Prints only; asserts nothing. About 5-10 minutes on 2 busy cores (pocketsphinx dominates).
 """
 
@@ -28,7 +28,8 @@ from transformers_drama3.tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, build
 
 
 def noisy(samples: np.ndarray, snr_db: float, seed: int = 1) -> np.ndarray:
-    audio = samples.astype(np.float32) / 32768.0
+    """`samples` (float or int16) plus white noise `snr_db` below its mean power."""
+    audio = I.as_mono_float(samples)
     noise = np.random.default_rng(seed).standard_normal(len(audio)).astype(np.float32)
     scale = np.sqrt(np.mean(audio**2) / 10 ** (snr_db / 10))
     return audio + scale * noise
@@ -112,12 +113,13 @@ def main() -> None:
         voice = replace(voice, speed=int(voice.speed * 0.85), pitch=min(99, voice.pitch + 8))
         return [I.mfcc(synthesize(r.directed_text, voice), SAMPLING_RATE) for r in group]
 
-    def with_noise(name, group):
-        return [I.mfcc(noisy(audio[r.id], 20.0), SAMPLING_RATE) for r in group]
+    def with_noise(snr_db):
+        return lambda name, group: [I.mfcc(noisy(audio[r.id], snr_db), SAMPLING_RATE) for r in group]
 
     report("re-rendered (identical)", rerendered)
     report("re-timed x0.85, pitch +8", retimed)
-    report("white noise 20 dB", with_noise)
+    report("white noise 20 dB", with_noise(20.0))
+    report("white noise 10 dB", with_noise(10.0))
     names = list(heldout)
     if len(names) >= 2:
         def other_voice(name, group):

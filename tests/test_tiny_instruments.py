@@ -158,6 +158,7 @@ def test_dtw_identifies_espeak_sentences_spoken_at_another_speed():
     assert I.dtw_identification_rate(outputs, renderings, distractors=3) == 1.0
 
 
+@pytest.mark.slow  # resemblyzer's first call in a process: model load, librosa imports, ~10-20 s
 @needs_espeak
 @needs_resemblyzer
 def test_resemblyzer_identifies_four_espeak_voices():
