@@ -7,6 +7,9 @@ HERE = Path(__file__).parent
 TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
 SERVE = ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29"]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
+# Instruments of the drama3-tiny evaluation: an offline ASR and a speaker encoder that ship their
+# models (resemblyzer's webrtcvad still imports pkg_resources, gone from setuptools 81).
+EVAL = ["pocketsphinx>=5.1", "resemblyzer>=0.1.4", "setuptools<81"]
 DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6"]
 
 setup(
@@ -36,8 +39,9 @@ setup(
         "gpu": GPU,
         "train": TRAIN,
         "serve": SERVE,
-        "dev": DEV + TRAIN,
-        "all": GPU + TRAIN + SERVE + DEV,
+        "eval": EVAL,
+        "dev": DEV + TRAIN + EVAL,
+        "all": GPU + TRAIN + SERVE + EVAL + DEV,
     },
     entry_points={"console_scripts": ["drama3=transformers_drama3.cli:main"]},
     classifiers=[
