@@ -109,3 +109,10 @@ def test_training_codes_are_the_codes_the_model_encodes():
     with torch.no_grad():
         _, step = reconstruct_for_training(model, audio, everything, torch.zeros(2, dtype=torch.bool))
         assert torch.equal(step["codes"], model.encode_frames(audio))
+
+
+def test_training_loop_restarts_codes_its_batches_never_use():
+    recipe = toy_recipe(usage_decay=0.5, restart_every=4, bypass_steps=0, bypass_decay_steps=0)
+    run = CodecTraining(toy_codec_config(), recipe, toy_audio(), seed=0)
+    restarted = sum(run.train_step().get("restarted", 0) for _ in range(8))
+    assert restarted > 0

@@ -95,7 +95,7 @@ class RecipeConfig:
     quantizer_dropout: float = 0.5  # share of items that keep a random number of residual codebooks
     restart_every: int = 50  # steps between dead-code restarts
     restart_usage: float = 0.02  # a code is dead below this share of its fair usage (EMA)
-    usage_decay: float = 0.99
+    usage_decay: float = 0.95  # EMA window ~20 steps (~2,500 frames): a dead code is found within ~80 steps
     recent_vectors: int = 4096  # encoder vectors kept per codebook to restart dead codes from
 
     def to_dict(self) -> dict:
