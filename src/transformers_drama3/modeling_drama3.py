@@ -475,13 +475,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         if rows < 2:
             raise ValueError(f"a prompt needs at least 2 rows; got input_ids of shape {tuple(input_ids.shape)}")
         positions = positions_from_mask(attention_mask)
-        hidden = self.backbone(
-            inputs_embeds=self.embed_rows(input_ids, audio_codes),
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=cache.backbone,
-            use_cache=True,
-        ).last_hidden_state
+        hidden = self._cached_backbone(input_ids, audio_codes, attention_mask, positions, cache)
         known = attention_mask[:, :-1]
         self.run_tower(
             hidden[:, :-1], input_ids[:, :-1], audio_codes[:, :-1], audio_codes[:, 1:],
@@ -500,6 +494,10 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         """Feed one new row per item through the backbone. input_ids: [batch, 1];
         audio_codes: [batch, 1, num_codebooks]; attention_mask: [batch, past + 1]. Returns [batch, 1, dim]."""
         positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
+        return self._cached_backbone(input_ids, audio_codes, attention_mask, positions, cache)
+
+    def _cached_backbone(self, input_ids, audio_codes, attention_mask, positions, cache: Drama3Cache) -> torch.Tensor:
+        """The backbone over new rows, reading and extending `cache.backbone`."""
         return self.backbone(
             inputs_embeds=self.embed_rows(input_ids, audio_codes),
             attention_mask=attention_mask,
