@@ -12,7 +12,7 @@ Recipe, and why (see docs/tiny_codec.md for the measurements):
 - losses and straight-through on the *unnormalised* projected vectors (normalising them inside the
   losses let the encoder output explode and the codebooks collapse, measured before);
 - fan-in initialisation of every convolution (the config's `initializer_range` of 0.02 shrinks the
-  signal ~5x per layer at these widths, which kept the first run on the average-spectrum floor);
+  signal ~5x per layer at these widths), residual branches and the output scaled by 0.1;
 - warm-up that bypasses the quantiser for a share of the batch that decays to zero, then
   quantiser dropout (a random number of residual codebooks per item), so early codebooks carry the
   most and the decoder never sees only one kind of input;

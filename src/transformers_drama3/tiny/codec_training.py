@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
