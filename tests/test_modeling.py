@@ -318,3 +318,21 @@ def test_load_state_dict_accepts_the_published_file(tmp_path, fp8):
     expected = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
     for (name, a), b in zip(fresh.state_dict().items(), expected.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_row_weights_make_each_loss_term_a_weighted_mean():
+    model = tiny_model()
+    input_ids, audio_codes, labels = supervised_example()
+    plain = model(input_ids, audio_codes, labels=labels, output_router_logits=False)
+    ones = model(input_ids, audio_codes, labels=labels, row_weights=torch.ones(labels.shape), output_router_logits=False)
+    torch.testing.assert_close(ones.loss, plain.loss)
+    # Weight 3 on the frame that row 3 is labelled with (row 4): its terms count three times.
+    weights = torch.ones(labels.shape)
+    weights[0, 4] = 3.0
+    weighted = model(input_ids, audio_codes, labels=labels, row_weights=weights, output_router_logits=False)
+    logits, codebook_logits = plain.logits[0], plain.codebook_logits[0]
+    nll = {t: F.cross_entropy(logits[t], input_ids[0, t + 1]) for t in (2, 3, 4)}
+    torch.testing.assert_close(weighted.semantic_loss, (nll[2] + 3 * nll[3] + nll[4]) / 5)
+    cb = {t: F.cross_entropy(codebook_logits[t], audio_codes[0, t + 1, 1:]) for t in (2, 3, 4)}
+    torch.testing.assert_close(weighted.codebook_loss, (cb[2] + 3 * cb[3] + cb[4]) / 5)
+    torch.testing.assert_close(weighted.text_loss, plain.text_loss)

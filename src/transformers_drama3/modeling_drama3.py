@@ -537,6 +537,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         audio_codes: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        row_weights: torch.Tensor | None = None,
         restrict_logits: bool = False,
         output_router_logits: bool | None = None,
         position_ids: torch.LongTensor | None = None,
@@ -550,6 +551,9 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             attention_mask: [batch, rows], 1 for real rows (left padding allowed).
             labels: [batch, rows], aligned with the input rows: `labels[t]` is `input_ids[t]` where
                 row t is supervised, -100 elsewhere. Row t is trained to predict row t + 1.
+            row_weights: [batch, rows], aligned with `labels`: the weight of supervising each row
+                (e.g. the up-weighted seams of an infilling take). Each loss term becomes a weighted
+                mean over its rows; None means every weight is 1.
             restrict_logits: return logits over the semantic band + eos only.
         """
         batch, rows = input_ids.shape
@@ -589,23 +593,27 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits if output_router_logits else None,
         )
         if labels is not None:
-            self._add_losses(output, labels, next_codes, attention_mask, restrict_logits)
+            self._add_losses(output, labels, row_weights, next_codes, attention_mask, restrict_logits)
         return output
 
-    def _add_losses(self, output, labels, next_codes, attention_mask, restricted) -> None:
+    def _add_losses(self, output, labels, row_weights, next_codes, attention_mask, restricted) -> None:
         """L = L_text + 0.5 L_sem + 0.5 L_cb (+ router load balancing), each averaged over its own rows."""
         if restricted:
             raise ValueError("labels need full-vocabulary logits; call forward with restrict_logits=False")
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # [batch, rows]
+        weights = None if row_weights is None else F.pad(row_weights[:, 1:].float(), (0, 1))
         supervised = targets != IGNORE_INDEX
         semantic = supervised & self.is_semantic(targets)
         text = supervised & ~semantic
         logits = output.logits.float()
-        output.text_loss = _masked_cross_entropy(logits, targets, text)
-        output.semantic_loss = _masked_cross_entropy(logits, targets, semantic)
+        output.text_loss = _masked_cross_entropy(logits, targets, text, weights)
+        output.semantic_loss = _masked_cross_entropy(logits, targets, semantic, weights)
         acoustic_targets = next_codes[..., 1:]  # [batch, rows, num_codebooks - 1]
         acoustic_mask = semantic[..., None].expand_as(acoustic_targets)
-        output.codebook_loss = _masked_cross_entropy(output.codebook_logits.float(), acoustic_targets, acoustic_mask)
+        acoustic_weights = None if weights is None else weights[..., None].expand_as(acoustic_targets)
+        output.codebook_loss = _masked_cross_entropy(
+            output.codebook_logits.float(), acoustic_targets, acoustic_mask, acoustic_weights
+        )
         loss = (
             output.text_loss
             + self.config.semantic_loss_weight * output.semantic_loss
@@ -646,8 +654,17 @@ def _published_layout_to_modules(module, state_dict, prefix, *args) -> None:
     state_dict.update(converted)
 
 
-def _masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the positions where `mask` is True (0 with a gradient path if none)."""
+def _masked_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(Weighted) mean cross-entropy over the positions where `mask` is True (0, with a gradient path,
+    if there are none)."""
     if not mask.any():
         return logits.sum() * 0.0
-    return F.cross_entropy(logits[mask], targets[mask])
+    if weights is None:
+        return F.cross_entropy(logits[mask], targets[mask])
+    losses = F.cross_entropy(logits[mask], targets[mask], reduction="none")
+    total = weights[mask].sum()
+    if total <= 0:
+        return logits.sum() * 0.0
+    return (losses * weights[mask]).sum() / total

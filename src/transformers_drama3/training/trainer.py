@@ -5,9 +5,7 @@ Plain `Trainer` already trains `Drama3ForSpeechGeneration` (the model returns `l
 
 - `optimizer="muon"`: `MuonWithAdamW` (see optim.py) instead of the default AdamW;
 - packed batches (`document_ids`): unpacked to one row per document before the forward, which
-  is exact whatever the backbone's kernels (see packing.py);
-- `row_weights` (infilling seams): the loss is recomputed from the logits with per-row weights,
-  since the model's forward has no weight argument.
+  is exact whatever the backbone's kernels (see packing.py).
 
 Resuming needs nothing special: checkpoints are written in the published layout and the model's
 `load_state_dict` reads that layout back.
@@ -17,27 +15,17 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from .losses import row_losses, weighted_speech_loss
 from .optim import build_optimizer
 from .packing import is_packed, unpack
 
 
 def drama3_loss(model, inputs: dict, pad_id: int = 0):
-    """(loss, output) of one batch: unpacks packed batches and applies `row_weights` when present."""
+    """(loss, output) of one batch: unpacks packed batches; `row_weights` go to the model's forward."""
     inputs = dict(inputs)
     if is_packed(inputs):
         inputs = unpack(inputs, pad_id)
-    row_weights = inputs.pop("row_weights", None)
-    if row_weights is None:
-        output = model(**inputs)
-        return output.loss, output
-    labels = inputs.pop("labels")
     output = model(**inputs)
-    core = getattr(model, "module", model)  # DDP
-    while not hasattr(core, "is_semantic") and hasattr(core, "get_base_model"):
-        core = core.get_base_model()  # PEFT
-    terms = weighted_speech_loss(row_losses(core, output, labels, inputs["audio_codes"]), core.config, row_weights)
-    return terms["loss"], output
+    return output.loss, output
 
 
 class Drama3Trainer(Trainer):
