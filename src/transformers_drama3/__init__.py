@@ -14,6 +14,7 @@ from transformers.conversion_mapping import (
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .kernels import install_device_dispatch
 from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
+from .feature_extraction_drama3 import Drama3FeatureExtractor, register_feature_extractor
 from .processing_drama3 import Drama3Processor, register_processor
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ def _register() -> None:
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     AutoModel.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
     AutoModelForTextToWaveform.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
+    register_feature_extractor()
     register_processor()
 
 
@@ -42,6 +44,7 @@ __all__ = [
     "Drama3AudioDecoderConfig",
     "Drama3Cache",
     "Drama3Config",
+    "Drama3FeatureExtractor",
     "Drama3ForSpeechGeneration",
     "Drama3Output",
     "Drama3Processor",

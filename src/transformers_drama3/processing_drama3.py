@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import io
+import json
 import os
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +12,7 @@ import torch
 from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
+from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .prompting import (
     CHUNK_BYTES,
     CHUNK_SPEAKERS,
@@ -43,15 +42,12 @@ from .prompting import (
     semantic_token,
 )
 
-SAMPLING_RATE = 44100
 SAMPLES_PER_FRAME = 2048
-# Peak below -60 dBFS: nothing a codec could take a voice from.
-SILENCE_PEAK = 1e-3
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 
 
 class Drama3Processor(ProcessorMixin):
-    r"""The Drama 3 processor: the ChatML tokenizer plus the S2 codec.
+    r"""The Drama 3 processor: the ChatML tokenizer, the audio feature extractor and the S2 codec.
 
     Calling it turns scripts (see `transformers_drama3.prompting`), raw text, or lists of them into
     a left-padded batch of model rows:
@@ -71,18 +67,25 @@ class Drama3Processor(ProcessorMixin):
 
     Audio (references, history takes, targets, infilling sources) may be given as codes
     `[num_codebooks, frames]`; a codec is needed only for waveforms and files, and for decoding.
+    Waveforms, files and URLs pass through `feature_extractor` (read, down-mix, resample, check)
+    before the codec encodes them.
 
     Args:
         tokenizer: a tokenizer with every Drama 3 special token (the published `tokenizer.json`, or
             `tokenizer_build.build_drama3_tokenizer()` for tests).
-        codec: a `Drama3CodecModel`, or None (codes-only use). Not a ProcessorMixin attribute (those
-            must be tokenizers or feature extractors): `save_pretrained` writes it to `codec/` and
-            `from_pretrained` reads it back.
+        feature_extractor: a `Drama3FeatureExtractor`; None builds one at the codec's rate (or at
+            `sampling_rate` without a codec). `save_pretrained` writes it (`preprocessor_config.json`
+            and inside `processor_config.json`); folders saved without one load with the default.
+        codec: a `Drama3CodecModel` (or another registered codec, see `register_codec_class`), or
+            None (codes-only use). Not a ProcessorMixin attribute (those must be tokenizers or
+            feature extractors): `save_pretrained` writes it to `codec/` and `from_pretrained` reads
+            it back.
         chat_template: kept for `ProcessorMixin`; `apply_chat_template` does not render Jinja,
             because audio rows cannot be written as a string token for token.
         codebook_size: size of the semantic band (4096).
-        num_codebooks, sampling_rate, frame_rate: used when there is no codec (the codec's own
-            values win otherwise).
+        num_codebooks, frame_rate: used when there is no codec (the codec's own values win otherwise).
+        sampling_rate: the feature extractor's rate when none is given and there is no codec (read
+            from `processor_config.json` files written before the feature extractor existed).
         max_reference_seconds: references longer than this are refused.
         chunk_bytes, chunk_speakers: the long-text chunking limits of `chunk`.
     """
@@ -90,21 +93,28 @@ class Drama3Processor(ProcessorMixin):
     def __init__(
         self,
         tokenizer,
+        feature_extractor: Drama3FeatureExtractor | None = None,
         codec=None,
         chat_template: str | None = None,
         codebook_size: int = CODEBOOK_SIZE,
         num_codebooks: int = NUM_CODEBOOKS,
-        sampling_rate: int = SAMPLING_RATE,
+        sampling_rate: int | None = None,
         frame_rate: float = SAMPLING_RATE / SAMPLES_PER_FRAME,
         max_reference_seconds: float = MAX_REFERENCE_SECONDS,
         chunk_bytes: int = CHUNK_BYTES,
         chunk_speakers: int = CHUNK_SPEAKERS,
     ):
-        super().__init__(tokenizer, chat_template=chat_template)
+        if feature_extractor is None:
+            feature_extractor = Drama3FeatureExtractor(sampling_rate=sampling_rate or SAMPLING_RATE)
+        elif sampling_rate is not None and int(sampling_rate) != feature_extractor.sampling_rate:
+            raise ValueError(
+                f"sampling_rate={sampling_rate} disagrees with the feature extractor's "
+                f"{feature_extractor.sampling_rate}; give one of them"
+            )
+        super().__init__(tokenizer, feature_extractor, chat_template=chat_template)
         self.codec = codec
         self.codebook_size = codebook_size
         self.num_codebooks = num_codebooks
-        self.sampling_rate = sampling_rate
         self.frame_rate = frame_rate
         self.max_reference_seconds = max_reference_seconds
         self.chunk_bytes = chunk_bytes
@@ -116,16 +126,21 @@ class Drama3Processor(ProcessorMixin):
     _CONFIG_KEYS = (
         "codebook_size",
         "num_codebooks",
-        "sampling_rate",
         "frame_rate",
         "max_reference_seconds",
         "chunk_bytes",
         "chunk_speakers",
     )
 
+    @property
+    def sampling_rate(self) -> int:
+        """The rate of every waveform in and out: the feature extractor's (= the codec's)."""
+        return self.feature_extractor.sampling_rate
+
     def _adopt_codec_sizes(self, codec) -> None:
+        """The codec is the truth about audio: its rate, frame rate and codebooks win."""
         self.num_codebooks = int(codec.num_codebooks)
-        self.sampling_rate = int(codec.sampling_rate)
+        self.feature_extractor.sampling_rate = int(codec.sampling_rate)
         self.frame_rate = float(codec.frame_rate)
 
     # ---- saving and loading -------------------------------------------------------------------
@@ -133,6 +148,7 @@ class Drama3Processor(ProcessorMixin):
     def to_dict(self) -> dict[str, Any]:
         # ProcessorMixin would deep-copy every attribute, the codec's weights included.
         output = {key: getattr(self, key) for key in self._CONFIG_KEYS}
+        output["feature_extractor"] = self.feature_extractor.to_dict()
         output["processor_class"] = type(self).__name__
         return output
 
@@ -140,8 +156,11 @@ class Drama3Processor(ProcessorMixin):
         return f"{type(self).__name__}(tokenizer={type(self.tokenizer).__name__}, codec={type(self.codec).__name__}, {self.to_json_string()})"
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """Tokenizer files + processor_config.json, and the codec in `codec/` when there is one."""
+        """Tokenizer files, processor_config.json (the feature extractor nested in it, as
+        ProcessorMixin writes it), preprocessor_config.json (the feature extractor on its own, for
+        `AutoFeatureExtractor` and older readers), and the codec in `codec/` when there is one."""
         files = super().save_pretrained(save_directory, push_to_hub=False, **kwargs)
+        files += self.feature_extractor.save_pretrained(save_directory)
         if self.codec is not None:
             self.codec.save_pretrained(os.path.join(save_directory, "codec"))
         if push_to_hub:
@@ -163,6 +182,32 @@ class Drama3Processor(ProcessorMixin):
             processor._adopt_codec_sizes(codec)
         return processor
 
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        """[tokenizer, feature extractor] of a saved processor.
+
+        The feature extractor comes from `processor_config.json` or `preprocessor_config.json`;
+        folders without either (the published repo, processors saved before it existed) give None,
+        and `__init__` builds the default at the codec's rate."""
+        subfolder = kwargs.pop("subfolder", "")
+        tokenizer = cls._load_tokenizer_from_pretrained("tokenizer", pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        config = (processor_dict or {}).get("feature_extractor")
+        if config is None:
+            hub = {key: kwargs[key] for key in _HUB_KEYS if key in kwargs}
+            try:
+                config, _ = Drama3FeatureExtractor.get_feature_extractor_dict(
+                    pretrained_model_name_or_path, subfolder=subfolder, **hub
+                )
+            except OSError:
+                return [tokenizer, None]
+        kind = config.get("feature_extractor_type", Drama3FeatureExtractor.__name__)
+        if kind != Drama3FeatureExtractor.__name__:
+            raise ValueError(
+                f"{pretrained_model_name_or_path}: the saved feature extractor is a {kind}; Drama3Processor "
+                f"needs a {Drama3FeatureExtractor.__name__}"
+            )
+        return [tokenizer, Drama3FeatureExtractor.from_dict(config)]
+
     @property
     def model_input_names(self) -> list[str]:
         return ["input_ids", "audio_codes", "attention_mask"]
@@ -173,31 +218,11 @@ class Drama3Processor(ProcessorMixin):
     def samples_per_frame(self) -> int:
         return int(round(self.sampling_rate / self.frame_rate))
 
-    def load_waveform(self, clip: Clip, location: str) -> np.ndarray:
-        """A clip as mono float32 samples at the codec's rate, checked: readable, finite, not silent."""
-        if clip.path is not None:
-            samples, rate = _read_audio_file(clip.path, location)
-        else:
-            waveform = clip.waveform
-            if isinstance(waveform, torch.Tensor):
-                waveform = waveform.detach().to("cpu", torch.float32).numpy()
-            samples = np.asarray(waveform, dtype=np.float32)
-            if samples.ndim == 2:
-                samples = samples.mean(axis=0)  # [channels, samples]
-            elif samples.ndim != 1:
-                raise ValueError(f"{location}: a waveform must be [samples] or [channels, samples]; got {samples.shape}")
-            rate = clip.sampling_rate or self.sampling_rate
-        if samples.size == 0:
-            raise ValueError(f"{location}: the audio is empty")
-        if not np.isfinite(samples).all():
-            raise ValueError(f"{location}: the audio holds NaN or infinite samples")
-        if float(np.abs(samples).max()) < SILENCE_PEAK:
-            raise ValueError(f"{location}: the audio is silent (peak below {SILENCE_PEAK})")
-        if rate != self.sampling_rate:
-            import soxr
-
-            samples = soxr.resample(samples, rate, self.sampling_rate).astype(np.float32)
-        return samples
+    def load_waveform(self, clip: Clip, location: str, max_seconds: float | None = None) -> np.ndarray:
+        """A clip given as a waveform or a file -> checked mono float32 samples at the codec's rate
+        (see `Drama3FeatureExtractor.load`)."""
+        audio = clip.path if clip.path is not None else clip.waveform
+        return self.feature_extractor.load(audio, clip.sampling_rate, location, max_seconds)
 
     def encode_audio(self, samples: np.ndarray, location: str) -> torch.Tensor:
         """Mono samples at the codec rate -> codes [num_codebooks, frames] (long)."""
@@ -219,8 +244,7 @@ class Drama3Processor(ProcessorMixin):
             codes = check_codes(clip.codes, self.num_codebooks, self.codebook_size, location)
             self._check_reference_length(codes.shape[1] / self.frame_rate, is_reference, location)
             return codes
-        samples = self.load_waveform(clip, location)
-        self._check_reference_length(samples.shape[0] / self.sampling_rate, is_reference, location)
+        samples = self.load_waveform(clip, location, self.max_reference_seconds if is_reference else None)
         return check_codes(self.encode_audio(samples, location), self.num_codebooks, self.codebook_size, location)
 
     def _check_reference_length(self, seconds: float, is_reference: bool, location: str) -> None:
@@ -583,23 +607,6 @@ def conversation_to_script(messages: Sequence[dict], location: str = "conversati
 # ---- helpers --------------------------------------------------------------------------------------------
 
 
-def _read_audio_file(path: str, location: str) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and their rate from a local path, a file:// URL or an http(s) URL."""
-    import soundfile
-
-    scheme = urllib.parse.urlparse(path).scheme
-    try:
-        if scheme in ("http", "https", "file"):
-            with urllib.request.urlopen(path, timeout=60) as response:
-                source: Any = io.BytesIO(response.read())
-        else:
-            source = path
-        samples, rate = soundfile.read(source, dtype="float32", always_2d=True)
-    except Exception as error:  # soundfile, urllib and OS errors all mean the same to the caller
-        raise ValueError(f"{location}: cannot read audio {path!r}: {error}") from error
-    return samples.mean(axis=1), int(rate)
-
-
 def _unpack_encoded(encoded: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The codec's encode output -> (codes [batch, num_codebooks, frames], lengths [batch] or None)."""
     if isinstance(encoded, torch.Tensor):
@@ -628,18 +635,52 @@ def _unpack_decoded(decoded: Any) -> torch.Tensor:
     raise TypeError(f"cannot read audio from the codec's decode output {type(decoded).__name__}")
 
 
+_HUB_KEYS = ("cache_dir", "force_download", "token", "revision", "local_files_only")
+
+_CODEC_CLASSES: dict[str, type] = {}
+
+
+def register_codec_class(model_type: str, codec_class: type) -> None:
+    """Let `Drama3Processor.from_pretrained` load a codec whose `codec/config.json` says `model_type`.
+
+    `codec_class` needs `from_pretrained(folder)` and the codec interface the processor uses
+    (`encode`, `decode`, `num_codebooks`, `sampling_rate`, `frame_rate`)."""
+    _CODEC_CLASSES[model_type] = codec_class
+
+
+def codec_classes() -> dict[str, type]:
+    """model_type -> codec class: the S2 codec, then whatever `register_codec_class` added."""
+    from .codec import Drama3CodecConfig, Drama3CodecModel
+
+    return {Drama3CodecConfig.model_type: Drama3CodecModel, **_CODEC_CLASSES}
+
+
+def codec_class_for(config_file: str) -> type:
+    """The codec class named by the `model_type` of a saved codec's config.json."""
+    with open(config_file, encoding="utf-8") as reader:
+        model_type = json.load(reader).get("model_type")
+    known = codec_classes()
+    if model_type not in known:
+        raise ValueError(
+            f"{config_file}: codec model_type {model_type!r} is not a known codec; known: {sorted(known)} "
+            f"(register another with transformers_drama3.processing_drama3.register_codec_class)"
+        )
+    return known[model_type]
+
+
 def _load_codec(path: str | os.PathLike, kwargs: dict):
-    """The codec saved beside a processor (`codec/`), or the published `codec.pth`; None if neither."""
+    """The codec saved beside a processor (`codec/`, its class chosen by the model_type in
+    `codec/config.json`), or the published `codec.pth` (the S2 codec); None if neither."""
     from transformers.utils import cached_file
 
-    hub = {key: kwargs[key] for key in ("cache_dir", "force_download", "token", "revision", "local_files_only") if key in kwargs}
+    hub = {key: kwargs[key] for key in _HUB_KEYS if key in kwargs}
     probe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
-    if cached_file(path, "codec/config.json", **probe) is not None:
-        from .codec import Drama3CodecModel
-
+    config_file = cached_file(path, "codec/config.json", **probe)
+    if config_file is not None:
+        codec_class = codec_class_for(config_file)
         if os.path.isdir(path):
-            return Drama3CodecModel.from_pretrained(os.path.join(path, "codec"))
-        return Drama3CodecModel.from_pretrained(path, subfolder="codec", **hub)
+            return codec_class.from_pretrained(os.path.join(path, "codec"))
+        return codec_class.from_pretrained(path, subfolder="codec", **hub)
     checkpoint = cached_file(path, "codec.pth", **probe)
     if checkpoint is not None:
         from .codec import Drama3CodecModel
@@ -649,9 +690,12 @@ def _load_codec(path: str | os.PathLike, kwargs: dict):
 
 
 def register_processor() -> None:
-    """Register Drama3Processor with AutoProcessor for model_type "fish_omni"."""
+    """Register Drama3Processor with AutoProcessor (and its feature extractor with
+    AutoFeatureExtractor) for model_type "fish_omni"."""
     from transformers import AutoProcessor
 
     from .configuration_drama3 import Drama3Config
+    from .feature_extraction_drama3 import register_feature_extractor
 
+    register_feature_extractor()
     AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)
