@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    packed_sequence_mask_function,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeRMSNorm,
@@ -24,6 +29,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     load_balancing_loss_func,
 )
 from transformers.utils import ModelOutput
+from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
@@ -280,6 +286,34 @@ def tower_attention_mask(attention_mask: torch.Tensor, rows: int) -> torch.Tenso
     allowed = causal[None] & attention_mask.bool()[:, None, :]
     allowed = allowed | (key_index == query_index)[None]
     return allowed[:, None]
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [batch, rows]: True where a row begins a new document (or a padding run), and on each
+    row's first position. document_ids: [batch, rows], 1.. per document, 0 on padding."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
+def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's position inside its own document: long [batch, rows] (0 on padding)."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    first = torch.where(document_starts(document_ids), index, torch.zeros_like(index)).cummax(dim=1).values
+    return (index - first) * (document_ids != 0)
+
+
+def document_offsets(document_ids: torch.Tensor) -> torch.Tensor:
+    """Where each document (and each padding run) starts in the batch flattened to one sequence,
+    plus the total: long [segments + 1], the `cu_seqlens` of varlen kernels. Every row starts a
+    segment, so no segment crosses from one row into the next."""
+    starts = document_starts(document_ids).flatten().nonzero().squeeze(-1)
+    return torch.cat((starts, starts.new_tensor([document_ids.numel()])))
+
+
+def same_document(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [batch, 1, rows, rows]: query row and key row belong to the same document."""
+    return (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -541,6 +575,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         restrict_logits: bool = False,
         output_router_logits: bool | None = None,
         position_ids: torch.LongTensor | None = None,
+        document_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> Drama3Output:
         """Teacher-forced forward over whole rows.
@@ -548,27 +583,41 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         Args:
             input_ids: [batch, rows]; audio rows carry `<|semantic:c0|>`.
             audio_codes: [batch, rows, num_codebooks]; zeros on text rows.
-            attention_mask: [batch, rows], 1 for real rows (left padding allowed).
+            attention_mask: [batch, rows], 1 for real rows (left padding allowed); defaults to
+                `document_ids != 0` for packed rows.
             labels: [batch, rows], aligned with the input rows: `labels[t]` is `input_ids[t]` where
                 row t is supervised, -100 elsewhere. Row t is trained to predict row t + 1.
             row_weights: [batch, rows], aligned with `labels`: the weight of supervising each row
                 (e.g. the up-weighted seams of an infilling take). Each loss term becomes a weighted
                 mean over its rows; None means every weight is 1.
             restrict_logits: return logits over the semantic band + eos only.
+            position_ids: [batch, rows]; default: counted from the first real row, or from each
+                document's first row for packed rows.
+            document_ids: [batch, rows] for packed rows (`PackingCollator`): 1.. per document, 0 on
+                padding. Each document then sees only itself, as if it ran alone: the backbone's
+                attention layers and the tower get a block-diagonal causal mask, its Gated DeltaNet
+                layers (convolution and recurrent state) restart at each document, positions
+                restart, and no row is trained to predict the next document's first row.
         """
         batch, rows = input_ids.shape
         if audio_codes is None:
             audio_codes = input_ids.new_zeros(batch, rows, self.num_codebooks)
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = torch.ones_like(input_ids) if document_ids is None else (document_ids != 0).long()
         if output_router_logits is None:
             output_router_logits = labels is not None and self.config.text_config.output_router_logits
         if position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
+            position_ids = positions_from_mask(attention_mask) if document_ids is None else positions_in_documents(document_ids)
 
+        inputs_embeds = self.embed_rows(input_ids, audio_codes)
+        backbone_mask, tower_mask = attention_mask, tower_attention_mask(attention_mask, rows)
+        if document_ids is not None:
+            backbone_mask = self.document_masks(document_ids, attention_mask, inputs_embeds)
+            tower_mask = tower_mask & same_document(document_ids)
+            kwargs["cu_seq_lens_q"] = document_offsets(document_ids)
         outputs = self.backbone(
-            inputs_embeds=self.embed_rows(input_ids, audio_codes),
-            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            attention_mask=backbone_mask,
             position_ids=position_ids,
             use_cache=False,
             output_router_logits=output_router_logits,
@@ -576,13 +625,15 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
 
-        # Row t is labelled with row t + 1; the last row gets an empty placeholder frame.
+        # Row t is labelled with row t + 1 of its own document; the last row gets an empty placeholder frame.
         next_ids = F.pad(input_ids[:, 1:], (0, 1), value=self.config.eos_token_id)
         next_codes = F.pad(audio_codes[:, 1:], (0, 0, 0, 1))
-        next_is_audio = self.is_semantic(next_ids) & F.pad(attention_mask[:, 1:].bool(), (0, 1))
+        next_is_real = F.pad(attention_mask[:, 1:].bool(), (0, 1))
+        if document_ids is not None:
+            next_is_real = next_is_real & ~F.pad(document_starts(document_ids)[:, 1:], (0, 1), value=True)
+        next_is_audio = self.is_semantic(next_ids) & next_is_real
         codebook_logits = self.run_tower(
-            hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids,
-            tower_attention_mask(attention_mask, rows),
+            hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids, tower_mask,
         )
         logits = self.speech_logits(hidden) if restrict_logits else self.lm_head(hidden)
 
@@ -593,8 +644,37 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits if output_router_logits else None,
         )
         if labels is not None:
+            if document_ids is not None:
+                # A document's first row is never its own target; this keeps the previous
+                # document's last row from being trained to predict it.
+                labels = labels.masked_fill(document_starts(document_ids), IGNORE_INDEX)
             self._add_losses(output, labels, row_weights, next_codes, attention_mask, restrict_logits)
         return output
+
+    def document_masks(
+        self, document_ids: torch.Tensor, attention_mask: torch.Tensor, inputs_embeds: torch.Tensor
+    ) -> dict[str, torch.Tensor | None]:
+        """The backbone's masks for packed rows, one per layer type (the form `Qwen3_5MoeTextModel`
+        takes): full attention gets a block-diagonal causal mask in the layout its attention
+        implementation wants (padding, document 0, sees only padding); the Gated DeltaNet layers
+        get the 2-D padding mask (their document boundaries travel as `cu_seq_lens_q`)."""
+        config = self.backbone.config
+        if is_flash_attention_requested(config):
+            raise ValueError(
+                f"document_ids need an attention implementation that takes a 4-D mask (sdpa, eager, "
+                f"flex_attention); this backbone uses {config._attn_implementation!r}. Unpack the batch "
+                "instead (transformers_drama3.training.unpack), or load the model with attn_implementation='sdpa'."
+            )
+        return {
+            "full_attention": create_causal_mask(
+                config=config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=None,
+                cache=None,
+                and_mask_function=packed_sequence_mask_function(document_ids),
+            ),
+            "linear_attention": create_recurrent_attention_mask(config, inputs_embeds, attention_mask),
+        }
 
     def _add_losses(self, output, labels, row_weights, next_codes, attention_mask, restricted) -> None:
         """L = L_text + 0.5 L_sem + 0.5 L_cb (+ router load balancing), each averaged over its own rows."""

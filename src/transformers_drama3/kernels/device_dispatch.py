@@ -6,6 +6,15 @@ tensors, which fails on a machine without a GPU. Here each of those module-level
 replaced by a router: CUDA tensors go to the kernel transformers picked, everything else to the
 plain PyTorch reference the kernel wraps. The router is installed once, on `import
 transformers_drama3`; it changes nothing when no kernel package is installed.
+
+Packed documents. When the backbone runs on packed rows it passes the document boundaries as
+`cu_seqlens` (the chunked delta rule) and `cu_seq_lens_q` (the causal convolution): offsets into
+the batch flattened to one sequence, `[0, ..., batch * rows]`, with every row start among them
+(see `Drama3ForSpeechGeneration.forward(document_ids=...)`). The PyTorch references ignore them,
+so the routers honour them here: the delta rule runs on each document alone, from an empty state
+(fla's varlen kernel on CUDA, the reference once per document otherwise), and the causal
+convolution drops every tap that reaches back into an earlier document, on every device
+(transformers' convolution kernels take no document boundaries).
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import inspect
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 # fla warns at import that Triton has no GPU here; the routing below never sends it CPU tensors.
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+from transformers.activations import ACT2FN  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen  # noqa: E402
 
 ROUTED_FUNCTIONS = (
@@ -61,6 +72,132 @@ def route_by_device(kernel, reference):
     return routed
 
 
+# ----------------------------------------------------------------------------- packed documents
+
+
+def document_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Which document each position of the flattened batch belongs to: long [total].
+
+    cu_seqlens: [documents + 1] offsets, `cu_seqlens[0] == 0` and `cu_seqlens[-1] == total`.
+    """
+    if int(cu_seqlens[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens must end at batch * rows = {total} (offsets into the flattened batch); "
+            f"got {int(cu_seqlens[-1])}"
+        )
+    starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[1:-1].long()] = 1
+    return starts.cumsum(0)
+
+
+def causal_conv1d_per_document(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """The depthwise causal convolution of the Gated DeltaNet, restarted at every document start.
+
+    hidden_states: [batch, channels, rows]; weight: [channels, width]; cu_seqlens: offsets into the
+    flattened batch. Equals the convolution run on each document alone (zero history before its
+    first row): a tap that would read an earlier document reads zero instead.
+    """
+    batch, _, rows = hidden_states.shape
+    width = weight.shape[-1]
+    document = document_index(cu_seqlens, batch * rows).to(hidden_states.device).view(batch, 1, rows)
+    x = hidden_states.to(weight.dtype)
+    out = x * weight[:, width - 1 :]
+    for shift in range(1, width):
+        earlier = F.pad(x, (shift, 0))[..., :rows]
+        same_document = F.pad(document, (shift, 0), value=-1)[..., :rows] == document
+        out = out + earlier * same_document * weight[:, width - 1 - shift : width - shift]
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
+
+
+def delta_rule_per_document(
+    rule,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    output_final_state: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rule` (a delta-rule reference) run on each document alone, from an empty state.
+
+    query, key: [batch, rows, heads, k_dim]; value: [batch, rows, v_heads, v_dim]; g, beta:
+    [batch, rows, v_heads]; cu_seqlens: offsets into the flattened batch. Returns the output
+    [batch, rows, v_heads, v_dim] and, if asked, the final state of each document [documents, ...].
+    """
+    batch, rows = query.shape[:2]
+    flat = [t.reshape(1, batch * rows, *t.shape[2:]) for t in (query, key, value, g, beta)]
+    bounds = cu_seqlens.tolist()
+    outputs, states = [], []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v, g_doc, beta_doc = (t[:, start:end] for t in flat)
+        out, state = rule(q, k, v, g=g_doc, beta=beta_doc, output_final_state=output_final_state, **kwargs)
+        outputs.append(out)
+        states.append(state)
+    out = torch.cat(outputs, dim=1).reshape(batch, rows, *outputs[0].shape[2:])
+    return out, torch.cat(states) if output_final_state else None
+
+
+def _no_initial_state(initial_state) -> None:
+    if initial_state is not None:
+        raise ValueError("packed documents start from an empty state; got an initial_state with cu_seqlens")
+
+
+def route_chunk_delta_rule(kernel, reference):
+    """Device router for `torch_chunk_gated_delta_rule` that honours `cu_seqlens` everywhere."""
+    plain = route_by_device(kernel, reference)
+    kernel_is_reference = _implementation(kernel) is reference
+
+    @functools.wraps(reference)
+    def routed(query, key, value, g, beta, *, cu_seqlens=None, initial_state=None, **kwargs):
+        if cu_seqlens is None:
+            return plain(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+        _no_initial_state(initial_state)
+        if query.is_cuda and not kernel_is_reference:
+            # fla's varlen kernels take one flattened sequence (batch 1) and the offsets into it.
+            batch, rows = query.shape[:2]
+            flat = [t.reshape(1, batch * rows, *t.shape[2:]) for t in (query, key, value, g, beta)]
+            out, state = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, **kwargs)
+            return out.reshape(batch, rows, *out.shape[2:]), state
+        return delta_rule_per_document(reference, query, key, value, g, beta, cu_seqlens, **kwargs)
+
+    routed.drama3_kernel = kernel
+    routed.drama3_reference = reference
+    return routed
+
+
+def route_causal_conv1d(kernel, reference):
+    """Device router for `causal_conv1d_fn`; with `cu_seq_lens_q` it restarts at each document."""
+    plain = route_by_device(kernel, reference)
+
+    @functools.wraps(reference)
+    def routed(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
+        if cu_seq_lens_q is None:
+            return plain(hidden_states, weight, bias, activation=activation, **kwargs)
+        return causal_conv1d_per_document(hidden_states, weight, bias, activation, cu_seq_lens_q)
+
+    routed.drama3_kernel = kernel
+    routed.drama3_reference = reference
+    return routed
+
+
+ROUTERS = {
+    "torch_chunk_gated_delta_rule": route_chunk_delta_rule,
+    "causal_conv1d_fn": route_causal_conv1d,
+}
+
+
 def install_device_dispatch() -> None:
     """Replace each routed backbone function by its device router (idempotent)."""
     for name in ROUTED_FUNCTIONS:
@@ -68,7 +205,13 @@ def install_device_dispatch() -> None:
         if hasattr(current, "drama3_reference"):
             continue
         reference = inspect.unwrap(current)
-        setattr(qwen, name, route_by_device(current, reference))
+        setattr(qwen, name, ROUTERS.get(name, route_by_device)(current, reference))
+
+
+def _implementation(kernel):
+    """The function transformers' kernel wrapper calls (the reference itself when no package imports)."""
+    closure = inspect.getclosurevars(kernel).nonlocals if hasattr(kernel, "__code__") else {}
+    return closure.get("implementation", kernel)
 
 
 def kernel_report() -> dict[str, str]:
@@ -76,8 +219,6 @@ def kernel_report() -> dict[str, str]:
     report = {}
     for name in ROUTED_FUNCTIONS:
         routed = getattr(qwen, name)
-        kernel = getattr(routed, "drama3_kernel", routed)
-        closure = inspect.getclosurevars(kernel).nonlocals if hasattr(kernel, "__code__") else {}
-        implementation = closure.get("implementation", kernel)
+        implementation = _implementation(getattr(routed, "drama3_kernel", routed))
         report[name] = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
     return report
