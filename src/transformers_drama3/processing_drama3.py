@@ -383,10 +383,16 @@ class Drama3Processor(ProcessorMixin):
         prefix, suffix = infill.kept_codes(self.layout_context())
         return assemble_infill(prefix, middle, suffix)
 
-    def parse(self, batch: BatchFeature | dict, index: int = 0) -> Script:
-        """Rows of one batch item -> the Script they encode (padding removed)."""
+    def parse(self, batch: BatchFeature | dict, index: int = 0) -> Request:
+        """Rows of one batch item -> the request they encode, whatever its layout (padding removed;
+        see `prompting.parse_rows`). The batch's labels, when it has them, tell an infilling
+        target's frames from the kept prefix."""
         mask = batch["attention_mask"][index].bool()
-        return parse_rows(batch["input_ids"][index][mask], batch["audio_codes"][index][mask], self.tokenizer, self.token_ids)
+        labels = batch.get("labels")
+        supervised = None if labels is None else labels[index][mask] != IGNORE_INDEX
+        return parse_rows(
+            batch["input_ids"][index][mask], batch["audio_codes"][index][mask], self.tokenizer, self.token_ids, supervised
+        )
 
     def render(self, request: Request) -> str:
         """The prompt as text, audio frames written as their `<|semantic:c0|>` tokens (for reading)."""

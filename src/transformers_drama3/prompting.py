@@ -1111,21 +1111,12 @@ def parse_system(message: Message) -> list[Reference]:
     return references
 
 
-def parse_rows(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, ids: TokenIds) -> Script:
-    """Rows in the published layout (or the line-by-line one) -> the `Script` they encode.
+def _specials(items: Sequence[str | Special | torch.Tensor]) -> set[str]:
+    return {item.token for item in items if isinstance(item, Special)}
 
-    Infilling and streaming rows are not parsed back (they raise a ValueError).
 
-    Padding must be removed first. Rows that end with a closed assistant turn give a script with a
-    `target`. Used by round-trip tests and to inspect training data."""
-    messages = rows_to_messages(input_ids, audio_codes, tokenizer, ids)
-    if not messages or messages[0].role != "system":
-        raise ValueError("rows must start with a system turn")
-    references = parse_system(messages[0])
-    turns = messages[1:]
-    separated = any(
-        isinstance(item, Special) and item.token == AUDIO_SEPARATOR for message in turns for item in message.items
-    )
+def _turn_pairs(turns: Sequence[Message]) -> list[tuple[Message, Message]]:
+    """(user, assistant) pairs; every assistant turn starts with <|voice|>."""
     pairs = []
     for position in range(0, len(turns), 2):
         user = turns[position]
@@ -1135,16 +1126,107 @@ def parse_rows(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, id
         if not assistant.items or not _is_special(assistant.items[0], VOICE):
             raise ValueError("an assistant turn must start with <|voice|>")
         pairs.append((user, assistant))
-    history = []
-    for user, assistant in pairs[:-1]:
-        history.append(Take(_parse_lines(user.items, None)[0], assistant.items[1]))
+    if not pairs:
+        raise ValueError("rows must hold a user turn and the assistant's voice turn")
+    return pairs
+
+
+def _take_codes(assistant: Message) -> torch.Tensor:
+    """The audio of a closed assistant turn `<|voice|> frames <|im_end|>`."""
+    if not assistant.closed or len(assistant.items) != 2 or not isinstance(assistant.items[1], torch.Tensor):
+        raise ValueError("an earlier assistant turn must be <|voice|>, its frames, <|im_end|>")
+    return assistant.items[1]
+
+
+def parse_rows(
+    input_ids: torch.Tensor,
+    audio_codes: torch.Tensor,
+    tokenizer,
+    ids: TokenIds,
+    supervised: torch.Tensor | None = None,
+) -> Request:
+    """Rows of any layout this module writes -> the request they encode.
+
+    The layout is read from the rows: `<|interleave|>` in the user turns is the streaming layout
+    (`StreamingScript`), `<|audio_separator|>` in the last user turn the line-by-line one
+    (`LineByLineScript`), `<|audio_separator|>` only in the assistant turn infilling (`Infill`, given
+    as prefix/suffix audio however the window was first given), anything else the published one
+    (`Script`). Rows that end with a closed assistant turn give a request with its target.
+
+    A line-by-line script of a single line writes the rows of a `Script` and parses back as one.
+    Streaming rows hold the chunks up to the look-ahead of the open turn, so later chunks are not
+    in them. Infilling training rows hold the kept prefix and the target middle as one run of
+    frames: `supervised` [rows] (labels != -100) tells them apart.
+
+    Padding must be removed first. Used by round-trip tests and to inspect training data."""
+    messages = rows_to_messages(input_ids, audio_codes, tokenizer, ids)
+    if not messages or messages[0].role != "system":
+        raise ValueError("rows must start with a system turn")
+    references = parse_system(messages[0])
+    pairs = _turn_pairs(messages[1:])
+    if any(INTERLEAVE in _specials(user.items) for user, _ in pairs):
+        return _parse_streaming(pairs, references)
     user, assistant = pairs[-1]
-    cls = LineByLineScript if separated else Script
-    groups = _parse_lines(user.items, AUDIO_SEPARATOR if separated else None)
-    lines = [group[0] for group in groups] if separated else groups[0]
+    history = [Take(_parse_lines(u.items, None)[0], _take_codes(a)) for u, a in pairs[:-1]]
+    if AUDIO_SEPARATOR in _specials(user.items):
+        lines = [group[0] for group in _parse_lines(user.items, AUDIO_SEPARATOR)]
+        target = [item for item in assistant.items[1:] if isinstance(item, torch.Tensor)] or None
+        return LineByLineScript(lines=lines, references=references, history=history, target=target, strict_speakers=False)
+    if AUDIO_SEPARATOR in _specials(assistant.items):
+        if history:
+            raise ValueError("infilling rows have no history turns")
+        semantic = ids.is_semantic(input_ids)
+        middle_frames = None if supervised is None else int((supervised.bool() & semantic).sum())
+        return _parse_infill(user, assistant, references, middle_frames)
+    lines = _parse_lines(user.items, None)[0]
     audio = [item for item in assistant.items[1:] if isinstance(item, torch.Tensor)]
-    if separated:
-        target = audio or None
-    else:
-        target = audio[0] if audio else None
-    return cls(lines=lines, references=references, history=history, target=target, strict_speakers=False)
+    target = audio[0] if assistant.closed and audio else None
+    return Script(lines=lines, references=references, history=history, target=target, strict_speakers=False)
+
+
+def _parse_infill(user: Message, assistant: Message, references, middle_frames: int | None) -> Infill:
+    """`<|voice|> [suffix] <|audio_separator|> [prefix] ([middle] <|im_end|>)` -> an Infill."""
+    items = assistant.items[1:]
+    cut = next(index for index, item in enumerate(items) if _is_special(item, AUDIO_SEPARATOR))
+    before, after = items[:cut], items[cut + 1 :]
+    if len(before) > 1 or len(after) > 1 or not all(isinstance(item, torch.Tensor) for item in before + after):
+        raise ValueError("an infilling turn is <|voice|>, suffix frames, <|audio_separator|>, prefix frames")
+    suffix = before[0] if before else None
+    kept = after[0] if after else None
+    target = None
+    if assistant.closed:
+        if middle_frames is None:
+            raise ValueError(
+                "infilling rows with a target hold the kept prefix and the middle as one run of frames; "
+                "give their labels (supervised rows) to tell them apart"
+            )
+        if kept is None or not 0 < middle_frames <= kept.shape[1]:
+            raise ValueError(f"the labels supervise {middle_frames} frames; the turn's last run has {0 if kept is None else kept.shape[1]}")
+        kept, target = kept[:, : kept.shape[1] - middle_frames], kept[:, kept.shape[1] - middle_frames :]
+    prefix = kept if kept is not None and kept.shape[1] else None
+    lines = _parse_lines(user.items, None)[0]
+    return Infill(lines, prefix=prefix, suffix=suffix, references=references, target=target, strict_speakers=False)
+
+
+def _parse_streaming(pairs: Sequence[tuple[Message, Message]], references) -> StreamingScript:
+    """Turns `<chunk k> <|interleave|> [<chunk k+1>]` answered by chunk k's audio -> a StreamingScript."""
+    chunks: list[list[Line]] = []
+    spoken: list[torch.Tensor] = []
+    look_ahead: list[Line] | None = None
+    for index, (user, assistant) in enumerate(pairs):
+        groups = _parse_lines(user.items, INTERLEAVE)
+        if len(groups) != 2 or not groups[0]:
+            raise ValueError(f"streaming turn {index}: expected <chunk> <|interleave|> [<next chunk>]")
+        if look_ahead is not None and groups[0] != look_ahead:
+            raise ValueError(f"streaming turn {index}: its chunk is not the previous turn's look-ahead")
+        current, look_ahead = groups
+        chunks.append(current)
+        if index + 1 < len(pairs) or assistant.closed:
+            spoken.append(_take_codes(assistant))
+        elif len(assistant.items) != 1:
+            raise ValueError("the open streaming turn must end with <|voice|>")
+    if look_ahead:
+        if len(spoken) == len(chunks):
+            raise ValueError("the last streaming turn was spoken but looks ahead to a chunk no turn speaks")
+        chunks.append(look_ahead)
+    return StreamingScript(chunks=chunks, references=references, spoken=spoken, strict_speakers=False)
