@@ -14,6 +14,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from training_helpers import codec, processor, stack_model, tone, voice_examples, write_voice_folder
+from transformers_drama3.modeling_drama3 import Drama3Output
 from transformers_drama3.prompting import IGNORE_INDEX
 from transformers_drama3.training import (
     CloningCollator,
@@ -213,21 +214,31 @@ def test_packed_batch_gives_each_sample_its_separate_loss():
     collator = TTSCollator(proc)
     packed = PackingCollator(collator, max_rows=180)(examples)
     assert packed["input_ids"].shape[0] < len(examples)  # several samples share a row
-    unpacked = unpack(packed, proc.token_ids.pad)
-    output = model(**unpacked)
-    per_document = document_losses(
-        row_losses(model, output, unpacked["labels"], unpacked["audio_codes"]),
-        torch.arange(1, unpacked["input_ids"].shape[0] + 1)[:, None] * unpacked["attention_mask"],
-        model.config,
-    )
-    # documents are numbered in packing order; find each one's example by its rows
-    for document, loss in per_document.items():
-        rows = unpacked["input_ids"][document - 1][unpacked["attention_mask"][document - 1].bool()]
-        matches = [e for e in examples if torch.equal(collator.example_rows(e)[0].input_ids, rows)]
-        alone = model(**collator(matches[:1])).loss
-        torch.testing.assert_close(loss, alone, rtol=1e-5, atol=1e-5)
-    loss, _ = drama3_loss(model, packed, proc.token_ids.pad)
-    torch.testing.assert_close(loss, output.loss)
+    with torch.no_grad():
+        output = model(**packed)
+        per_document = document_losses(
+            row_losses(model, output, packed["labels"], packed["audio_codes"]), packed["document_ids"], model.config
+        )
+        assert len(per_document) == len(examples)
+        for document, loss in per_document.items():
+            rows = packed["input_ids"][packed["document_ids"] == document]
+            matches = [e for e in examples if torch.equal(collator.example_rows(e)[0].input_ids, rows)]
+            alone = model(**collator(matches[:1])).loss
+            torch.testing.assert_close(loss, alone, rtol=1e-5, atol=1e-5)
+        unpacked = model(**unpack(packed, proc.token_ids.pad)).loss
+    torch.testing.assert_close(output.loss, unpacked, rtol=1e-5, atol=1e-5)
+
+
+def test_drama3_loss_unpacks_packed_batches_only_for_flash_attention(monkeypatch):
+    model, proc = stack_model(), processor()
+    packed = PackingCollator(TTSCollator(proc), max_rows=120)(voice_examples(0, 3, frames=4))
+    received = []
+    monkeypatch.setattr(model, "forward", lambda **inputs: received.append(inputs) or Drama3Output(loss=torch.zeros(())))
+    drama3_loss(model, packed, proc.token_ids.pad)
+    assert torch.equal(received[-1]["document_ids"], packed["document_ids"])
+    model.config.text_config._attn_implementation = "flash_attention_2"
+    drama3_loss(model, packed, proc.token_ids.pad)
+    assert "document_ids" not in received[-1] and received[-1]["input_ids"].shape[0] == 3
 
 
 # ---- Trainer ------------------------------------------------------------------------------------------------
@@ -305,15 +316,20 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 @pytest.mark.slow
-def test_weighted_and_packed_batches_train_with_drama3_trainer(tmp_path):
+@pytest.mark.parametrize("trainer_class", [Trainer, Drama3Trainer])
+def test_weighted_and_packed_batches_train_with_trainer(tmp_path, trainer_class):
     model, proc = stack_model(), processor()
     examples = [dict(e, window=[2, 6]) for e in voice_examples(0, 8, frames=8)]
     collator = PackingCollator(InfillCollator(proc), max_rows=200)
-    trainer = Drama3Trainer(model=model, args=training_args(tmp_path, max_steps=3), pad_id=proc.token_ids.pad,
+    first = collator(examples[:4])
+    assert "row_weights" in first and first["input_ids"].shape[0] < 4
+    before = evaluation_loss(model, first)
+    trainer = trainer_class(model=model, args=training_args(tmp_path, max_steps=3),
                             train_dataset=datasets.Dataset.from_list(examples), data_collator=collator)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(value) for value in losses)
+    assert evaluation_loss(model, first) < before
 
 
 def logged_losses(trainer) -> list[float]:

@@ -1,18 +1,16 @@
-"""Packing several examples into one row, with document masking that is exact on every device.
+"""Packing several examples into one row, with document masking.
 
 `PackingCollator` lays examples end to end into rows of at most `max_rows` positions and marks
 each position with its document (`document_ids`, 1-based, 0 = padding) and its position inside the
 document (`position_ids`, restarting at 0). The stage-3 recipe trains on such rows with document
 masking: each example sees only itself, in the backbone and in the tower.
+`Drama3ForSpeechGeneration.forward(document_ids=...)` does that masking (see its docstring and
+docs/training.md, "Packing"), so a packed batch goes to the model as it is, with `Trainer` or
+`Drama3Trainer`.
 
-What the model can honour today: the backbone's full-attention layers and the tower could mask by
-document, but the Gated DeltaNet layers cannot — on CPU transformers runs the torch reference,
-which ignores `cu_seqlens`, so both its causal convolution and its recurrent state would run across
-a document boundary and silently leak one example into the next. Until the model takes document
-boundaries (see docs/training.md, "Packing"), `unpack` turns a packed batch back into one padded
-row per document right before the forward, which is exact by construction; `Drama3Trainer` does
-it automatically. The packed layout is still what the data pipeline produces and stores, so
-switching the forward to a document-aware kernel later changes no data code.
+`unpack` turns a packed batch back into one padded row per document, which is exact by
+construction: the reference the packed forward is tested against, and what `Drama3Trainer` does
+for a flash-attention backbone, which takes no block-diagonal mask.
 """
 
 from __future__ import annotations

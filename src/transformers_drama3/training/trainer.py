@@ -1,11 +1,14 @@
-"""`Drama3Trainer`: `transformers.Trainer` plus two small things the collators can ask for.
+"""`Drama3Trainer`: `transformers.Trainer` plus two small things.
 
 Plain `Trainer` already trains `Drama3ForSpeechGeneration` (the model returns `loss`; pass
-`remove_unused_columns=False` so the collator receives the prepared columns). This subclass adds:
+`remove_unused_columns=False` so the collator receives the prepared columns), packed batches from
+`PackingCollator` included: the model's forward takes their `document_ids` and masks each document
+from the others. This subclass adds:
 
 - `optimizer="muon"`: `MuonWithAdamW` (see optim.py) instead of the default AdamW;
-- packed batches (`document_ids`): unpacked to one row per document before the forward, which
-  is exact whatever the backbone's kernels (see packing.py).
+- packed batches for a backbone loaded with a flash-attention implementation, which takes no 4-D
+  mask and so cannot keep documents apart: those batches are unpacked to one row per document
+  before the forward (exact, without packing's savings). Every other backbone gets them packed.
 
 Resuming needs nothing special: checkpoints are written in the published layout and the model's
 `load_state_dict` reads that layout back.
@@ -14,27 +17,37 @@ Resuming needs nothing special: checkpoints are written in the published layout 
 from __future__ import annotations
 
 from transformers import Trainer
+from transformers.modeling_utils import unwrap_model
+from transformers.utils.generic import is_flash_attention_requested
 
 from .optim import build_optimizer
 from .packing import is_packed, unpack
 
 
+def masks_documents(model) -> bool:
+    """Whether `model`'s forward can take packed rows (`document_ids`): every backbone attention
+    implementation but flash attention, which takes no 4-D mask."""
+    config = unwrap_model(model).config
+    return not is_flash_attention_requested(getattr(config, "text_config", config))
+
+
 def drama3_loss(model, inputs: dict, pad_id: int = 0):
-    """(loss, output) of one batch: unpacks packed batches; `row_weights` go to the model's forward."""
+    """(loss, output) of one batch. Packed batches go to the model as they are, unless its backbone
+    uses flash attention (then they are unpacked with `pad_id`); `row_weights` go to the forward."""
     inputs = dict(inputs)
-    if is_packed(inputs):
+    if is_packed(inputs) and not masks_documents(model):
         inputs = unpack(inputs, pad_id)
     output = model(**inputs)
     return output.loss, output
 
 
 class Drama3Trainer(Trainer):
-    """`Trainer` with `optimizer="adamw"|"muon"` and support for packed and weighted batches.
+    """`Trainer` with `optimizer="adamw"|"muon"`, and packed batches for flash-attention backbones.
 
     Args:
         optimizer: which optimiser `create_optimizer` builds ("adamw" or "muon"); ignored when
             `optimizers=(...)` is given.
-        pad_id: padding id used when unpacking packed batches.
+        pad_id: padding id used when a packed batch must be unpacked (flash-attention backbones).
         (everything else as `transformers.Trainer`)
     """
 
