@@ -196,13 +196,16 @@ def test_packed_row_gives_each_document_its_loss_alone(side):
         torch.testing.assert_close(getattr(out, name), getattr(together, name), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_row_gives_the_gradients_of_the_documents_alone():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_row_gives_the_gradients_of_the_documents_alone(checkpointing):
     docs = documents()
     packed, _ = packed_batch(docs)
     alone, _ = padded_batch(docs, "right")
     gradients = []
     for batch in (packed, alone):
         model = tiny_model().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model(**batch).loss.backward()
         gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert gradients[0].keys() == gradients[1].keys()
