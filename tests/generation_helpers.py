@@ -12,11 +12,13 @@ import torch
 from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model
 
 __all__ = [
-    "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "tiny_model",
-    "prompt", "left_pad", "reference_greedy", "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint",
+    "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
+    "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
+    "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint",
 ]
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
+SEPARATOR = 100  # a free text id of the tiny vocabulary stands in for <|audio_separator|>
 
 
 def prompt(seed: int, text_rows: int = 5, audio_rows: int = 4, tail_rows: int = 3):
@@ -33,6 +35,37 @@ def prompt(seed: int, text_rows: int = 5, audio_rows: int = 4, tail_rows: int = 
     ids += tail
     codes += [[0] * NUM_CODEBOOKS for _ in tail]
     return torch.tensor(ids), torch.tensor(codes)
+
+
+def line_prompt(seed: int, lines: int = 3, spoken: int = 0):
+    """A line-by-line prompt: `prompt(seed)` whose turn to speak holds `lines` lines of two tokens
+    separated by SEPARATOR, and whose voice turn already holds `spoken` segments of two frames,
+    each followed by SEPARATOR. Returns input_ids [rows], audio_codes [rows, C]."""
+    generator = torch.Generator().manual_seed(seed + 1000)
+    ids, codes = prompt(seed, tail_rows=2)
+    head_ids, head_codes = ids[:-5].tolist(), codes[:-5]
+    body = []
+    for line in range(lines):
+        body += ([SEPARATOR] if line else []) + torch.randint(4, SEMANTIC_START, (2,), generator=generator).tolist()
+    tail = [EOS, IM_START, *body, EOS, IM_START]
+    tail_codes = [[0] * NUM_CODEBOOKS for _ in tail]
+    for _ in range(spoken):
+        for frame in torch.randint(0, CODEBOOK_SIZE, (2, NUM_CODEBOOKS), generator=generator).tolist():
+            tail.append(SEMANTIC_START + frame[0])
+            tail_codes.append(frame)
+        tail.append(SEPARATOR)
+        tail_codes.append([0] * NUM_CODEBOOKS)
+    return torch.tensor(head_ids + tail), torch.cat([head_codes, torch.tensor(tail_codes)])
+
+
+def line_model(seed: int = 0, scale: float = 3.0):
+    """`tiny_model(seed)` whose lm_head row for SEPARATOR is `scale` times that of <|semantic:0|>:
+    greedy decoding of `line_prompt(2)` then draws the separator after frames 2 and 7 (seed 0)."""
+    model = tiny_model(seed=seed)
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight[SEPARATOR] = scale * weight[SEMANTIC_START]
+    return model
 
 
 def left_pad(prompts, pad_id: int = 0):
@@ -72,12 +105,49 @@ def reference_greedy(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, 
     return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), False
 
 
+@torch.no_grad()
+def reference_greedy_lines(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, max_frames: int, separators: int):
+    """`reference_greedy` for a line-by-line prompt: SEPARATOR is a candidate after the band and
+    eos while fewer than `separators` have been drawn; drawing it appends a text row.
+
+    Returns (frames [n, C], line boundaries: frames before each separator, whether eos ended it)."""
+    ids, codes = input_ids[None].clone(), audio_codes[None].clone()
+    candidates = torch.cat((model.speech_token_ids(), torch.tensor([SEPARATOR])))
+    frames, boundaries = [], []
+    while len(frames) < max_frames:
+        hidden = model(ids, codes).hidden_states[0, -1]
+        separator = hidden @ model.lm_head.weight[SEPARATOR] if len(boundaries) < separators else torch.tensor(float("-inf"))
+        main = int(candidates[torch.cat((model.speech_logits(hidden), separator[None])).argmax()])
+        if main == EOS:
+            return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), boundaries, True
+        frame = [0] * NUM_CODEBOOKS
+        if main == SEPARATOR:
+            boundaries.append(len(frames))
+        else:
+            frame[0] = main - SEMANTIC_START
+            for codebook in range(1, NUM_CODEBOOKS):
+                candidate_ids = torch.cat((ids, torch.tensor([[main]])), dim=1)
+                candidate_codes = torch.cat((codes, torch.tensor([[frame]])), dim=1)
+                logits = model(candidate_ids, candidate_codes).codebook_logits[0, -2, codebook - 1]
+                frame[codebook] = int(logits.argmax())
+            frames.append(frame)
+        ids = torch.cat((ids, torch.tensor([[main]])), dim=1)
+        codes = torch.cat((codes, torch.tensor([[frame]])), dim=1)
+    return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), boundaries, False
+
+
 def script_main_tokens(model, scripts: list[list[int]]):
     """Make `model` draw the given main token ids, one list per item, step by step (then eos):
-    replaces its `speech_logits` with logits that put all mass on the scripted id."""
+    replaces its `speech_logits` with logits that put all mass on the scripted id.
+
+    A script may hold SEPARATOR: the model's SEPARATOR row of lm_head is zeroed (logit 0), the
+    scripted band/eos token gets +1e4 and the others -1e4, so the separator wins exactly where it
+    is scripted (and it is allowed: masked, the argmax falls on <|semantic:0|>)."""
     candidates = model.speech_token_ids()
     index_of = {int(token): index for index, token in enumerate(candidates)}
     state = {"step": 0}
+    with torch.no_grad():
+        model.get_output_embeddings().weight[SEPARATOR] = 0.0
 
     def speech_logits(hidden):
         step = state["step"]
@@ -85,7 +155,8 @@ def script_main_tokens(model, scripts: list[list[int]]):
         logits = torch.full((hidden.shape[0], hidden.shape[1], candidates.shape[0]), -1e4)
         for item, script in enumerate(scripts):
             token = script[step] if step < len(script) else EOS
-            logits[item, :, index_of[token]] = 0.0
+            if token != SEPARATOR:
+                logits[item, :, index_of[token]] = 1e4
         return logits
 
     model.speech_logits = speech_logits

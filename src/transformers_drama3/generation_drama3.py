@@ -10,6 +10,12 @@ One `generate()` call runs one prefill of the prompt rows, then one decode step 
 until every item has drawn eos or used its frame budget. The eos frame is dropped, and so is a
 `<|semantic:0|>` frame right before eos (it decodes to a click after the trailing silence).
 
+Line-by-line prompts (lines separated by `<|audio_separator|>` in the last user turn, see
+docs/prompt_layouts.md) add `<|audio_separator|>` to the main candidates, once per line boundary
+the prompt has left: drawing it makes no frame and draws no code, the separator goes back in as a
+text row (zero codes), exactly where the training rows put their supervised separators, and the
+frame index of the boundary is reported (`line_boundaries`), so the take splits per line.
+
 The sampler follows the published serving code (spec §5): temperature before top-p; the main token
 has no top-k by default and keeps the token that crosses top-p (so eos stays reachable); the
 codebook heads cap top-k at 30 and drop the crossing token; rank 0 is always kept. RAS: when the
@@ -26,13 +32,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from .modeling_drama3 import Drama3Cache
+from .modeling_drama3 import Drama3Cache, positions_from_mask, tower_attention_mask
 
 # ----------------------------------------------------------------------------- published constants
 
@@ -197,19 +203,32 @@ def filtered_probabilities(
     return torch.zeros_like(kept).scatter(-1, order, kept)
 
 
-def exponential_race(probabilities: torch.Tensor, generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+def exponential_race(
+    probabilities: torch.Tensor,
+    generators: Sequence[torch.Generator] | None,
+    widths: torch.Tensor | None = None,
+    drawing: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One index per row of `probabilities` `[batch, V]`, row b drawn with `generators[b]`
-    (the global generator when None)."""
+    (the global generator when None).
+
+    With generators, row b draws only `widths[b]` numbers (default V; the candidates after them
+    must have probability 0), and nothing at all where `drawing[b]` is False (its index is then
+    meaningless). So what an item draws never depends on what else is in the batch."""
     if generators is None:
         noise = torch.empty_like(probabilities).exponential_()
-    else:
-        noise = torch.stack(
-            [
-                torch.empty(probabilities.shape[-1], device=probabilities.device).exponential_(generator=generator)
-                for generator in generators
-            ]
-        )
-    return (probabilities / noise).argmax(dim=-1)
+        return (probabilities / noise).argmax(dim=-1)
+    size = probabilities.shape[-1]
+    device = probabilities.device
+    rows = []
+    for item, generator in enumerate(generators):
+        if drawing is not None and not bool(drawing[item]):
+            rows.append(torch.ones(size, device=device))
+            continue
+        width = size if widths is None else int(widths[item])
+        row = torch.empty(width, device=device).exponential_(generator=generator)
+        rows.append(torch.cat((row, torch.full((size - width,), float("inf"), device=device))))
+    return (probabilities / torch.stack(rows)).argmax(dim=-1)
 
 
 class Drama3Sampler:
@@ -217,10 +236,14 @@ class Drama3Sampler:
 
     Args:
         settings: the sampling settings.
-        candidate_ids: `[codebook_size + 1]` token ids of the restricted main logits (band, then eos).
+        candidate_ids: token ids of the restricted main logits: the semantic band, eos, then
+            optionally `<|audio_separator|>`.
         window: `[batch, RAS_WINDOW]` the last main tokens of each prompt (`EMPTY_WINDOW_SLOT` where
             padding), oldest first.
         generators: one per item, or None for torch's global generator.
+        codebook_size: size of the semantic band (default: all candidates but the last).
+        main_widths: `[batch]` candidates item b may ever draw (default: all); an item that may not
+            emit the separator draws as if it were not a candidate.
     """
 
     def __init__(
@@ -229,28 +252,32 @@ class Drama3Sampler:
         candidate_ids: torch.Tensor,
         window: torch.Tensor,
         generators: Sequence[torch.Generator] | None = None,
+        codebook_size: int | None = None,
+        main_widths: torch.Tensor | None = None,
     ):
         self.settings = settings
         self.candidate_ids = candidate_ids
-        self.codebook_size = candidate_ids.shape[0] - 1
+        self.codebook_size = candidate_ids.shape[0] - 1 if codebook_size is None else codebook_size
         self.window = window
         self.generators = generators
+        self.main_widths = main_widths
         self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
 
-    def _draw(self, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, keep_crossing: bool):
+    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None):
         probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
-        return exponential_race(probabilities, self.generators)
+        return exponential_race(probabilities, self.generators, widths, drawing)
 
     def main_token(self, logits: torch.Tensor) -> torch.Tensor:
-        """Restricted main logits `[batch, 1, codebook_size + 1]` -> main token ids `[batch, 1]`."""
+        """Restricted main logits `[batch, 1, candidates]` -> main token ids `[batch, 1]`."""
         logits = logits[:, -1]
         settings = self.settings
         if not settings.do_sample:
             choice = logits.argmax(dim=-1)
         else:
-            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, keep_crossing=True)
+            widths = self.main_widths
+            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, True, widths)
             if settings.repetition_aware:
-                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, keep_crossing=True)
+                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths)
                 first_ids = self.candidate_ids[choice]
                 repeats = (self.window == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
                 self.ras_replacements += repeats.long()
@@ -259,13 +286,16 @@ class Drama3Sampler:
         self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
         return main_ids[:, None]
 
-    def codebook(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
-        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head)."""
+    def codebook(self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None) -> torch.Tensor:
+        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head).
+
+        `drawing` [batch]: the items that make a frame now; the others draw nothing (their code is
+        meaningless)."""
         logits = logits[:, -1]
         settings = self.settings
         if not settings.do_sample:
             return logits.argmax(dim=-1)[:, None]
-        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, keep_crossing=False)
+        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing)
         return codes[:, None]
 
 
@@ -393,9 +423,13 @@ def detect_anomalies(
 class FrameStep:
     """What one decode step produced for the batch.
 
-    main_ids: [batch] the drawn main token (eos or `<|semantic:c0|>`); frames: [batch, num_codebooks];
-    produced: [batch] the item was still speaking and this is one of its frames (not eos);
-    ended: [batch] the item ended at this step (eos, or its budget is used up).
+    main_ids: [batch] the drawn main token (a `<|semantic:c0|>`, eos, or `<|audio_separator|>`);
+    frames: [batch, num_codebooks] (zeros where no frame was made);
+    produced: [batch] the item was still speaking and this is one of its frames;
+    ended: [batch] the item ended at this step (eos, or its budget is used up);
+    eos: [batch] the item ended with eos;
+    boundary: [batch] the item drew `<|audio_separator|>`: its current line ended and the next
+    begins (no frame).
     """
 
     step: int
@@ -404,6 +438,65 @@ class FrameStep:
     produced: torch.Tensor
     ended: torch.Tensor
     eos: torch.Tensor
+    boundary: torch.Tensor | None = None
+
+
+@dataclass
+class LineSeparators:
+    """Where the backbone may draw `<|audio_separator|>` (line-by-line layouts).
+
+    token_id: the id of `<|audio_separator|>`; left: [batch] how many more separators each item
+    may draw (the line boundaries its prompt has not spoken yet; 0: the token stays masked).
+    """
+
+    token_id: int
+    left: torch.Tensor
+
+
+def separators_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, separator_id: int) -> torch.Tensor:
+    """Line boundaries each prompt still has to speak, `[batch]`.
+
+    A line-by-line prompt separates its k lines with k - 1 separators in the last user turn (between
+    its last two `<|im_end|>`); its voice turn (after the last `<|im_end|>`) already holds one
+    separator per line it continues from. Other layouts give 0: the published one has no
+    separator, infilling has one only in the voice turn."""
+    real = attention_mask.bool()
+    separators = (input_ids == separator_id) & real
+    ends = (input_ids == eos_token_id) & real
+    counts = []
+    for item in range(input_ids.shape[0]):
+        positions = ends[item].nonzero().flatten().tolist()
+        if len(positions) < 2:
+            counts.append(0)
+            continue
+        between = int(separators[item, positions[-2] + 1 : positions[-1]].sum())
+        after = int(separators[item, positions[-1] + 1 :].sum())
+        counts.append(max(0, between - after))
+    return torch.tensor(counts, dtype=torch.long, device=input_ids.device)
+
+
+def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) -> torch.Tensor:
+    """Restricted main logits `[batch, 1, codebook_size + 1 (+ 1)]`: the band and eos, then the
+    separator (-inf for items that may not draw it) when `separators` is given."""
+    logits = model.speech_logits(hidden)
+    if separators is None:
+        return logits
+    row = model.get_output_embeddings().weight[separators.token_id : separators.token_id + 1]
+    separator = torch.nn.functional.linear(hidden, row).to(logits.dtype)  # [batch, 1, 1]
+    separator = separator.masked_fill((separators.left <= 0)[:, None, None], float("-inf"))
+    return torch.cat((logits, separator), dim=-1)
+
+
+def tower_frames(model, hidden, input_ids, audio_codes, semantic_code, attention_mask, cache, sample, is_audio):
+    """`model.tower_step` with a per-item `is_audio` [batch]. Where it is False (a line boundary)
+    no code is embedded, yet the tower's layers still take the row into their cache, as the
+    teacher-forced forward does for a row whose next row is text: later frames attend to exactly
+    what training showed them. Returns [batch, 1, num_codebooks]."""
+    positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
+    return model.sample_acoustic_codes(
+        hidden, input_ids, audio_codes, semantic_code, is_audio[:, None], positions,
+        tower_attention_mask(attention_mask, 1), cache.tower, sample,
+    )
 
 
 def decode_steps(
@@ -413,13 +506,17 @@ def decode_steps(
     attention_mask: torch.Tensor,
     sampler: Drama3Sampler,
     budgets: torch.Tensor,
+    separators: LineSeparators | None = None,
 ) -> Iterator[FrameStep]:
-    """Prefill once, then one step per frame until every item has ended.
+    """Prefill once, then one step per main token until every item has ended.
 
     input_ids [batch, rows], audio_codes [batch, rows, num_codebooks], attention_mask [batch, rows]
-    (left padding); budgets [batch] frames each item may produce. Items that ended keep stepping
-    with the batch (their outputs are ignored): every item's computation is independent of the
-    others', so a batch produces what each prompt produces alone.
+    (left padding); budgets [batch] frames each item may produce. With `separators` (and a sampler
+    whose candidates end with the separator), an item may draw `<|audio_separator|>` while it has
+    line boundaries left: that step makes no frame and draws no code, and the separator goes back
+    in as a text row with zero codes, as in the training rows. Items that ended keep stepping with
+    the batch (their outputs are ignored): every item's computation is independent of the others',
+    so a batch produces what each prompt produces alone.
     """
     config = model.config
     cache = Drama3Cache.empty(config)
@@ -429,20 +526,30 @@ def decode_steps(
     produced_count = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
     active = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     budgets = budgets.to(input_ids.device)
+    if separators is not None:
+        separators = LineSeparators(separators.token_id, separators.left.to(input_ids.device).clone())
     step = 0
     while True:
-        main_ids = sampler.main_token(model.speech_logits(hidden))  # [batch, 1]
+        main_ids = sampler.main_token(main_logits(model, hidden, separators))  # [batch, 1]
         eos = main_ids[:, 0] == config.eos_token_id
-        speaking = active & ~eos
-        if speaking.any():
+        boundary = torch.zeros_like(eos) if separators is None else active & (main_ids[:, 0] == separators.token_id)
+        speaking = active & ~eos & ~boundary
+        if (speaking | boundary).any():
             semantic = (main_ids - config.semantic_start_token_id).clamp(0, config.codebook_size - 1)
-            frames = model.tower_step(hidden, current_ids, current_codes, semantic, mask, cache, sampler.codebook)
+
+            def sample(logits, codebook_index, drawing=speaking):
+                return sampler.codebook(logits, codebook_index, drawing)
+
+            frames = tower_frames(model, hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
+            frames = frames.masked_fill(boundary[:, None, None], 0)
         else:
             frames = current_codes.new_zeros(batch, 1, config.num_codebooks)
+        if separators is not None:
+            separators.left -= boundary.long()
         produced_count += speaking.long()
         ended = active & (eos | (produced_count >= budgets))
         active = active & ~ended
-        yield FrameStep(step, main_ids[:, 0], frames[:, 0], speaking, ended, eos & ended)
+        yield FrameStep(step, main_ids[:, 0], frames[:, 0], speaking, ended, eos & ended, boundary)
         if not active.any():
             return
         mask = torch.cat((mask, mask.new_ones(batch, 1)), dim=1)
@@ -452,51 +559,58 @@ def decode_steps(
 
 
 class TakeCollector:
-    """Gathers the frames of every item from the decode steps; `finish()` drops click frames."""
+    """Gathers the frames and line boundaries of every item; `finish()` drops click frames."""
 
     def __init__(self, batch: int):
-        self.frames: list[torch.Tensor] = []
-        self.lengths = [0] * batch
+        self.frames: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         self.finish_reasons = [""] * batch
+        self.line_boundaries: list[list[int]] = [[] for _ in range(batch)]
+        self.last_was_frame = [False] * batch
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(frames) for frames in self.frames]
 
     def add(self, step: FrameStep) -> None:
-        self.frames.append(step.frames)
         for item in step.produced.nonzero().flatten().tolist():
-            self.lengths[item] += 1
+            self.frames[item].append(step.frames[item])
+            self.last_was_frame[item] = True
+        if step.boundary is not None:
+            for item in step.boundary.nonzero().flatten().tolist():
+                self.line_boundaries[item].append(len(self.frames[item]))
+                self.last_was_frame[item] = False
         for item in step.ended.nonzero().flatten().tolist():
             self.finish_reasons[item] = "eos" if bool(step.eos[item]) else "length"
 
     def finish(self, num_codebooks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """codes [batch, frames, num_codebooks] (0 after each item's length), lengths [batch], and
-        which items lost a `<|semantic:0|>` frame right before eos."""
-        batch = len(self.lengths)
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        longest = int(lengths.max()) if batch else 0
-        if longest:
-            codes = torch.stack(self.frames[:longest], dim=1)
-        else:
-            codes = torch.zeros(batch, 0, num_codebooks, dtype=torch.long, device=device)
-        clicks = []
-        for item in range(batch):
-            length = self.lengths[item]
-            click = self.finish_reasons[item] == "eos" and length > 0 and int(codes[item, length - 1, 0]) == 0
-            clicks.append(click)
-            if click:
-                lengths[item] -= 1
-        frame_index = torch.arange(codes.shape[1], device=device)
-        codes = codes.masked_fill((frame_index[None, :] >= lengths[:, None])[..., None], 0)
-        return codes[:, : int(lengths.max()) if batch else 0], lengths, clicks
+        which items lost a `<|semantic:0|>` frame right before eos (not before a line boundary)."""
+        clicks = [
+            reason == "eos" and last and bool(frames) and int(frames[-1][0]) == 0
+            for reason, last, frames in zip(self.finish_reasons, self.last_was_frame, self.frames)
+        ]
+        kept = [frames[:-1] if click else frames for frames, click in zip(self.frames, clicks)]
+        lengths = torch.tensor([len(frames) for frames in kept], dtype=torch.long, device=device)
+        codes = torch.zeros(len(kept), max(lengths.tolist(), default=0), num_codebooks, dtype=torch.long, device=device)
+        for item, frames in enumerate(kept):
+            if frames:
+                codes[item, : len(frames)] = torch.stack(frames).to(device)
+        return codes, lengths, clicks
 
 
 class ClickFilter:
     """Streaming counterpart of the click rule, for one item: a `<|semantic:0|>` frame is held back
-    one step and dropped if eos follows it."""
+    one step and dropped if eos follows it; a line boundary releases it."""
 
     def __init__(self):
         self.held: torch.Tensor | None = None
 
     def release(self, step: FrameStep, item: int = 0) -> list[torch.Tensor]:
         """Frames [num_codebooks] that are now final."""
+        if step.boundary is not None and bool(step.boundary[item]):
+            released = [] if self.held is None else [self.held]
+            self.held = None
+            return released
         if not bool(step.produced[item]):
             self.held = None  # eos (or already ended): a held frame was a click
             return []
@@ -535,7 +649,10 @@ class AudioChunk:
 
     audio: [samples] waveform at `sampling_rate`; codes: [frames, num_codebooks] the frames it
     decodes; first_frame: index of its first frame in the take; elapsed: seconds since the
-    request started when the chunk was ready (the first chunk's is the time to first audio).
+    request started when the chunk was ready (the first chunk's is the time to first audio);
+    line_boundaries: line boundaries (frame indices in the take, as `Drama3GenerationOutput.
+    line_boundaries`) reported with this chunk: each with the first chunk that ends at or after it
+    once the separator is drawn, so all of them up to the end of this chunk are known.
     """
 
     audio: torch.Tensor | None
@@ -544,6 +661,7 @@ class AudioChunk:
     elapsed: float
     sampling_rate: int
     is_last: bool = False
+    line_boundaries: list[int] = field(default_factory=list)
 
 
 class WaveformStreamer:
@@ -561,6 +679,18 @@ class WaveformStreamer:
         self.started = started
         self.time_to_first_audio: float | None = None
         self.sampling_rate = codec.sampling_rate if codec is not None else None
+        self.unreported_boundaries: list[int] = []
+
+    def mark_boundary(self) -> None:
+        """A line ends after the frames pushed so far."""
+        self.unreported_boundaries.append(self.emitted_frames + len(self.pending))
+
+    def step(self, clicks: ClickFilter, step: FrameStep) -> list[AudioChunk]:
+        """Push what one decode step made final (item 0) and note its line boundary."""
+        chunks = self.push(clicks.release(step))
+        if step.boundary is not None and bool(step.boundary[0]):
+            self.mark_boundary()
+        return chunks
 
     def push(self, frames: list[torch.Tensor]) -> list[AudioChunk]:
         self.pending.extend(frames)
@@ -592,6 +722,8 @@ class WaveformStreamer:
             self.time_to_first_audio = elapsed
         chunk = AudioChunk(audio, codes, self.emitted_frames, elapsed, self.sampling_rate, is_last)
         self.emitted_frames += len(taken)
+        chunk.line_boundaries = [b for b in self.unreported_boundaries if b <= self.emitted_frames or is_last]
+        self.unreported_boundaries = self.unreported_boundaries[len(chunk.line_boundaries) :]
         return chunk
 
 
@@ -617,6 +749,10 @@ class Drama3GenerationOutput(ModelOutput):
         ras_replacements: [batch] main tokens RAS replaced.
         clicks_dropped: per item whether a `<|semantic:0|>` frame before eos was dropped.
         time_to_first_audio: seconds from the call to the first streamed chunk (with a streamer).
+        line_boundaries: per item, the frame index where each new line starts (one per
+            `<|audio_separator|>` drawn, line-by-line prompts only): item b's line k is
+            `audio_codes[b, bounds[k - 1]:bounds[k]]` with bounds = [0, *line_boundaries[b],
+            lengths[b]] (see `split_lines`).
     """
 
     audio_codes: torch.LongTensor | None = None
@@ -631,9 +767,18 @@ class Drama3GenerationOutput(ModelOutput):
     ras_replacements: torch.LongTensor | None = None
     clicks_dropped: list[bool] | None = None
     time_to_first_audio: float | None = None
+    line_boundaries: list[list[int]] | None = None
 
 
-_OWN_ARGUMENTS = ("seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly")
+def split_lines(take: torch.Tensor, line_boundaries: Sequence[int]) -> list[torch.Tensor]:
+    """One take's frames [frames, ...] -> one piece per line, cut at its line boundaries."""
+    bounds = [0, *line_boundaries, take.shape[0]]
+    return [take[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+_OWN_ARGUMENTS = (
+    "seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly", "audio_separator_token_id",
+)
 
 
 def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -691,9 +836,66 @@ class _Request:
     budgets: torch.Tensor
     guard_budgets: torch.Tensor
     expected_frames: torch.Tensor
+    separators: LineSeparators | None = None
+
+    def select(self, index: torch.Tensor) -> _Request:
+        """The request of the items `index` (a long tensor)."""
+        separators = self.separators
+        if separators is not None:
+            separators = LineSeparators(separators.token_id, separators.left[index.to(separators.left.device)])
+        index = index.cpu()
+        return _Request(
+            self.settings, self.budgets[index], self.guard_budgets[index], self.expected_frames[index], separators
+        )
 
 
-def _resolve_request(model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds) -> _Request:
+def resolve_separator_id(model, generation_config: GenerationConfig | None, explicit: int | None) -> int | None:
+    """The id of `<|audio_separator|>`: the argument, else `audio_separator_token_id` of the call's
+    generation config, of the model's generation config, or of the model's config; else None."""
+    if explicit is not None:
+        return int(explicit)
+    for source in (generation_config, getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "audio_separator_token_id", None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def line_separators(model, input_ids, attention_mask, separator_id: int | None) -> LineSeparators | None:
+    """The separator rule of a batch: None unless some prompt is a line-by-line prompt."""
+    if separator_id is None:
+        return None
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    config = model.config
+    if not 0 <= separator_id < vocabulary or separator_id == config.eos_token_id or bool(model.is_semantic(torch.tensor(separator_id))):
+        raise ValueError(
+            f"audio_separator_token_id={separator_id} is not a text token of this model (vocabulary "
+            f"{vocabulary}, eos {config.eos_token_id}, semantic band {config.semantic_start_token_id}.."
+            f"{config.semantic_end_token_id})"
+        )
+    left = separators_left(input_ids, attention_mask, config.eos_token_id, separator_id)
+    return LineSeparators(separator_id, left) if bool(left.any()) else None
+
+
+def make_sampler(model, request: _Request, input_ids, attention_mask, seed) -> Drama3Sampler:
+    """The sampler of one run; with line separators the separator is the last candidate, and only
+    the items that may draw it draw a random number for it."""
+    device = input_ids.device
+    candidates = model.speech_token_ids(device)
+    codebook_size = candidates.shape[0] - 1
+    widths = None
+    if request.separators is not None:
+        candidates = torch.cat((candidates, torch.tensor([request.separators.token_id], device=device)))
+        widths = codebook_size + 1 + (request.separators.left > 0).long()
+    return Drama3Sampler(
+        request.settings, candidates, prompt_window(input_ids, attention_mask),
+        item_generators(seed, input_ids.shape[0], device), codebook_size, widths,
+    )
+
+
+def _resolve_request(
+    model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id=None
+) -> _Request:
     config = model.config
     if expected_seconds is None:
         tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
@@ -710,24 +912,23 @@ def _resolve_request(model, settings, input_ids, attention_mask, max_new_tokens,
         budgets=frame_budgets(seconds, frame_rate, max_new_tokens),
         guard_budgets=frame_budgets(seconds, frame_rate),
         expected_frames=seconds * frame_rate,
+        separators=line_separators(model, input_ids, attention_mask, separator_id),
     )
 
 
 def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed, codec, streamer=None):
     """One decode run over a batch: the takes, their waveforms and what the guards found."""
     started = time.perf_counter()
-    generators = item_generators(seed, input_ids.shape[0], input_ids.device)
-    sampler = Drama3Sampler(
-        request.settings, model.speech_token_ids(input_ids.device), prompt_window(input_ids, attention_mask), generators
-    )
+    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
     collector = TakeCollector(input_ids.shape[0])
     waveform_streamer = clicks = None
     if streamer is not None:
         waveform_streamer, clicks = WaveformStreamer(codec, started), ClickFilter()
-    for step in decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets):
+    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+    for step in steps:
         collector.add(step)
         if waveform_streamer is not None:
-            for chunk in waveform_streamer.push(clicks.release(step)):
+            for chunk in waveform_streamer.step(clicks, step):
                 _put(streamer, chunk)
     if waveform_streamer is not None:
         for chunk in waveform_streamer.finish():
@@ -760,6 +961,7 @@ def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed,
         ras_replacements=sampler.ras_replacements,
         clicks_dropped=clicks_dropped,
         time_to_first_audio=None if waveform_streamer is None else waveform_streamer.time_to_first_audio,
+        line_boundaries=collector.line_boundaries,
     )
 
 
@@ -795,10 +997,7 @@ def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3Gen
         if not items:
             break
         index = torch.tensor(items, device=input_ids.device)
-        sub_request = _Request(
-            request.settings, request.budgets[index.cpu()], request.guard_budgets[index.cpu()],
-            request.expected_frames[index.cpu()],
-        )
+        sub_request = request.select(index)
         sub_seed = None if seeds is None else [seeds[item] + attempt * REGENERATION_SEED_STRIDE for item in items]
         retry = _run(model, input_ids[index], audio_codes[index], attention_mask[index], sub_request, sub_seed, codec)
         for position, item in enumerate(items):
@@ -819,6 +1018,7 @@ def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3Gen
                 output.finish_reasons[item] = retry.finish_reasons[position]
                 output.clicks_dropped[item] = retry.clicks_dropped[position]
                 output.ras_replacements[item] = retry.ras_replacements[position]
+                output.line_boundaries[item] = retry.line_boundaries[position]
     lengths = torch.tensor([take[0].shape[0] for take in takes], dtype=torch.long, device=input_ids.device)
     codes = input_ids.new_zeros(batch, int(lengths.max()) if batch else 0, model.config.num_codebooks)
     for item, (take_codes, _) in enumerate(takes):
@@ -844,6 +1044,7 @@ def generate(
     codec=None,
     expected_seconds: float | Sequence[float] | None = None,
     regenerate_on_anomaly: int = 0,
+    audio_separator_token_id: int | None = None,
     **kwargs,
 ):
     """Speak: prompt rows in, takes out (see the module docstring for the loop and the sampler).
@@ -864,6 +1065,11 @@ def generate(
         expected_seconds: expected duration of each take; default from the text of the turn to
             speak (`TOKENS_PER_SECOND`). The frame budget is 2.5x this, at most 4096 frames.
         regenerate_on_anomaly: regenerate anomalous takes up to this many times (paper §9).
+        audio_separator_token_id: the id of `<|audio_separator|>` (`processor.audio_separator_token_id`;
+            default: `audio_separator_token_id` of the generation config or model config). With it,
+            a line-by-line prompt (lines separated by the separator in its last user turn) may draw
+            the separator between lines, once per line boundary it has left; each one is reported
+            in `line_boundaries`. Other prompts never draw it.
         **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
 
     Returns:
@@ -879,7 +1085,8 @@ def generate(
         raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
-    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds)
+    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id)
     output = _run(model, *prompt, request, seed, codec, streamer)
     if regenerate_on_anomaly:
         output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
@@ -901,6 +1108,7 @@ def stream(
     codec=None,
     expected_seconds: float | None = None,
     windows: Iterator[int] | None = None,
+    audio_separator_token_id: int | None = None,
     **kwargs,
 ) -> Iterator[AudioChunk]:
     """Speak one prompt and yield `AudioChunk`s as frames are produced.
@@ -908,7 +1116,9 @@ def stream(
     With a codec each chunk holds the waveform of a window of frames (10, 10, 12, 32, then 64;
     `windows` overrides the schedule); the chunks concatenate to the offline waveform of the same
     codes. Without a codec each chunk holds one frame's codes. The last chunk has `is_last`.
-    `chunk.elapsed` of the first chunk is the time to first audio. Arguments as in `generate`.
+    `chunk.elapsed` of the first chunk is the time to first audio. A line-by-line prompt reports
+    its line boundaries in `chunk.line_boundaries`; together they are `generate`'s. Arguments as
+    in `generate`.
     """
     overrides = _split_kwargs(kwargs)
     overrides.pop("return_dict_in_generate", None)
@@ -918,16 +1128,17 @@ def stream(
     input_ids, audio_codes, attention_mask = prepare_prompt(model, input_ids, audio_codes, attention_mask)
     if input_ids.shape[0] != 1:
         raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
-    request = _resolve_request(model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds)
-    started = time.perf_counter()
-    sampler = Drama3Sampler(
-        settings, model.speech_token_ids(input_ids.device), prompt_window(input_ids, attention_mask),
-        item_generators(seed, 1, input_ids.device),
+    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    request = _resolve_request(
+        model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id
     )
+    started = time.perf_counter()
+    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
-    for step in decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets):
-        yield from waveform_streamer.push(clicks.release(step))
+    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+    for step in steps:
+        yield from waveform_streamer.step(clicks, step)
     yield from waveform_streamer.finish()
 
 

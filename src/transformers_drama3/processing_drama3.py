@@ -14,6 +14,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .prompting import (
+    AUDIO_SEPARATOR,
     CHUNK_BYTES,
     CHUNK_SPEAKERS,
     CODEBOOK_SIZE,
@@ -131,6 +132,12 @@ class Drama3Processor(ProcessorMixin):
         "chunk_bytes",
         "chunk_speakers",
     )
+
+    @property
+    def audio_separator_token_id(self) -> int | None:
+        """The id of `<|audio_separator|>`, for `generate(audio_separator_token_id=...)` on
+        line-by-line rows; None when the tokenizer lacks the token."""
+        return self.token_ids.special.get(AUDIO_SEPARATOR)
 
     @property
     def sampling_rate(self) -> int:
