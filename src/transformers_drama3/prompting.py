@@ -579,7 +579,8 @@ class LineByLineScript(Script):
     Since every line is in context at once, each line can use the later lines and the scene (the
     paper's "multi-character scene" data). `target` is a list of per-line audio: all of them for a
     training example; the first k of them to continue generation at line k + 1 (the rows then end
-    with the separator after segment k, and generation stops at the next separator).
+    with the separator after segment k). Generation draws the separators between the remaining
+    lines and reports where each line starts (`generate(..., audio_separator_token_id=...)`).
     """
 
     def _checked_target(self, target: Any) -> Any:
