@@ -606,8 +606,10 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             attention_mask = torch.ones_like(input_ids) if document_ids is None else (document_ids != 0).long()
         if output_router_logits is None:
             output_router_logits = labels is not None and self.config.text_config.output_router_logits
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask) if document_ids is None else positions_in_documents(document_ids)
+        if position_ids is None and document_ids is not None:
+            position_ids = positions_in_documents(document_ids)
+        elif position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
 
         inputs_embeds = self.embed_rows(input_ids, audio_codes)
         backbone_mask, tower_mask = attention_mask, tower_attention_mask(attention_mask, rows)
