@@ -662,10 +662,15 @@ def register_codec_class(model_type: str, codec_class: type) -> None:
 
 
 def codec_classes() -> dict[str, type]:
-    """model_type -> codec class: the S2 codec, then whatever `register_codec_class` added."""
-    from .codec import Drama3CodecConfig, Drama3CodecModel
+    """model_type -> codec class: the S2 codec, the log-mel codec of drama3-tiny, then whatever
+    `register_codec_class` added."""
+    from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3MelCodecModel
 
-    return {Drama3CodecConfig.model_type: Drama3CodecModel, **_CODEC_CLASSES}
+    return {
+        Drama3CodecConfig.model_type: Drama3CodecModel,
+        Drama3MelCodecConfig.model_type: Drama3MelCodecModel,
+        **_CODEC_CLASSES,
+    }
 
 
 def codec_class_for(config_file: str) -> type:
