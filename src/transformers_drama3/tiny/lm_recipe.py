@@ -1,0 +1,125 @@
+"""drama3-tiny's sizes: the published architecture (hybrid Gated DeltaNet + attention backbone
+with MoE, partial codebook fusion, Codebook-MTP tower) at a size a 2-core CPU trains in hours.
+
+`tiny_model_config(tokenizer, codec_config)` writes a `config.json` in the published layout; the
+token ids come from the tokenizer (`build_tiny_tokenizer`) and the codebooks from the codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..configuration_drama3 import Drama3Config
+from ..prompting import IM_END, semantic_token
+
+TINY_CORPUS_PLAN = {
+    "seed": 0,
+    "utterances_per_voice": 1500,
+    "heldout_sentences": 40,
+    "voices": ["A", "B", "D", "F"],
+    "direction_rate": 0.35,
+    "spanish_rate": 0.05,
+}
+"""The corpus drama3-tiny is trained on (`python -m transformers_drama3.tiny.corpus build DIR
+--utterances-per-voice 1500 --voices A,B,D,F --spanish-rate 0.05`); `drama3 eval` re-plans it to
+render the held-out set."""
+
+HIDDEN_SIZE = 256
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 64
+TEXT_VOCABULARY = 1024
+"""Byte-level BPE size before the special tokens: the corpus grammar's ~800 words mostly become
+one token each, and any other text still encodes byte by byte."""
+
+
+def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
+    """The ChatML tokenizer of drama3-tiny: a byte-level BPE trained on the corpus text plus every
+    Drama 3 special token (see `tokenizer_build.build_drama3_tokenizer`)."""
+    from ..tokenizer_build import build_drama3_tokenizer
+
+    return build_drama3_tokenizer(
+        texts=list(texts), vocab_size=TEXT_VOCABULARY, codebook_size=codebook_size, save_directory=save_directory
+    )
+
+
+def tiny_model_config(tokenizer, num_codebooks: int, codebook_size: int, codebook_fusion: int = 1) -> Drama3Config:
+    """The drama3-tiny config (published layout) for `tokenizer` and a codec with `num_codebooks`
+    codebooks of `codebook_size` codes.
+
+    Backbone: 4 layers (Gated DeltaNet, attention, Gated DeltaNet, attention), hidden 256, MoE of
+    4 routed experts (2 per token) plus a gated shared expert. Tower: 1 shared layer and one layer per acoustic codebook, width 256,
+    heads as the backbone's (the serving code requires it).
+    """
+    semantic_start = tokenizer.convert_tokens_to_ids(semantic_token(0))
+    text_config = {
+        "model_type": "fish_omni_text",
+        "hidden_size": HIDDEN_SIZE,
+        "intermediate_size": 4 * HIDDEN_SIZE,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "mlp_layer_types": ["moe"] * 4,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "attn_output_gate": True,
+        "hidden_act": "silu",
+        "layernorm_zero_centered_gamma": True,
+        "rotary_interleaved": False,
+        "shared_expert_gate": True,
+        "use_qk_norm": True,
+        "tie_word_embeddings": False,
+    }
+    tower_config = {
+        "model_type": "fish_qwen3_audio_decoder",
+        "decoder_type": "codebook_mtp_shared",
+        "dim": HIDDEN_SIZE,
+        "text_dim": HIDDEN_SIZE,
+        "n_head": HEADS,
+        "n_local_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "n_layer": 1,
+        "shared_enrichment_layers": 1,
+        "intermediate_size": 2 * HIDDEN_SIZE,
+        "norm_eps": 1e-6,
+        "num_codebooks": num_codebooks,
+        "vocab_size": codebook_size,
+        "max_seq_len": num_codebooks + 1,
+        "rope_base": 10000.0,
+        "rotary_percent": 0.25,
+        "rotary_interleaved": True,
+        "attention_output_gate": True,
+        "attention_qk_norm": False,
+        "layernorm_zero_centered_gamma": True,
+        "vq_feature_scope": "all_vq",
+        "vq_feature_placement": "backbone_partial",
+        "vq_backbone_codebooks": codebook_fusion,
+        "mtp_spec": {},
+    }
+    return Drama3Config(
+        text_config=text_config,
+        audio_decoder_config=tower_config,
+        architectures=["FishOmniModel"],
+        semantic_start_token_id=semantic_start,
+        semantic_end_token_id=semantic_start + codebook_size - 1,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+        speech_template_version="reference-bracket-v1",
+        tie_word_embeddings=False,
+    )
+
+
+__all__ = ["TINY_CORPUS_PLAN", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]
