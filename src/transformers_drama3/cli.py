@@ -1,7 +1,11 @@
 """The `drama3` command.
 
     drama3 say "text" -o out.wav [--reference a.wav --reference-text "..."] [--model PATH_OR_REPO]
-                                 [--stream] [--seed N] [--preset serving|paper-eval] ...
+                                 [--voice A] [--stream] [--seed N] [--preset serving|paper-eval] ...
+
+Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
+espeak-ng speech; see model_card.md), and without `--reference` it clones one of drama3-tiny's
+bundled voices (`--voice`, default A).
 
 Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
 its parser and sets `handler` (a function of the parsed arguments returning an exit code).
@@ -94,7 +98,11 @@ def add_say(subparsers) -> None:
     parser = subparsers.add_parser("say", help="speak a text into an audio file")
     parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
     parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint folder or Hub repo (default {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--model", default=None,
+        help=f"checkpoint folder or Hub repo, e.g. {DEFAULT_MODEL} (default: the bundled drama3-tiny)",
+    )
+    parser.add_argument("--voice", default=None, help="a bundled drama3-tiny voice (A, B, D, F) when no --reference is given")
     parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
     parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
     parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
@@ -127,7 +135,8 @@ def run_say(args) -> int:
             raise CommandError(f"--reference {path}: no such file")
     if args.stream and args.regenerate:
         raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
-    model, processor = load_model_and_processor(args.model, args.device, args.dtype)
+    source, references, transcripts = _resolve_model_and_voice(args)
+    model, processor = load_model_and_processor(source, args.device, args.dtype)
     sampling = {
         key: value
         for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
@@ -144,8 +153,8 @@ def run_say(args) -> int:
             model,
             processor,
             args.text,
-            reference_audio=args.reference or None,
-            reference_text=args.reference_text or None,
+            reference_audio=references or None,
+            reference_text=transcripts or None,
             seed=args.seed,
             streamer=streamer,
             progress=not args.quiet,
@@ -166,6 +175,35 @@ def run_say(args) -> int:
         if anomalies:
             print(f"warning: chunk {index}: {', '.join(anomalies)}", file=sys.stderr)
     return 0
+
+
+def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str]]:
+    """The model to load and the references to clone: `--model`, or the bundled drama3-tiny (said
+    on stderr) with a bundled voice when no `--reference` is given."""
+    from .tiny import shipped
+
+    if args.model is not None:
+        if args.voice is not None:
+            raise CommandError("--voice picks a bundled drama3-tiny voice; with --model give --reference instead")
+        return args.model, args.reference, args.reference_text
+    if not shipped.is_available():
+        raise CommandError(f"this installation carries no drama3-tiny; pass --model (e.g. --model {DEFAULT_MODEL})")
+    print(
+        f"drama3 say: no --model given; using drama3-tiny, the small espeak-trained model bundled with the "
+        f"package ({shipped.TINY_MODEL_PATH}). For the published model pass --model {DEFAULT_MODEL}.",
+        file=sys.stderr,
+    )
+    if args.reference:
+        if args.voice is not None:
+            raise CommandError("give either --voice or --reference, not both")
+        return shipped.TINY_MODEL_PATH, args.reference, args.reference_text
+    voice = args.voice or shipped.DEFAULT_VOICE
+    try:
+        audio, transcript = shipped.reference_voice(voice)
+    except ValueError as error:
+        raise CommandError(f"--voice {voice}: {error}") from None
+    print(f"drama3 say: cloning drama3-tiny's bundled voice {voice} (pass --reference to clone another)", file=sys.stderr)
+    return shipped.TINY_MODEL_PATH, [audio], [transcript]
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -191,7 +229,13 @@ def run_table(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [add_say, add_table]
+def add_eval(subparsers) -> None:
+    from .tiny.evaluation import add_eval as add
+
+    add(subparsers)
+
+
+SUBCOMMANDS = [add_say, add_table, add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

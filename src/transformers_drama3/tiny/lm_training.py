@@ -45,6 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--max-steps", type=int, default=100_000, help="an upper bound; --minutes stops earlier")
     parser.add_argument("--save-steps", type=int, default=200)
+    parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -142,7 +143,7 @@ def main(argv=None) -> None:
         weight_decay=0.01,
         max_grad_norm=1.0,
         max_steps=args.max_steps,
-        logging_steps=10,
+        logging_steps=args.logging_steps,
         save_steps=args.save_steps,
         save_total_limit=2,
         train_sampling_strategy="group_by_length",
@@ -177,7 +178,9 @@ def plot_losses(log_path: str | Path, image_path: str | Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [json.loads(line) for line in open(log_path, encoding="utf-8") if '"loss"' in line]
+    rows = [row for row in map(json.loads, open(log_path, encoding="utf-8")) if "loss" in row]
+    if not rows:
+        return False
     steps = [row["step"] for row in rows]
     losses = [row["loss"] for row in rows]
     smoothed = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]

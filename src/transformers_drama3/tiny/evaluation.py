@@ -1,0 +1,266 @@
+"""Evaluate drama3-tiny on held-out sentences: content, voice, codec and behaviour.
+
+    drama3 eval [--model PATH] [--corpus CORPUS] [--sentences 40] [--voices A,B,D,F] [--json out.json]
+
+The held-out set is the corpus's `heldout` split (sentences that no train utterance contains,
+each rendered by espeak-ng in every voice); without `--corpus` the default corpus plan (seed 0)
+is rendered to a temporary folder first (held-out sentences and the references only). Output i
+speaks held-out sentence i in voice `voices[i % len(voices)]`, cloning that voice from the
+record's reference: a different (train) utterance of the same voice.
+
+Reported (numbers next to the bars of the drama3-tiny issue):
+- content: pocketsphinx WER on the espeak originals, their codec resyntheses and the model's
+  outputs; the DTW identification rate (MFCC + DTW: is the output closer to the espeak rendering
+  of its own sentence, same voice, than to 9 other held-out sentences'?) of resyntheses and outputs;
+- voice: resemblyzer similarity of each output to its reference voice's enrolment centroid and to
+  the other voices', and the share of outputs whose nearest centroid is the reference voice;
+- codec: resemblyzer similarity of each resynthesis to its original;
+- behaviour: the share of takes that end with `<|im_end|>` (not the frame budget) and the
+  duration ratio to the espeak original (share within 0.6x-1.6x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ENROLMENT_UTTERANCES = 6
+"""Train utterances per voice averaged into the voice's centroid (none is a reference used here)."""
+DURATION_BOUNDS = (0.6, 1.6)
+
+
+@dataclass
+class TinyEvaluation:
+    """The numbers `drama3 eval` reports (see the module docstring)."""
+
+    outputs: int = 0
+    voices: list[str] = field(default_factory=list)
+    wer_originals: float = math.nan
+    wer_resyntheses: float = math.nan
+    wer_outputs: float = math.nan
+    dtw_resyntheses: float = math.nan
+    dtw_outputs: float = math.nan
+    codec_similarity: float = math.nan
+    similarity_to_reference_voice: float = math.nan
+    similarity_to_other_voices: float = math.nan
+    voice_identification: float = math.nan
+    stopped_by_itself: float = math.nan
+    duration_ratio_median: float = math.nan
+    duration_within_bounds: float = math.nan
+    seconds_generated: float = 0.0
+    per_output: list[dict] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [
+            ("outputs (held-out sentences x voices)", f"{self.outputs} ({', '.join(self.voices)})", ""),
+            ("WER espeak originals (pocketsphinx)", f"{self.wer_originals:.1%}", "reference point"),
+            ("WER codec resyntheses", f"{self.wer_resyntheses:.1%}", ""),
+            ("WER model outputs", f"{self.wer_outputs:.1%}", "within 15 points of resyntheses"),
+            ("DTW identification, resyntheses", f"{self.dtw_resyntheses:.1%}", ">= 95%"),
+            ("DTW identification, outputs", f"{self.dtw_outputs:.1%}", ">= 80% (chance 10%)"),
+            ("codec: similarity resynthesis-original", f"{self.codec_similarity:.3f}", ">= 0.80"),
+            ("output similarity to reference voice", f"{self.similarity_to_reference_voice:.3f}", ""),
+            ("output similarity to other voices", f"{self.similarity_to_other_voices:.3f}", ""),
+            ("voice identification of outputs", f"{self.voice_identification:.1%}", ">= 80%"),
+            ("takes that stop by themselves", f"{self.stopped_by_itself:.1%}", ">= 95%"),
+            ("duration ratio to espeak (median)", f"{self.duration_ratio_median:.2f}", ""),
+            ("durations within 0.6x-1.6x", f"{self.duration_within_bounds:.1%}", ""),
+        ]
+        lines = ["| measure | value | bar |", "|---|---|---|"]
+        lines += [f"| {name} | {value} | {bar} |" for name, value, bar in rows]
+        return "\n".join(lines)
+
+
+def render_heldout_corpus(out_dir: Path, voices: list[str], progress: bool = True) -> Path:
+    """Render, from drama3-tiny's corpus plan (`lm_recipe.TINY_CORPUS_PLAN`, a pure function of its
+    seed), only what the evaluation needs: the held-out records, their references and a few
+    enrolment utterances per voice. Returns `out_dir` (wavs/ + manifest.jsonl)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm.auto import tqdm
+
+    from .corpus import VOICES_BY_NAME, plan_corpus, render_record, write_manifest
+    from .lm_recipe import TINY_CORPUS_PLAN
+
+    plan = dict(TINY_CORPUS_PLAN)
+    plan["voices"] = [VOICES_BY_NAME[name] for name in plan["voices"]]
+    planned = plan_corpus(**plan)
+    heldout = [r for r in planned if r.split == "heldout" and r.voice in voices]
+    wanted = {r.reference_id for r in heldout}
+    for voice in voices:
+        plain = [r for r in planned if r.voice == voice and r.split == "train" and not r.directions
+                 and r.language == "en" and r.id not in wanted]
+        wanted |= {r.id for r in plain[:ENROLMENT_UTTERANCES]}
+    selected = heldout + [r for r in planned if r.id in wanted]
+    (out_dir / "wavs").mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rendered = list(tqdm(pool.map(lambda r: render_record(r, out_dir), selected), total=len(selected),
+                             desc="espeak-ng (held-out set)", unit="utt", disable=not progress))
+    write_manifest(out_dir / "manifest.jsonl", rendered)
+    return out_dir
+
+
+def heldout_set(corpus: Path | None, sentences: int, voices: list[str], work: Path):
+    """(records of the outputs, every held-out record by (voice, sentence_id), all records, corpus dir)."""
+    from .corpus import read_manifest
+
+    if corpus is None:
+        corpus = render_heldout_corpus(work / "corpus", voices)
+    records = read_manifest(corpus / "manifest.jsonl")
+    heldout = {(r.voice, r.sentence_id): r for r in records if r.split == "heldout" and r.voice in voices}
+    sentence_ids = sorted({sentence for _, sentence in heldout})
+    if len(sentence_ids) < sentences:
+        raise ValueError(f"the corpus has {len(sentence_ids)} held-out sentences; --sentences asks for {sentences}")
+    chosen = [heldout[(voices[i % len(voices)], sentence_ids[i])] for i in range(sentences)]
+    return chosen, heldout, records, corpus
+
+
+def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, voices=("A", "B", "D", "F"),
+             seed: int = 0, progress: bool = True) -> TinyEvaluation:
+    """Run the evaluation (see the module docstring) and return its numbers."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from . import instruments as I
+    from .corpus import read_wav
+
+    voices = list(voices)
+    if sentences < 10:
+        raise ValueError(f"--sentences {sentences}: need at least 10 (the DTW test draws 9 distractors)")
+    with tempfile.TemporaryDirectory() as scratch:
+        chosen, heldout, records, corpus = heldout_set(corpus, sentences, voices, Path(scratch))
+        by_id = {r.id: r for r in records}
+        codec = processor.codec
+        result = TinyEvaluation(outputs=len(chosen), voices=voices)
+
+        def load(record):
+            samples, rate = read_wav(corpus / record.wav)
+            return samples, rate
+
+        # voice centroids from train utterances that are not the references used below
+        references_used = {r.reference_id for r in chosen}
+        centroids = {}
+        for voice in voices:
+            pool = [r for r in records if r.voice == voice and r.split == "train" and r.id not in references_used
+                    and (corpus / r.wav).is_file()][:ENROLMENT_UTTERANCES]
+            if not pool:
+                raise ValueError(f"voice {voice}: no enrolment utterance in the corpus")
+            centroids[voice] = I.voice_centroid([I.speaker_embedding(*load(r)) for r in pool])
+
+        mfcc_renderings = {key: I.mfcc(*load(r)) for key, r in heldout.items() if key[1] in {c.sentence_id for c in chosen}}
+        pairs = {"originals": [], "resyntheses": [], "outputs": []}
+        dtw = {"resyntheses": [], "outputs": []}
+        codec_similarities, own, other, identified, stopped, ratios = [], [], [], [], [], []
+        rng = np.random.default_rng(seed)
+        generated_seconds = 0.0
+        for index, record in enumerate(tqdm(chosen, desc="drama3-tiny eval", disable=not progress)):
+            original, rate = load(record)
+            reference = by_id[record.reference_id]
+            reference_audio, reference_rate = load(reference)
+            inputs = processor(
+                record.directed_text,
+                reference_audio=[reference_audio],
+                reference_text=[reference.transcript],
+                sampling_rate=reference_rate,
+            )
+            expected = len(original) / rate
+            output = model.generate(
+                **inputs, seed=seed + index, return_dict_in_generate=True, codec=codec, expected_seconds=expected,
+            )
+            waveform = output.audio[0].detach().cpu().float().numpy()
+            generated_seconds += len(waveform) / codec.sampling_rate
+            encoded = codec.encode(original, sampling_rate=rate)
+            resynthesis = codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy()
+
+            pairs["originals"].append((I.transcribe(original, rate), record.transcript))
+            pairs["resyntheses"].append((I.transcribe(resynthesis, codec.sampling_rate), record.transcript))
+            heard = I.transcribe(waveform, codec.sampling_rate) if len(waveform) else ""
+            pairs["outputs"].append((heard, record.transcript))
+
+            same_voice = [key for key in mfcc_renderings if key[0] == record.voice and key[1] != record.sentence_id]
+            distractors = [mfcc_renderings[same_voice[k]] for k in rng.choice(len(same_voice), 9, replace=False)]
+            correct = mfcc_renderings[(record.voice, record.sentence_id)]
+            dtw["resyntheses"].append(I.dtw_identifies(I.mfcc(resynthesis, codec.sampling_rate), correct, distractors))
+            output_hit = len(waveform) > 0 and I.dtw_identifies(I.mfcc(waveform, codec.sampling_rate), correct, distractors)
+            dtw["outputs"].append(output_hit)
+
+            codec_similarities.append(I.speaker_similarity(I.speaker_embedding(original, rate),
+                                                           I.speaker_embedding(resynthesis, codec.sampling_rate)))
+            try:
+                embedding = I.speaker_embedding(waveform, codec.sampling_rate)
+            except ValueError:  # nothing voiced: counts as a miss
+                embedding = None
+            if embedding is not None:
+                own.append(I.speaker_similarity(embedding, centroids[record.voice]))
+                other.extend(I.speaker_similarity(embedding, centroids[v]) for v in voices if v != record.voice)
+            identified.append(embedding is not None and I.identify_voice(embedding, centroids) == record.voice)
+            stopped.append(output.finish_reasons[0] == "eos")
+            ratio = (len(waveform) / codec.sampling_rate) / expected
+            ratios.append(ratio)
+            result.per_output.append({
+                "id": record.id, "voice": record.voice, "reference": reference.id, "text": record.transcript,
+                "heard": heard, "dtw_identified": bool(output_hit), "voice_identified": bool(identified[-1]),
+                "finish": output.finish_reasons[0], "duration_ratio": round(ratio, 3),
+            })
+
+        result.wer_originals = I.corpus_wer(pairs["originals"])
+        result.wer_resyntheses = I.corpus_wer(pairs["resyntheses"])
+        result.wer_outputs = I.corpus_wer(pairs["outputs"])
+        result.dtw_resyntheses = float(np.mean(dtw["resyntheses"]))
+        result.dtw_outputs = float(np.mean(dtw["outputs"]))
+        result.codec_similarity = float(np.mean(codec_similarities))
+        result.similarity_to_reference_voice = float(np.mean(own)) if own else math.nan
+        result.similarity_to_other_voices = float(np.mean(other)) if other else math.nan
+        result.voice_identification = float(np.mean(identified))
+        result.stopped_by_itself = float(np.mean(stopped))
+        result.duration_ratio_median = float(np.median(ratios))
+        low, high = DURATION_BOUNDS
+        result.duration_within_bounds = float(np.mean([low <= r <= high for r in ratios]))
+        result.seconds_generated = round(generated_seconds, 2)
+        del torch
+        return result
+
+
+def add_eval(subparsers) -> None:
+    parser = subparsers.add_parser("eval", help="evaluate drama3-tiny (or --model) on held-out espeak sentences")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled drama3-tiny)")
+    parser.add_argument("--corpus", default=None, help="a built corpus folder (default: render the held-out set now)")
+    parser.add_argument("--sentences", type=int, default=40)
+    parser.add_argument("--voices", default="A,B,D,F")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None, help="also write the numbers (and per-output rows) here")
+    parser.set_defaults(handler=run_eval)
+
+
+def run_eval(args) -> int:
+    import torch
+
+    from ..cli import CommandError, load_model_and_processor
+    from . import shipped
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = args.model or shipped.TINY_MODEL_PATH
+    if args.model is None and not shipped.is_available():
+        raise CommandError("this installation carries no drama3-tiny; pass --model")
+    model, processor = load_model_and_processor(source, "cpu", "float32")
+    try:
+        result = evaluate(model, processor, Path(args.corpus) if args.corpus else None, args.sentences,
+                          [v.strip() for v in args.voices.split(",") if v.strip()], args.seed)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    print(result.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+__all__ = ["TinyEvaluation", "evaluate", "add_eval", "run_eval"]

@@ -1,0 +1,90 @@
+"""The drama3-tiny pipeline end to end on a miniature corpus: espeak corpus -> fitted log-mel codec
+-> `lm_training` (Trainer, resumable) -> a model folder `from_pretrained` reads -> export into a
+package folder with bundled voices."""
+
+import json
+
+import pytest
+import torch
+
+from transformers_drama3.tiny.corpus import build_corpus, espeak_available, VOICES_BY_NAME
+
+pytestmark = pytest.mark.skipif(not espeak_available(), reason="espeak-ng binary not on PATH")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    build_corpus(folder, seed=3, utterances_per_voice=8, heldout_sentences=10,
+                 voices=[VOICES_BY_NAME["A"], VOICES_BY_NAME["B"]], progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def codec_dir(corpus, tmp_path_factory):
+    from transformers_drama3.tiny.mel_codec_fit import fit_codec
+
+    folder = tmp_path_factory.mktemp("codec")
+    fit_codec(corpus, num_codebooks=2, codebook_size=16, iterations=3, progress=False).save_pretrained(folder)
+    return folder
+
+
+def run_training(corpus, codec_dir, out, *extra):
+    from transformers_drama3.tiny.lm_training import main
+
+    main(["--corpus", str(corpus), "--codec", str(codec_dir), "--out", str(out), "--batch-size", "2",
+          "--warmup-steps", "1", "--save-steps", "2", "--logging-steps", "1", "--threads", "1", *extra])
+
+
+def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tmp_path):
+    from transformers import AutoModel, AutoProcessor
+
+    from transformers_drama3.codec import Drama3MelCodecModel
+
+    out = tmp_path / "run"
+    run_training(corpus, codec_dir, out, "--max-steps", "2")
+    first = [json.loads(line) for line in open(out / "losses.jsonl")]
+    run_training(corpus, codec_dir, out, "--max-steps", "4", "--resume")
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4  # continued from checkpoint-2, not from scratch
+    report = json.loads((out / "preparation.json").read_text())
+    assert report["kept"] == 16 and not report["skipped"]  # train split only: 2 voices x 8
+    logged = [row for row in first if "loss" in row]
+    assert [row["step"] for row in logged] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in logged)
+    assert (out / "losses.png").is_file()
+
+    model = AutoModel.from_pretrained(out / "model").eval()
+    processor = AutoProcessor.from_pretrained(out / "model")
+    assert isinstance(processor.codec, Drama3MelCodecModel) and processor.num_codebooks == 2
+    assert model.config.num_codebooks == 2 and model.config.audio_decoder_config.vocab_size == 16
+    # the tokenizer carries the semantic band the config points at
+    semantic = processor.tokenizer.convert_tokens_to_ids("<|semantic:0|>")
+    assert model.config.semantic_start_token_id == semantic
+    assert model.config.semantic_end_token_id == semantic + 15
+    inputs = processor("A short test.", reference_audio=[str(corpus / "wavs" / "A-train-00000.wav")],
+                       reference_text=["reference words"], sampling_rate=None)
+    codes = model.generate(**inputs, seed=0, max_new_tokens=6)
+    assert codes.shape[0] == 1 and codes.shape[-1] == 2 and codes.shape[1] <= 6
+
+
+def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir, tmp_path):
+    from transformers_drama3.tiny.lm_training import assemble_model_folder, load_codec
+    from transformers_drama3.tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from transformers_drama3.tiny.shipped import export
+    from transformers_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.tiny.corpus import read_manifest
+
+    codec = load_codec(codec_dir)
+    tokenizer = build_tiny_tokenizer(["some corpus words here"] * 4, 16)
+    model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16))
+    assemble_model_folder(model, tokenizer, codec, tmp_path / "model")
+    export(tmp_path / "model", corpus, tmp_path / "package", voice_names=("A", "B"))
+    voices = tmp_path / "package" / "voices"
+    assert sorted(p.name for p in voices.glob("*.wav")) == ["A.wav", "B.wav"]
+    records = {r.transcript: r for r in read_manifest(corpus / "manifest.jsonl")}
+    for voice in ("A", "B"):
+        record = records[(voices / f"{voice}.txt").read_text().strip()]
+        assert record.voice == voice and record.split == "train" and not record.directions
+    assert (tmp_path / "package" / "codec" / "config.json").is_file()
+    reloaded = Drama3ForSpeechGeneration.from_pretrained(tmp_path / "package")
+    torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
