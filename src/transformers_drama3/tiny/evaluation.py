@@ -16,7 +16,9 @@ Reported (numbers next to the bars of the drama3-tiny issue):
   the other voices', and the share of outputs whose nearest centroid is the reference voice;
 - codec: resemblyzer similarity of each resynthesis to its original;
 - behaviour: the share of takes that end with `<|im_end|>` (not the frame budget) and the
-  duration ratio to the espeak original (share within 0.6x-1.6x).
+  duration ratio to the espeak original (share within 0.6x-1.6x);
+- text reliance: the teacher-forced semantic loss of each original's codes given its own text and
+  given another held-out sentence's text (same reference): how much the model reads the text.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class TinyEvaluation:
     stopped_by_itself: float = math.nan
     duration_ratio_median: float = math.nan
     duration_within_bounds: float = math.nan
+    semantic_loss_right_text: float = math.nan
+    semantic_loss_wrong_text: float = math.nan
     seconds_generated: float = 0.0
     per_output: list[dict] = field(default_factory=list)
 
@@ -71,6 +75,8 @@ class TinyEvaluation:
             ("takes that stop by themselves", f"{self.stopped_by_itself:.1%}", ">= 95%"),
             ("duration ratio to espeak (median)", f"{self.duration_ratio_median:.2f}", ""),
             ("durations within 0.6x-1.6x", f"{self.duration_within_bounds:.1%}", ""),
+            ("teacher-forced semantic loss, right text", f"{self.semantic_loss_right_text:.3f}", "lower than wrong text"),
+            ("teacher-forced semantic loss, another sentence's text", f"{self.semantic_loss_wrong_text:.3f}", ""),
         ]
         lines = ["| measure | value | bar |", "|---|---|---|"]
         lines += [f"| {name} | {value} | {bar} |" for name, value, bar in rows]
@@ -121,6 +127,24 @@ def heldout_set(corpus: Path | None, sentences: int, voices: list[str], work: Pa
     return chosen, heldout, records, corpus
 
 
+def text_reliance(model, processor, text: str, other_text: str, reference_text: str, reference_codes, target_codes):
+    """Teacher-forced semantic loss of a take given its own text and given another sentence's text
+    (same reference, same target audio): a model that reads the text scores the first lower."""
+    import torch
+
+    from ..prompting import Reference, Script
+
+    losses = []
+    for lines in (text, other_text):
+        script = Script(lines=lines, references=[Reference(transcript=reference_text, audio=reference_codes, speaker=0)],
+                        target=target_codes)
+        batch = processor([script], padding_side="right")
+        with torch.no_grad():
+            output = model(**{key: value.to(model.device) for key, value in batch.items()})
+        losses.append(float(output.semantic_loss))
+    return losses[0], losses[1]
+
+
 def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, voices=("A", "B", "D", "F"),
              seed: int = 0, progress: bool = True) -> TinyEvaluation:
     """Run the evaluation (see the module docstring) and return its numbers."""
@@ -159,6 +183,7 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
         codec_similarities, own, other, identified, stopped, ratios = [], [], [], [], [], []
         rng = np.random.default_rng(seed)
         generated_seconds = 0.0
+        right_losses, wrong_losses = [], []
         for index, record in enumerate(tqdm(chosen, desc="drama3-tiny eval", disable=not progress)):
             original, rate = load(record)
             reference = by_id[record.reference_id]
@@ -177,6 +202,12 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
             generated_seconds += len(waveform) / codec.sampling_rate
             encoded = codec.encode(original, sampling_rate=rate)
             resynthesis = codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy()
+            other_text = chosen[(index + 1) % len(chosen)].directed_text
+            right, wrong = text_reliance(model, processor, record.directed_text, other_text, reference.transcript,
+                                         codec.encode(reference_audio, sampling_rate=reference_rate).codes[0],
+                                         encoded.codes[0])
+            right_losses.append(right)
+            wrong_losses.append(wrong)
 
             pairs["originals"].append((I.transcribe(original, rate), record.transcript))
             pairs["resyntheses"].append((I.transcribe(resynthesis, codec.sampling_rate), record.transcript))
@@ -223,6 +254,8 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
         low, high = DURATION_BOUNDS
         result.duration_within_bounds = float(np.mean([low <= r <= high for r in ratios]))
         result.seconds_generated = round(generated_seconds, 2)
+        result.semantic_loss_right_text = float(np.mean(right_losses))
+        result.semantic_loss_wrong_text = float(np.mean(wrong_losses))
         del torch
         return result
 

@@ -43,9 +43,12 @@ def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_director
     )
 
 
-def tiny_model_config(tokenizer, num_codebooks: int, codebook_size: int, codebook_fusion: int = 1) -> Drama3Config:
+def tiny_model_config(
+    tokenizer, num_codebooks: int, codebook_size: int, codebook_fusion: int = 1,
+    sampling_rate: int = 22050, frame_size: int = 1024,
+) -> Drama3Config:
     """The drama3-tiny config (published layout) for `tokenizer` and a codec with `num_codebooks`
-    codebooks of `codebook_size` codes.
+    codebooks of `codebook_size` codes at `sampling_rate` with `frame_size` samples per frame.
 
     Backbone: 4 layers (Gated DeltaNet, attention, Gated DeltaNet, attention), hidden 256, MoE of
     4 routed experts (2 per token) plus a gated shared expert. Tower: 1 shared layer and one layer per acoustic codebook, width 256,
@@ -119,6 +122,8 @@ def tiny_model_config(tokenizer, num_codebooks: int, codebook_size: int, codeboo
         pad_token_id=tokenizer.pad_token_id,
         speech_template_version="reference-bracket-v1",
         tie_word_embeddings=False,
+        sampling_rate=sampling_rate,
+        frame_size=frame_size,
     )
 
 

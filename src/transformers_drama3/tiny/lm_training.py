@@ -122,7 +122,10 @@ def main(argv=None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
         tokenizer = build_tiny_tokenizer((r["text"] for r in records), codec.config.codebook_size, tokenizer_dir)
-    config = tiny_model_config(tokenizer, codec.num_codebooks, codec.config.codebook_size)
+    config = tiny_model_config(
+        tokenizer, codec.num_codebooks, codec.config.codebook_size,
+        sampling_rate=codec.sampling_rate, frame_size=codec.hop_length,
+    )
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     resume = bool(args.resume and checkpoints)
     torch.manual_seed(args.seed)
@@ -208,6 +211,8 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
 
     if isinstance(model, (str, Path)):
         model = Drama3ForSpeechGeneration.from_pretrained(model)
+    model.config.sampling_rate = codec.sampling_rate  # what pipelines report with the audio
+    model.config.frame_size = codec.hop_length
     model.save_pretrained(destination)
     processor = Drama3Processor(
         tokenizer, codec=codec, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks
