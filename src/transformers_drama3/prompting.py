@@ -36,11 +36,12 @@ Point tags `[laughs]` and scoped tags `<whisper>...</whisper>` are written by th
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import numpy as np
@@ -568,6 +569,43 @@ def long_text_history(takes: Sequence[Take]) -> tuple[Take, ...]:
     if len(takes) == 1:
         return (takes[0],)
     return (takes[0], takes[-1])
+
+
+def speaker_turns(script: Script) -> list[tuple[int, Script]]:
+    """A scene as single-speaker cloning requests, one per speaker turn, in order.
+
+    A speaker turn is a maximal run of consecutive lines of one speaker. Its request holds only
+    that speaker's references and the turn's lines, both renumbered to speaker 0 (text, tags and
+    directions unchanged), and the script's instruction. Returns (the script's speaker, request)
+    pairs. With references, every speaker must have one; a script with several speakers must have
+    references; a script with history takes cannot be split (the takes mix the speakers)."""
+    if script.history:
+        raise ValueError(
+            "history: a scene spoken turn by turn cannot keep history takes (they mix speakers); "
+            "speak it jointly (scene='joint')"
+        )
+    speakers = sorted({line.speaker for line in script.lines})
+    covered = sorted({reference.speaker for reference in script.references})
+    if not covered and len(speakers) > 1:
+        raise ValueError(
+            f"references: speaking turn by turn clones each speaker from its own references, but this script "
+            f"has speakers {speakers} and no references; give a Reference per speaker, or speak it jointly "
+            f"(scene='joint')"
+        )
+    for index, line in enumerate(script.lines):
+        if covered and line.speaker not in covered:
+            raise ValueError(
+                f"lines[{index}]: speaker {line.speaker} has no reference; speaking turn by turn clones each "
+                f"speaker from its own references (references cover speakers {covered}); add a Reference "
+                f"with speaker={line.speaker}"
+            )
+    turns = []
+    for speaker, run in itertools.groupby(script.lines, key=lambda line: line.speaker):
+        own = [reference for reference in script.references if reference.speaker == speaker]
+        references = tuple(replace(reference, speaker=0) for reference in own)
+        lines = tuple(replace(line, speaker=0) for line in run)
+        turns.append((speaker, Script(lines, references, instruction=script.instruction)))
+    return turns
 
 
 @dataclass(frozen=True)
