@@ -1,11 +1,12 @@
 """The `drama3` command.
 
     drama3 say "text" -o out.wav [--reference a.wav --reference-text "..."] [--model PATH_OR_REPO]
-                                 [--voice A] [--stream] [--seed N] [--preset serving|paper-eval] ...
+                                 [--voice A[,D...]] [--scene auto|joint|turns] [--stream] [--seed N]
+                                 [--preset serving|paper-eval] ...
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
-espeak-ng speech; see model_card.md), and without `--reference` it clones one of drama3-tiny's
-bundled voices (`--voice`, default A).
+espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
+voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 1 voice D).
 
 Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
 its parser and sets `handler` (a function of the parsed arguments returning an exit code).
@@ -102,7 +103,16 @@ def add_say(subparsers) -> None:
         "--model", default=None,
         help=f"checkpoint folder or Hub repo, e.g. {DEFAULT_MODEL} (default: the bundled drama3-tiny)",
     )
-    parser.add_argument("--voice", default=None, help="a bundled drama3-tiny voice (A, B, D, F) when no --reference is given")
+    parser.add_argument(
+        "--voice", default=None,
+        help="bundled drama3-tiny voices (A, B, D, F) when no --reference is given; a comma list gives "
+             "speaker i of the text the i-th voice (--voice A,D)",
+    )
+    parser.add_argument(
+        "--scene", choices=["auto", "joint", "turns"], default="auto",
+        help="speak several speakers in one take per chunk (joint) or one speaker turn at a time (turns); "
+             "auto: as the model's generation config says, else joint",
+    )
     parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
     parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
     parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
@@ -135,7 +145,7 @@ def run_say(args) -> int:
             raise CommandError(f"--reference {path}: no such file")
     if args.stream and args.regenerate:
         raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
-    source, references, transcripts = _resolve_model_and_voice(args)
+    source, references, transcripts, speakers = _resolve_model_and_voice(args)
     model, processor = load_model_and_processor(source, args.device, args.dtype)
     sampling = {
         key: value
@@ -155,10 +165,12 @@ def run_say(args) -> int:
             args.text,
             reference_audio=references or None,
             reference_text=transcripts or None,
+            reference_speaker=speakers,
             seed=args.seed,
             streamer=streamer,
             progress=not args.quiet,
             preset=args.preset,
+            scene=None if args.scene == "auto" else args.scene,
             **sampling,
         )
     except ValueError as error:
@@ -168,6 +180,8 @@ def run_say(args) -> int:
     elapsed = time.perf_counter() - started
     seconds = output.audio_codes.shape[0] / processor.frame_rate
     report = f"wrote {args.output}: {seconds:.2f} s of audio in {elapsed:.2f} s, {len(output.chunks)} chunk(s)"
+    if output.turns is not None:
+        report += f", {len(output.turns)} turn(s)"
     if streamer is not None and streamer.first is not None:
         report += f", first audio after {streamer.first:.3f} s"
     print(report)
@@ -177,15 +191,15 @@ def run_say(args) -> int:
     return 0
 
 
-def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str]]:
-    """The model to load and the references to clone: `--model`, or the bundled drama3-tiny (said
-    on stderr) with a bundled voice when no `--reference` is given."""
+def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int] | None]:
+    """The model to load and the references to clone (audio, transcripts, speakers): `--model`, or
+    the bundled drama3-tiny (said on stderr) with bundled voices when no `--reference` is given."""
     from .tiny import shipped
 
     if args.model is not None:
         if args.voice is not None:
             raise CommandError("--voice picks a bundled drama3-tiny voice; with --model give --reference instead")
-        return args.model, args.reference, args.reference_text
+        return args.model, args.reference, args.reference_text, None
     if not shipped.is_available():
         raise CommandError(f"this installation carries no drama3-tiny; pass --model (e.g. --model {DEFAULT_MODEL})")
     print(
@@ -196,14 +210,24 @@ def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str]]:
     if args.reference:
         if args.voice is not None:
             raise CommandError("give either --voice or --reference, not both")
-        return shipped.TINY_MODEL_PATH, args.reference, args.reference_text
-    voice = args.voice or shipped.DEFAULT_VOICE
-    try:
-        audio, transcript = shipped.reference_voice(voice)
-    except ValueError as error:
-        raise CommandError(f"--voice {voice}: {error}") from None
-    print(f"drama3 say: cloning drama3-tiny's bundled voice {voice} (pass --reference to clone another)", file=sys.stderr)
-    return shipped.TINY_MODEL_PATH, [audio], [transcript]
+        return shipped.TINY_MODEL_PATH, args.reference, args.reference_text, None
+    names = [name.strip() for name in (args.voice or shipped.DEFAULT_VOICE).split(",")]
+    if not all(names):
+        raise CommandError(f"--voice {args.voice}: expected voice names separated by commas, like A,D")
+    references, transcripts = [], []
+    for voice in names:
+        try:
+            audio, transcript = shipped.reference_voice(voice)
+        except ValueError as error:
+            raise CommandError(f"--voice {voice}: {error}") from None
+        references.append(audio)
+        transcripts.append(transcript)
+    if len(names) == 1:
+        cloned = f"voice {names[0]}"
+    else:
+        cloned = "voices " + ", ".join(f"{voice} (speaker {speaker})" for speaker, voice in enumerate(names))
+    print(f"drama3 say: cloning drama3-tiny's bundled {cloned} (pass --reference to clone another)", file=sys.stderr)
+    return shipped.TINY_MODEL_PATH, references, transcripts, list(range(len(names)))
 
 
 # ----------------------------------------------------------------------------- entry point
