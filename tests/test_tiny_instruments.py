@@ -181,3 +181,38 @@ def test_pocketsphinx_transcribes_a_clear_espeak_voice():
     audio = synthesize("Please open the window.", VOICES_BY_NAME["A"])
     assert I.wer(I.transcribe(audio, SAMPLING_RATE), "please open the window") <= 0.25
     assert I.transcribe(np.zeros(SAMPLING_RATE, dtype=np.int16), SAMPLING_RATE) == ""
+
+
+# ---- prosody: the directions' instruments ---------------------------------------------------------
+
+
+def test_median_pitch_finds_the_frequency_of_a_pulse_train():
+    rate = 16000
+    for f0 in (90.0, 150.0, 240.0):
+        t = np.arange(rate) / rate
+        pulses = np.sign(np.sin(2 * np.pi * f0 * t)) * 0.3  # harmonic-rich, like a voice
+        assert abs(I.median_pitch(pulses, rate) - f0) / f0 < 0.03
+    noise = np.random.default_rng(0).standard_normal(rate).astype(np.float32) * 0.3
+    assert I.voiced_share(noise, rate) < 0.1  # white noise has no period: a whisper reads as unvoiced
+
+
+def test_longest_pause_measures_silence_between_sounds_only():
+    rate = 16000
+    tone = 0.3 * np.sin(2 * np.pi * 200 * np.arange(rate // 2) / rate)
+    gap = np.zeros(int(0.4 * rate))
+    assert abs(I.longest_pause(np.concatenate([tone, gap, tone]), rate) - 0.4) < 0.05
+    # silence before and after the speech is not a pause
+    assert I.longest_pause(np.concatenate([gap, tone, gap]), rate) < 0.05
+
+
+@needs_espeak
+@pytest.mark.parametrize("voice", ["A", "B", "D", "F"])
+def test_espeak_renderings_follow_every_direction_by_the_evaluation_margins(voice):
+    """The instruments behind `drama3 eval`'s directions part read what espeak does to a sentence."""
+    from transformers_drama3.tiny.evaluation import DIRECTION_MARGINS, direction_effect, direction_pairs
+
+    for name, texts in direction_pairs(SENTENCES[0]).items():
+        more, less = (synthesize(text, VOICES_BY_NAME[voice]) for text in texts)
+        assert direction_effect(name, more, less, SAMPLING_RATE) > DIRECTION_MARGINS[name], (voice, name)
+        # and the opposite order does not pass
+        assert not direction_effect(name, less, more, SAMPLING_RATE) > DIRECTION_MARGINS[name], (voice, name)

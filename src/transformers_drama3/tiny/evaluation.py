@@ -18,7 +18,13 @@ Reported (numbers next to the bars of the drama3-tiny issue):
 - behaviour: the share of takes that end with `<|im_end|>` (not the frame budget) and the
   duration ratio to the espeak original (share within 0.6x-1.6x);
 - text reliance: the teacher-forced semantic loss of each original's codes given its own text and
-  given another held-out sentence's text (same reference): how much the model reads the text.
+  given another held-out sentence's text (same reference): how much the model reads the text;
+- directions (`--direction-sentences`, default 8): each held-out sentence is spoken in pairs that
+  differ only in one direction (same reference, same seed): (slow) vs (fast) -> duration, (high)
+  vs (low) -> median F0, plain vs <whisper> -> share of voiced frames, a mid-sentence [pause] vs
+  none -> longest inner pause. Reported: the share of pairs that move the way the direction says
+  (by a margin, `DIRECTION_MARGINS`), for the model and for espeak itself on the same texts, and
+  the median size of the effect.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ import numpy as np
 ENROLMENT_UTTERANCES = 6
 """Train utterances per voice averaged into the voice's centroid (none is a reference used here)."""
 DURATION_BOUNDS = (0.6, 1.6)
+DIRECTION_MARGINS = {"rate": 1.1, "pitch": 1.0, "whisper": 0.2, "pause": 0.2}
+"""A pair follows its direction when slow/fast duration > 1.1x, high over low F0 > 1 semitone,
+plain minus whisper voiced share > 0.2, pause minus no-pause longest pause > 0.2 s."""
+DIRECTION_UNITS = {"rate": "x duration", "pitch": "semitones", "whisper": "voiced share", "pause": "s"}
 
 
 @dataclass
@@ -58,6 +68,8 @@ class TinyEvaluation:
     semantic_loss_right_text: float = math.nan
     semantic_loss_wrong_text: float = math.nan
     seconds_generated: float = 0.0
+    directions: dict = field(default_factory=dict)
+    """direction -> {"pairs", "followed", "espeak_followed", "effect", "espeak_effect"} (medians)."""
     per_output: list[dict] = field(default_factory=list)
 
     def table(self) -> str:
@@ -78,6 +90,13 @@ class TinyEvaluation:
             ("teacher-forced semantic loss, right text", f"{self.semantic_loss_right_text:.3f}", "lower than wrong text"),
             ("teacher-forced semantic loss, another sentence's text", f"{self.semantic_loss_wrong_text:.3f}", ""),
         ]
+        for name, numbers in self.directions.items():
+            unit = DIRECTION_UNITS[name]
+            rows.append((
+                f"direction {name}: pairs that follow it (espeak)",
+                f"{numbers['followed']:.0%} of {numbers['pairs']} ({numbers['espeak_followed']:.0%})",
+                f"median effect {numbers['effect']:.2f} {unit} (espeak {numbers['espeak_effect']:.2f})",
+            ))
         lines = ["| measure | value | bar |", "|---|---|---|"]
         lines += [f"| {name} | {value} | {bar} |" for name, value, bar in rows]
         return "\n".join(lines)
@@ -145,8 +164,81 @@ def text_reliance(model, processor, text: str, other_text: str, reference_text: 
     return losses[0], losses[1]
 
 
+def direction_pairs(transcript: str) -> dict[str, tuple[str, str]]:
+    """direction -> (directed text that should show more of the measure, text that should show less)."""
+    words = transcript.split()
+    middle = max(1, len(words) // 2)
+    paused = " ".join(words[:middle]) + " [pause] " + " ".join(words[middle:])
+    return {
+        "rate": (f"(slow) {transcript}", f"(fast) {transcript}"),
+        "pitch": (f"(high) {transcript}", f"(low) {transcript}"),
+        "whisper": (transcript, f"<whisper>{transcript}</whisper>"),
+        "pause": (paused.strip(), transcript),
+    }
+
+
+def direction_effect(direction: str, more, less, sampling_rate: int) -> float:
+    """How much more of its measure `more` shows than `less` (both waveforms at `sampling_rate`)."""
+    from . import instruments as I
+
+    if direction == "rate":
+        return len(more) / max(len(less), 1)
+    if direction == "pitch":
+        return float(12 * np.log2(I.median_pitch(more, sampling_rate) / I.median_pitch(less, sampling_rate)))
+    if direction == "whisper":
+        return I.voiced_share(more, sampling_rate) - I.voiced_share(less, sampling_rate)
+    return I.longest_pause(more, sampling_rate) - I.longest_pause(less, sampling_rate)
+
+
+def direction_following(model, processor, chosen, by_id, load, sentences: int, seed: int = 0,
+                        progress: bool = True, **sampling) -> dict:
+    """The directions part of the evaluation (module docstring) on the first `sentences` records."""
+    from tqdm.auto import tqdm
+
+    from .corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
+
+    effects = {name: {"model": [], "espeak": []} for name in DIRECTION_MARGINS}
+    jobs = [(record, name, texts) for record in chosen[:sentences]
+            for name, texts in direction_pairs(record.transcript).items()]
+    spoken: dict[tuple[str, str], np.ndarray] = {}
+    codec = processor.codec
+    for index, (record, name, texts) in enumerate(tqdm(jobs, desc="drama3-tiny directions", disable=not progress)):
+        reference = by_id[record.reference_id]
+        reference_audio, reference_rate = load(reference)
+        takes, renders = [], []
+        for text in texts:
+            key = (record.id, text)
+            if key not in spoken:
+                inputs = processor(text, reference_audio=[reference_audio], reference_text=[reference.transcript],
+                                   sampling_rate=reference_rate)
+                output = model.generate(**inputs, seed=seed + index, codec=codec, return_dict_in_generate=True,
+                                        **sampling)
+                spoken[key] = output.audio[0].detach().cpu().float().numpy()
+            takes.append(spoken[key])
+            renders.append(synthesize(text, VOICES_BY_NAME[record.voice]))
+        rate = SAMPLING_RATE
+        effects[name]["espeak"].append(direction_effect(name, *renders, rate))
+        if min(len(take) for take in takes) < codec.hop_length:
+            effects[name]["model"].append(math.nan)  # an empty take follows nothing
+        else:
+            effects[name]["model"].append(direction_effect(name, *takes, codec.sampling_rate))
+    summary = {}
+    for name, measured in effects.items():
+        margin = DIRECTION_MARGINS[name]
+        model_effects = np.array(measured["model"], dtype=float)
+        espeak_effects = np.array(measured["espeak"], dtype=float)
+        summary[name] = {
+            "pairs": len(model_effects),
+            "followed": float(np.mean(np.nan_to_num(model_effects, nan=-np.inf) > margin)),
+            "espeak_followed": float(np.mean(espeak_effects > margin)),
+            "effect": float(np.nanmedian(model_effects)) if np.isfinite(model_effects).any() else math.nan,
+            "espeak_effect": float(np.median(espeak_effects)),
+        }
+    return summary
+
+
 def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, voices=("A", "B", "D", "F"),
-             seed: int = 0, progress: bool = True) -> TinyEvaluation:
+             seed: int = 0, progress: bool = True, direction_sentences: int = 8, **sampling) -> TinyEvaluation:
     """Run the evaluation (see the module docstring) and return its numbers."""
     import torch
     from tqdm.auto import tqdm
@@ -197,6 +289,7 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
             expected = len(original) / rate
             output = model.generate(
                 **inputs, seed=seed + index, return_dict_in_generate=True, codec=codec, expected_seconds=expected,
+                **sampling,
             )
             waveform = output.audio[0].detach().cpu().float().numpy()
             generated_seconds += len(waveform) / codec.sampling_rate
@@ -256,6 +349,9 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
         result.seconds_generated = round(generated_seconds, 2)
         result.semantic_loss_right_text = float(np.mean(right_losses))
         result.semantic_loss_wrong_text = float(np.mean(wrong_losses))
+        if direction_sentences:
+            result.directions = direction_following(model, processor, chosen, by_id, load, direction_sentences,
+                                                    seed, progress, **sampling)
         del torch
         return result
 
@@ -267,6 +363,10 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--sentences", type=int, default=40)
     parser.add_argument("--voices", default="A,B,D,F")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--direction-sentences", type=int, default=8,
+                        help="held-out sentences spoken in direction pairs (0: skip the directions part)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", default=None, help="also write the numbers (and per-output rows) here")
     parser.set_defaults(handler=run_eval)
@@ -285,8 +385,11 @@ def run_eval(args) -> int:
         raise CommandError("this installation carries no drama3-tiny; pass --model")
     model, processor = load_model_and_processor(source, "cpu", "float32")
     try:
+        sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
+                    if value is not None}
         result = evaluate(model, processor, Path(args.corpus) if args.corpus else None, args.sentences,
-                          [v.strip() for v in args.voices.split(",") if v.strip()], args.seed)
+                          [v.strip() for v in args.voices.split(",") if v.strip()], args.seed,
+                          direction_sentences=args.direction_sentences, **sampling)
     except ValueError as error:
         raise CommandError(str(error)) from None
     print(result.table())
