@@ -43,6 +43,11 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
+    parser.add_argument(
+        "--schedule", default="constant_with_warmup", choices=["constant_with_warmup", "linear", "cosine"],
+        help="learning-rate schedule; linear and cosine decay to zero at --max-steps, also on --resume "
+        "(a run can go on at a constant rate and end with a decay)",
+    )
     parser.add_argument("--max-steps", type=int, default=100_000, help="an upper bound; --minutes stops earlier")
     parser.add_argument("--save-steps", type=int, default=200)
     parser.add_argument("--logging-steps", type=int, default=10)
@@ -141,7 +146,7 @@ def main(argv=None) -> None:
         output_dir=str(out),
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.learning_rate,
-        lr_scheduler_type="constant_with_warmup",
+        lr_scheduler_type=args.schedule,
         warmup_steps=args.warmup_steps,
         weight_decay=0.01,
         max_grad_norm=1.0,
@@ -213,6 +218,8 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
         model = Drama3ForSpeechGeneration.from_pretrained(model)
     model.config.sampling_rate = codec.sampling_rate  # what pipelines report with the audio
     model.config.frame_size = codec.hop_length
+    # trained on single-speaker cloning rows only: scenes are spoken turn by turn
+    model.generation_config.scene_mode = "turns"
     model.save_pretrained(destination)
     processor = Drama3Processor(
         tokenizer, codec=codec, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks
