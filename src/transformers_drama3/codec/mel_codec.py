@@ -36,8 +36,8 @@ from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.modeling_utils import PreTrainedAudioTokenizerBase
 
-from .audio import as_float_waveform, check_codes, prepare_audio_batch
-from .modeling_codec import DecodedAudio, EncodedAudio
+from .audio import as_float_waveform, check_codes
+from .modeling_codec import DecodedAudio, EncodedAudio, FrameCodec
 
 
 @strict
@@ -143,7 +143,7 @@ class MelStreamState(NamedTuple):
     frames_done: int
 
 
-class Drama3MelCodecModel(PreTrainedAudioTokenizerBase):
+class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
     """Log-mel residual-VQ codec with Griffin-Lim synthesis (see the module docstring).
 
     Weights: `feature_mean` / `feature_scale` `[feature_dim]` (the standardisation) and
@@ -183,24 +183,6 @@ class Drama3MelCodecModel(PreTrainedAudioTokenizerBase):
         init.copy_(self.mel_basis, basis)
         init.copy_(self.mel_inverse, torch.linalg.pinv(basis))
         init.copy_(self.window, torch.hann_window(config.n_fft, periodic=True))
-
-    # -- sizes ---------------------------------------------------------------------------------
-
-    @property
-    def sampling_rate(self) -> int:
-        return self.config.sampling_rate
-
-    @property
-    def hop_length(self) -> int:
-        return self.config.hop_length
-
-    @property
-    def frame_rate(self) -> float:
-        return self.config.frame_rate
-
-    @property
-    def num_codebooks(self) -> int:
-        return self.config.num_codebooks
 
     # -- analysis ------------------------------------------------------------------------------
 
@@ -353,19 +335,6 @@ class Drama3MelCodecModel(PreTrainedAudioTokenizerBase):
         return torch.cat([empty, *pieces], dim=-1) if pieces else empty, state
 
     # -- public API ------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def encode(self, audio, sampling_rate: int, lengths=None, max_seconds: float | None = None) -> EncodedAudio:
-        """Audio -> codes, exactly as `Drama3CodecModel.encode` (same layouts, resampling, errors)."""
-        max_seconds = self.config.max_audio_seconds if max_seconds is None else max_seconds
-        batch, sample_lengths = prepare_audio_batch(
-            audio, sampling_rate, self.sampling_rate, lengths=lengths, max_seconds=max_seconds, name="audio"
-        )
-        frame_lengths = (sample_lengths + self.hop_length - 1) // self.hop_length
-        frames = int(frame_lengths.max())
-        batch = F.pad(batch, (0, frames * self.hop_length - batch.shape[-1]))
-        codes = self.encode_frames(batch.to(self.device))
-        return EncodedAudio(codes, frame_lengths.to(codes.device))
 
     @torch.no_grad()
     def decode(self, codes, lengths=None) -> DecodedAudio:

@@ -568,7 +568,68 @@ class DecodedAudio(NamedTuple):
     lengths: torch.Tensor
 
 
-class Drama3CodecModel(PreTrainedAudioTokenizerBase):
+class FrameCodec:
+    """What every codec of this package shares: its sizes, read from the config, and `encode`
+    (the waveform checks and padding, then the model's own `encode_frames(batch [batch,
+    frames * hop_length]) -> codes [batch, num_codebooks, frames]`). Mixed into a
+    `PreTrainedAudioTokenizerBase`."""
+
+    @property
+    def sampling_rate(self) -> int:
+        """Audio samples per second the codec works at (44100 published; 22050 for the log-mel codec)."""
+        return self.config.sampling_rate
+
+    @property
+    def hop_length(self) -> int:
+        """Audio samples per frame (2048 published; 1024 for the log-mel codec)."""
+        return self.config.hop_length
+
+    @property
+    def frame_rate(self) -> float:
+        """Frames per second (44100 / 2048 published)."""
+        return self.config.frame_rate
+
+    @property
+    def num_codebooks(self) -> int:
+        """Codes per frame (10 published: codebook 0 semantic, 1.. acoustic)."""
+        return self.config.num_codebooks
+
+    # -- audio -> codes ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, audio, sampling_rate: int, lengths=None, max_seconds: float | None = None) -> EncodedAudio:
+        """Audio -> codes (both codecs: check, resample and pad the waveforms, then `encode_frames`).
+
+        Args:
+            audio: numpy array or torch tensor, `[samples]`, `[batch, samples]` or
+                `[batch, channels, samples]`, or a list of `[samples]` / `[channels, samples]`
+                arrays of different lengths. Floats in [-1, 1]; int8/int16/int32/uint8 PCM is
+                scaled to that range. Channels are averaged.
+            sampling_rate: rate of `audio` in Hz; anything but `self.sampling_rate` is resampled (soxr).
+            lengths: valid samples of each item of a right-padded `[batch, ...]` input (default: all).
+            max_seconds: longest accepted item (default `config.max_audio_seconds`).
+
+        Returns:
+            `EncodedAudio(codes [batch, num_codebooks, frames] long, lengths [batch] frames)`;
+            an item of `n` samples has `ceil(n / hop_length)` frames, its last frame right-padded
+            with silence. Items are padded on the right, which (the codec being causal) does not
+            change their codes.
+
+        All-silent audio is encoded like any other (its codes are valid); use
+        `audio.check_audio(..., reject_silence=True)` where silence is an error (references).
+        """
+        max_seconds = self.config.max_audio_seconds if max_seconds is None else max_seconds
+        batch, sample_lengths = prepare_audio_batch(
+            audio, sampling_rate, self.sampling_rate, lengths=lengths, max_seconds=max_seconds, name="audio"
+        )
+        frame_lengths = (sample_lengths + self.hop_length - 1) // self.hop_length
+        frames = int(frame_lengths.max())
+        batch = F.pad(batch, (0, frames * self.hop_length - batch.shape[-1]))
+        codes = self.encode_frames(batch.to(device=self.device, dtype=self.dtype))
+        return EncodedAudio(codes, frame_lengths.to(codes.device))
+
+
+class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
     """The S2 codec: `encode` audio to codes `[batch, 10, frames]`, `decode` codes to audio,
     `streaming_encoder()` / `streaming_decoder()` for piece-by-piece use.
 
@@ -613,28 +674,6 @@ class Drama3CodecModel(PreTrainedAudioTokenizerBase):
         elif isinstance(module, ConvNeXtBlock):
             init.constant_(module.gamma, self.config.convnext_layer_scale_init)
 
-    # -- sizes ---------------------------------------------------------------------------------
-
-    @property
-    def sampling_rate(self) -> int:
-        """Audio samples per second the codec works at (44100 published)."""
-        return self.config.sampling_rate
-
-    @property
-    def hop_length(self) -> int:
-        """Audio samples per frame (2048 published)."""
-        return self.config.hop_length
-
-    @property
-    def frame_rate(self) -> float:
-        """Frames per second (44100 / 2048 published)."""
-        return self.config.frame_rate
-
-    @property
-    def num_codebooks(self) -> int:
-        """Codes per frame (10 published: codebook 0 semantic, 1.. acoustic)."""
-        return self.config.num_codebooks
-
     # -- whole frames, the core both offline and streaming calls share ---------------------
 
     def encode_frames(self, audio: torch.Tensor, cache: StreamCache | None = None) -> torch.Tensor:
@@ -657,38 +696,6 @@ class Drama3CodecModel(PreTrainedAudioTokenizerBase):
         return self.decoder(self.quantizer.decode(codes, cache), cache)[:, 0, :]
 
     # -- public API ------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def encode(self, audio, sampling_rate: int, lengths=None, max_seconds: float | None = None) -> EncodedAudio:
-        """Audio -> codes.
-
-        Args:
-            audio: numpy array or torch tensor, `[samples]`, `[batch, samples]` or
-                `[batch, channels, samples]`, or a list of `[samples]` / `[channels, samples]`
-                arrays of different lengths. Floats in [-1, 1]; int8/int16/int32/uint8 PCM is
-                scaled to that range. Channels are averaged.
-            sampling_rate: rate of `audio` in Hz; anything but `self.sampling_rate` is resampled (soxr).
-            lengths: valid samples of each item of a right-padded `[batch, ...]` input (default: all).
-            max_seconds: longest accepted item (default `config.max_audio_seconds`).
-
-        Returns:
-            `EncodedAudio(codes [batch, num_codebooks, frames] long, lengths [batch] frames)`;
-            an item of `n` samples has `ceil(n / hop_length)` frames, its last frame right-padded
-            with silence. Items are padded on the right, which (the codec being causal) does not
-            change their codes.
-
-        All-silent audio is encoded like any other (its codes are valid); use
-        `audio.check_audio(..., reject_silence=True)` where silence is an error (references).
-        """
-        max_seconds = self.config.max_audio_seconds if max_seconds is None else max_seconds
-        batch, sample_lengths = prepare_audio_batch(
-            audio, sampling_rate, self.sampling_rate, lengths=lengths, max_seconds=max_seconds, name="audio"
-        )
-        frame_lengths = (sample_lengths + self.hop_length - 1) // self.hop_length
-        frames = int(frame_lengths.max())
-        batch = F.pad(batch, (0, frames * self.hop_length - batch.shape[-1]))
-        codes = self.encode_frames(batch.to(device=self.device, dtype=self.dtype))
-        return EncodedAudio(codes, frame_lengths.to(codes.device))
 
     @torch.no_grad()
     def decode(self, codes, lengths=None) -> DecodedAudio:
