@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+from transformers_drama3.configuration_drama3 import FIXED_TEXT_SETTINGS
 
 SEMANTIC_START = 64
 CODEBOOK_SIZE = 32
@@ -36,13 +37,8 @@ def tiny_text_config(**overrides) -> dict:
         "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "mlp_layer_types": ["moe"] * 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        "attn_output_gate": True,
-        "hidden_act": "silu",
-        "layernorm_zero_centered_gamma": True,
-        "rotary_interleaved": False,
-        "shared_expert_gate": True,
-        "use_qk_norm": True,
         "tie_word_embeddings": False,
+        **FIXED_TEXT_SETTINGS,
     }
     config.update(overrides)
     return config
@@ -65,15 +61,7 @@ def tiny_tower_config(**overrides) -> dict:
         "vocab_size": CODEBOOK_SIZE,
         "max_seq_len": NUM_CODEBOOKS + 1,
         "rope_base": 1e7,
-        "rotary_percent": 0.25,
-        "rotary_interleaved": True,
-        "attention_output_gate": True,
-        "attention_qk_norm": False,
-        "layernorm_zero_centered_gamma": True,
-        "vq_feature_scope": "all_vq",
-        "vq_feature_placement": "backbone_partial",
         "vq_backbone_codebooks": 1,
-        "mtp_spec": {},
     }
     config.update(overrides)
     return config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..configuration_drama3 import Drama3Config
+from ..configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
 from ..prompting import IM_END, semantic_token
 
 TINY_CORPUS_PLAN = {
@@ -78,13 +78,8 @@ def tiny_model_config(
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "attn_output_gate": True,
-        "hidden_act": "silu",
-        "layernorm_zero_centered_gamma": True,
-        "rotary_interleaved": False,
-        "shared_expert_gate": True,
-        "use_qk_norm": True,
         "tie_word_embeddings": False,
+        **FIXED_TEXT_SETTINGS,
     }
     tower_config = {
         "model_type": "fish_qwen3_audio_decoder",
@@ -102,15 +97,9 @@ def tiny_model_config(
         "vocab_size": codebook_size,
         "max_seq_len": num_codebooks + 1,
         "rope_base": 10000.0,
-        "rotary_percent": 0.25,
-        "rotary_interleaved": True,
-        "attention_output_gate": True,
-        "attention_qk_norm": False,
-        "layernorm_zero_centered_gamma": True,
-        "vq_feature_scope": "all_vq",
-        "vq_feature_placement": "backbone_partial",
         "vq_backbone_codebooks": codebook_fusion,
-        "mtp_spec": {},
+        # the published tower's fixed settings (gates, norms, rotary layout, fusion placement)
+        # are the config class's defaults
     }
     return Drama3Config(
         text_config=text_config,
