@@ -117,7 +117,11 @@ def add_say(subparsers) -> None:
     parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
     parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
     parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
-    parser.add_argument("--preset", choices=["serving", "paper-eval"], default="serving", help="sampling preset")
+    parser.add_argument(
+        "--preset", choices=["serving", "paper-eval"], default=None,
+        help="sampling preset, in place of the model's generation config (default: the model's own settings, "
+        "which for the published model are the serving defaults)",
+    )
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
