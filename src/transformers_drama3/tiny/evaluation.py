@@ -23,8 +23,9 @@ Reported (numbers next to the bars of the drama3-tiny issue):
   differ only in one direction (same reference, same seed): (slow) vs (fast) -> duration, (high)
   vs (low) -> median F0, plain vs <whisper> -> share of voiced frames, a mid-sentence [pause] vs
   none -> longest inner pause. Reported: the share of pairs that move the way the direction says
-  (by a margin, `DIRECTION_MARGINS`), for the model and for espeak itself on the same texts, and
-  the median size of the effect.
+  (by a margin, `DIRECTION_MARGINS`), for the model, for espeak itself on the same texts and for
+  the codec's resyntheses of espeak's renderings (what the codec lets through: the model's
+  ceiling), and the median size of each effect.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class TinyEvaluation:
     semantic_loss_wrong_text: float = math.nan
     seconds_generated: float = 0.0
     directions: dict = field(default_factory=dict)
-    """direction -> {"pairs", "followed", "espeak_followed", "effect", "espeak_effect"} (medians)."""
+    """direction -> {"pairs", "followed", "espeak_followed", "codec_followed", "effect", "espeak_effect",
+    "codec_effect"} (medians; codec = the codec's resyntheses of espeak's renderings, the ceiling)."""
     per_output: list[dict] = field(default_factory=list)
 
     def table(self) -> str:
@@ -93,9 +95,11 @@ class TinyEvaluation:
         for name, numbers in self.directions.items():
             unit = DIRECTION_UNITS[name]
             rows.append((
-                f"direction {name}: pairs that follow it (espeak)",
-                f"{numbers['followed']:.0%} of {numbers['pairs']} ({numbers['espeak_followed']:.0%})",
-                f"median effect {numbers['effect']:.2f} {unit} (espeak {numbers['espeak_effect']:.2f})",
+                f"direction {name}: pairs that follow it (espeak / codec resynthesis)",
+                f"{numbers['followed']:.0%} of {numbers['pairs']} "
+                f"({numbers['espeak_followed']:.0%} / {numbers['codec_followed']:.0%})",
+                f"median effect {numbers['effect']:.2f} {unit} "
+                f"(espeak {numbers['espeak_effect']:.2f} / codec {numbers['codec_effect']:.2f})",
             ))
         lines = ["| measure | value | bar |", "|---|---|---|"]
         lines += [f"| {name} | {value} | {bar} |" for name, value, bar in rows]
@@ -197,7 +201,7 @@ def direction_following(model, processor, chosen, by_id, load, sentences: int, s
 
     from .corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
 
-    effects = {name: {"model": [], "espeak": []} for name in DIRECTION_MARGINS}
+    effects = {name: {"model": [], "espeak": [], "codec": []} for name in DIRECTION_MARGINS}
     jobs = [(record, name, texts) for record in chosen[:sentences]
             for name, texts in direction_pairs(record.transcript).items()]
     spoken: dict[tuple[str, str], np.ndarray] = {}
@@ -216,8 +220,12 @@ def direction_following(model, processor, chosen, by_id, load, sentences: int, s
                 spoken[key] = output.audio[0].detach().cpu().float().numpy()
             takes.append(spoken[key])
             renders.append(synthesize(text, VOICES_BY_NAME[record.voice]))
-        rate = SAMPLING_RATE
-        effects[name]["espeak"].append(direction_effect(name, *renders, rate))
+        effects[name]["espeak"].append(direction_effect(name, *renders, SAMPLING_RATE))
+        resyntheses = []
+        for render in renders:
+            encoded = codec.encode(render, sampling_rate=SAMPLING_RATE)
+            resyntheses.append(codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy())
+        effects[name]["codec"].append(direction_effect(name, *resyntheses, codec.sampling_rate))
         if min(len(take) for take in takes) < codec.hop_length:
             effects[name]["model"].append(math.nan)  # an empty take follows nothing
         else:
@@ -227,12 +235,15 @@ def direction_following(model, processor, chosen, by_id, load, sentences: int, s
         margin = DIRECTION_MARGINS[name]
         model_effects = np.array(measured["model"], dtype=float)
         espeak_effects = np.array(measured["espeak"], dtype=float)
+        codec_effects = np.array(measured["codec"], dtype=float)
         summary[name] = {
             "pairs": len(model_effects),
             "followed": float(np.mean(np.nan_to_num(model_effects, nan=-np.inf) > margin)),
             "espeak_followed": float(np.mean(espeak_effects > margin)),
+            "codec_followed": float(np.mean(np.nan_to_num(codec_effects, nan=-np.inf) > margin)),
             "effect": float(np.nanmedian(model_effects)) if np.isfinite(model_effects).any() else math.nan,
             "espeak_effect": float(np.median(espeak_effects)),
+            "codec_effect": float(np.nanmedian(codec_effects)) if np.isfinite(codec_effects).any() else math.nan,
         }
     return summary
 
