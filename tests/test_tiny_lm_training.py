@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transformers_drama3.tiny.corpus import build_corpus, espeak_available, VOICES_BY_NAME
+from transformers_drama3.tiny.lm_recipe import TINY_TEMPERATURE
 
 pytestmark = pytest.mark.skipif(not espeak_available(), reason="espeak-ng binary not on PATH")
 
@@ -59,6 +60,7 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     assert model.config.num_codebooks == 2 and model.config.audio_decoder_config.vocab_size == 16
     assert model.config.sampling_rate == 22050 and model.config.frame_rate == pytest.approx(22050 / 1024)
     assert model.generation_config.scene_mode == "turns"  # trained on single-speaker rows: scenes turn by turn
+    assert model.generation_config.temperature == TINY_TEMPERATURE
     # the tokenizer carries the semantic band the config points at
     semantic = processor.tokenizer.convert_tokens_to_ids("<|semantic:0|>")
     assert model.config.semantic_start_token_id == semantic

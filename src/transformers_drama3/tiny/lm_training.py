@@ -213,6 +213,7 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
     from ..modeling_drama3 import Drama3ForSpeechGeneration
     from ..processing_drama3 import Drama3Processor
     from ..tokenizer_build import save_drama3_tokenizer
+    from .lm_recipe import TINY_TEMPERATURE
 
     if isinstance(model, (str, Path)):
         model = Drama3ForSpeechGeneration.from_pretrained(model)
@@ -220,6 +221,7 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
     model.config.frame_size = codec.hop_length
     # trained on single-speaker cloning rows only: scenes are spoken turn by turn
     model.generation_config.scene_mode = "turns"
+    model.generation_config.temperature = TINY_TEMPERATURE
     model.save_pretrained(destination)
     processor = Drama3Processor(
         tokenizer, codec=codec, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks
