@@ -132,3 +132,7 @@ def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
     assert result.voice_identification >= VOICE_BAR
     assert result.stopped_by_itself >= 0.95
     assert result.similarity_to_reference_voice > result.similarity_to_other_voices + 0.1
+    # the ASR bar: within 15 points of the codec resyntheses' WER (pocketsphinx, a weak judge of espeak)
+    assert result.wer_outputs <= result.wer_resyntheses + 0.15, (result.wer_outputs, result.wer_resyntheses)
+    # content: far from the 80% bar (model_card.md), but the outputs are not random speech
+    assert result.dtw_outputs > 0.1, result.dtw_outputs
