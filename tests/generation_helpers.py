@@ -14,7 +14,7 @@ from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tin
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
     "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
-    "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint",
+    "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint", "RecordingStreamer", "load_bundled_tiny",
 ]
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
@@ -199,3 +199,28 @@ def save_tiny_checkpoint(directory, seed: int = 0):
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return model, processor
+
+
+class RecordingStreamer:
+    """A streamer that keeps every chunk `put` to it and counts the calls to `end`."""
+
+    def __init__(self):
+        self.values, self.ends = [], 0
+
+    def put(self, value):
+        self.values.append(value)
+
+    def end(self):
+        self.ends += 1
+
+
+def load_bundled_tiny(threads: int):
+    """drama3-tiny, the model shipped inside the package, loaded through the Auto classes with
+    `threads` CPU threads. Returns (model, processor)."""
+    from transformers import AutoModel, AutoProcessor
+
+    from transformers_drama3.tiny import shipped
+
+    torch.set_num_threads(threads)
+    model = AutoModel.from_pretrained(shipped.TINY_MODEL_PATH).eval()
+    return model, AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)

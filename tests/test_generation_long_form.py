@@ -4,7 +4,7 @@ and the previous take as history, into one waveform or one stream."""
 import pytest
 import torch
 
-from generation_helpers import tiny_speech_bundle
+from generation_helpers import RecordingStreamer, tiny_speech_bundle
 from transformers_drama3.generation_drama3 import decode_audio, generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
@@ -56,18 +56,7 @@ def test_one_waveform_of_all_the_chunks(bundle):
 
 def test_a_long_form_stream_equals_the_offline_waveform(bundle):
     model, processor = bundle
-
-    class Collector:
-        def __init__(self):
-            self.values, self.ends = [], 0
-
-        def put(self, value):
-            self.values.append(value)
-
-        def end(self):
-            self.ends += 1
-
-    streamer = Collector()
+    streamer = RecordingStreamer()
     streamed = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False, streamer=streamer)
     offline = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False)
     assert streamer.ends == 1

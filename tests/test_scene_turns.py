@@ -7,6 +7,7 @@ import pytest
 import soundfile
 import torch
 
+from generation_helpers import RecordingStreamer, load_bundled_tiny
 from transformers_drama3.generation_drama3 import generate_long_form, resolve_scene_mode
 from transformers_drama3.prompting import Line, Reference, Script, speaker_turns
 from transformers_drama3.tiny import shipped
@@ -32,12 +33,7 @@ SCENE_REFERENCES = tuple(bundled_reference(voice, speaker) for speaker, voice in
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers_drama3 import Drama3ForSpeechGeneration, Drama3Processor
-
-    torch.set_num_threads(1)
-    model = Drama3ForSpeechGeneration.from_pretrained(shipped.TINY_MODEL_PATH).eval()
-    processor = Drama3Processor.from_pretrained(shipped.TINY_MODEL_PATH)
-    return model, processor
+    return load_bundled_tiny(threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +41,6 @@ def scene(tiny):
     """The scene spoken with drama3-tiny's default scene mode (its generation config: turns)."""
     model, processor = tiny
     return generate_long_form(model, processor, SCENE, references=SCENE_REFERENCES, seed=0, progress=False)
-
-
-class Collector:
-    def __init__(self):
-        self.values, self.ends = [], 0
-
-    def put(self, value):
-        self.values.append(value)
-
-    def end(self):
-        self.ends += 1
 
 
 def test_speaker_turns_keep_each_speakers_own_references_renumbered_to_speaker_0():
@@ -115,7 +100,7 @@ def test_each_turn_has_its_speakers_voice(scene, tiny):
 
 def test_a_streamed_scene_equals_the_offline_scene(tiny, scene):
     model, processor = tiny
-    streamer = Collector()
+    streamer = RecordingStreamer()
     streamed = generate_long_form(
         model, processor, SCENE, references=SCENE_REFERENCES, seed=0, progress=False, streamer=streamer, scene="turns"
     )

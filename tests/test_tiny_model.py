@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from generation_helpers import load_bundled_tiny
 from transformers_drama3.tiny import shipped
 
 pytestmark = pytest.mark.skipif(not shipped.is_available(), reason="this checkout carries no drama3-tiny weights")
@@ -19,12 +20,7 @@ VOICE_BAR = 0.8  # the issue's bar: the reference voice is identified for at lea
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import AutoModel, AutoProcessor
-
-    torch.set_num_threads(2)
-    model = AutoModel.from_pretrained(shipped.TINY_MODEL_PATH).eval()
-    processor = AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)
-    return model, processor
+    return load_bundled_tiny(threads=2)
 
 
 def espeak_seconds(text: str, voice: str) -> float:
