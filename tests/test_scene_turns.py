@@ -141,3 +141,29 @@ def test_drama3_say_names_an_unknown_voice_in_the_list(tmp_path, capsys):
     error = capsys.readouterr().err
     assert code == 2
     assert "--voice Z" in error and "'Z' is not bundled" in error and "Traceback" not in error
+
+
+def test_drama3_say_binds_each_reference_to_its_reference_speaker(tmp_path, capsys):
+    from transformers_drama3.cli import main
+
+    text = "<|speaker:0|>Hello there.<|speaker:1|>Hi."
+    by_voice = main(["say", text, "-o", str(tmp_path / "voices.wav"), "--voice", "A,D", "--seed", "0", "--quiet"])
+    references = []
+    for speaker, voice in enumerate(("A", "D")):
+        audio, transcript = shipped.reference_voice(voice)
+        references += ["--reference", audio, "--reference-text", transcript, "--reference-speaker", str(speaker)]
+    by_reference = main(["say", text, "-o", str(tmp_path / "references.wav"), *references, "--seed", "0", "--quiet"])
+    captured = capsys.readouterr()
+    assert by_voice == by_reference == 0, captured.err
+    assert (soundfile.read(tmp_path / "voices.wav")[0] == soundfile.read(tmp_path / "references.wav")[0]).all()
+
+
+def test_drama3_say_refuses_reference_speakers_that_do_not_match_the_references(tmp_path, capsys):
+    from transformers_drama3.cli import main
+
+    audio, transcript = shipped.reference_voice("A")
+    one = ["--reference", audio, "--reference-text", transcript]
+    code = main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), *one, *one, "--reference-speaker", "1"])
+    assert code == 2 and "--reference-speaker given 1 time(s) but --reference 2" in capsys.readouterr().err
+    code = main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), *one, "--reference-speaker", "-1"])
+    assert code == 2 and "--reference-speaker -1: speakers are numbered from 0" in capsys.readouterr().err

@@ -1,12 +1,13 @@
 """The `drama3` command.
 
-    drama3 say "text" -o out.wav [--reference a.wav --reference-text "..."] [--model PATH_OR_REPO]
+    drama3 say "text" -o out.wav [--reference a.wav --reference-text "..." [--reference-speaker N]] [--model PATH_OR_REPO]
                                  [--voice A[,D...]] [--scene auto|joint|turns] [--stream] [--seed N]
                                  [--preset serving|paper-eval] ...
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
-voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 1 voice D).
+voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 1 voice D). Each
+`--reference` clones speaker 0 unless its `--reference-speaker` says otherwise.
 
 Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
 its parser and sets `handler` (a function of the parsed arguments returning an exit code).
@@ -115,6 +116,10 @@ def add_say(subparsers) -> None:
     )
     parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
     parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
+    parser.add_argument(
+        "--reference-speaker", action="append", type=int, default=[],
+        help="speaker N (<|speaker:N|>) of each --reference, in the same order (default: all speaker 0)",
+    )
     parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
     parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
     parser.add_argument(
@@ -147,6 +152,14 @@ def run_say(args) -> int:
     for path in args.reference:
         if not os.path.isfile(path):
             raise CommandError(f"--reference {path}: no such file")
+    if args.reference_speaker and len(args.reference_speaker) != len(args.reference):
+        raise CommandError(
+            f"--reference-speaker given {len(args.reference_speaker)} time(s) but --reference {len(args.reference)}; "
+            f"give one speaker per reference, or none for all speaker 0"
+        )
+    for speaker in args.reference_speaker:
+        if speaker < 0:
+            raise CommandError(f"--reference-speaker {speaker}: speakers are numbered from 0")
     if args.stream and args.regenerate:
         raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
@@ -203,7 +216,7 @@ def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int]
     if args.model is not None:
         if args.voice is not None:
             raise CommandError("--voice picks a bundled drama3-tiny voice; with --model give --reference instead")
-        return args.model, args.reference, args.reference_text, None
+        return args.model, args.reference, args.reference_text, args.reference_speaker or None
     if not shipped.is_available():
         raise CommandError(f"this installation carries no drama3-tiny; pass --model (e.g. --model {DEFAULT_MODEL})")
     print(
@@ -214,7 +227,7 @@ def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int]
     if args.reference:
         if args.voice is not None:
             raise CommandError("give either --voice or --reference, not both")
-        return shipped.TINY_MODEL_PATH, args.reference, args.reference_text, None
+        return shipped.TINY_MODEL_PATH, args.reference, args.reference_text, args.reference_speaker or None
     names = [name.strip() for name in (args.voice or shipped.DEFAULT_VOICE).split(",")]
     if not all(names):
         raise CommandError(f"--voice {args.voice}: expected voice names separated by commas, like A,D")
