@@ -14,14 +14,14 @@ from ..prompting import IM_END, semantic_token
 
 TINY_CORPUS_PLAN = {
     "seed": 0,
-    "utterances_per_voice": 1500,
+    "utterances_per_voice": 6000,
     "heldout_sentences": 40,
     "voices": ["A", "B", "D", "F"],
     "direction_rate": 0.35,
     "spanish_rate": 0.05,
 }
 """The corpus drama3-tiny is trained on (`python -m transformers_drama3.tiny.corpus build DIR
---utterances-per-voice 1500 --voices A,B,D,F --spanish-rate 0.05`); `drama3 eval` re-plans it to
+--utterances-per-voice 6000 --voices A,B,D,F --spanish-rate 0.05`); `drama3 eval` re-plans it to
 render the held-out set."""
 
 HIDDEN_SIZE = 256
