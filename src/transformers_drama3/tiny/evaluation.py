@@ -194,6 +194,12 @@ def direction_effect(direction: str, more, less, sampling_rate: int) -> float:
     return I.longest_pause(more, sampling_rate) - I.longest_pause(less, sampling_rate)
 
 
+def resynthesize(codec, audio: np.ndarray, rate: int):
+    """`audio` through the codec and back: (its encoding, the resynthesised waveform)."""
+    encoded = codec.encode(audio, sampling_rate=rate)
+    return encoded, codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy()
+
+
 def direction_following(model, processor, chosen, by_id, load, sentences: int, seed: int = 0,
                         progress: bool = True, **sampling) -> dict:
     """The directions part of the evaluation (module docstring) on the first `sentences` records."""
@@ -221,10 +227,7 @@ def direction_following(model, processor, chosen, by_id, load, sentences: int, s
             takes.append(spoken[key])
             renders.append(synthesize(text, VOICES_BY_NAME[record.voice]))
         effects[name]["espeak"].append(direction_effect(name, *renders, SAMPLING_RATE))
-        resyntheses = []
-        for render in renders:
-            encoded = codec.encode(render, sampling_rate=SAMPLING_RATE)
-            resyntheses.append(codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy())
+        resyntheses = [resynthesize(codec, render, SAMPLING_RATE)[1] for render in renders]
         effects[name]["codec"].append(direction_effect(name, *resyntheses, codec.sampling_rate))
         if min(len(take) for take in takes) < codec.hop_length:
             effects[name]["model"].append(math.nan)  # an empty take follows nothing
@@ -304,8 +307,7 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
             )
             waveform = output.audio[0].detach().cpu().float().numpy()
             generated_seconds += len(waveform) / codec.sampling_rate
-            encoded = codec.encode(original, sampling_rate=rate)
-            resynthesis = codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy()
+            encoded, resynthesis = resynthesize(codec, original, rate)
             other_text = chosen[(index + 1) % len(chosen)].directed_text
             right, wrong = text_reliance(model, processor, record.directed_text, other_text, reference.transcript,
                                          codec.encode(reference_audio, sampling_rate=reference_rate).codes[0],

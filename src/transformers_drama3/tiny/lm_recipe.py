@@ -29,12 +29,12 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 64
 TEXT_VOCABULARY = 1024
+"""Byte-level BPE size before the special tokens: the corpus grammar's ~800 words mostly become
+one token each, and any other text still encodes byte by byte."""
 TINY_TEMPERATURE = 0.5
 """drama3-tiny's sampling temperature (its generation config; top-p stays 0.9). Measured with
 `drama3 eval` on the held-out set, it gets more outputs' words right than the published 1.0
 (model_card.md)."""
-"""Byte-level BPE size before the special tokens: the corpus grammar's ~800 words mostly become
-one token each, and any other text still encodes byte by byte."""
 
 
 def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
