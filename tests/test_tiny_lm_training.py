@@ -61,6 +61,10 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     assert model.config.sampling_rate == 22050 and model.config.frame_rate == pytest.approx(22050 / 1024)
     assert model.generation_config.scene_mode == "turns"  # trained on single-speaker rows: scenes turn by turn
     assert model.generation_config.temperature == TINY_TEMPERATURE
+    # no training leftovers: Trainer's use_cache=False, sub-configs without a dtype
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert "use_cache" not in saved
+    assert saved["text_config"]["dtype"] == saved["audio_decoder_config"]["dtype"] == "float32"
     # the tokenizer carries the semantic band the config points at
     semantic = processor.tokenizer.convert_tokens_to_ids("<|semantic:0|>")
     assert model.config.semantic_start_token_id == semantic

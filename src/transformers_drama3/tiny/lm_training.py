@@ -217,6 +217,13 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
 
     if isinstance(model, (str, Path)):
         model = Drama3ForSpeechGeneration.from_pretrained(model)
+    # A model straight from `Trainer` carries two training leftovers: `Trainer` sets `use_cache` to
+    # `TrainingArguments.use_cache` (False) on its config, and the sub-configs of a model built from
+    # a config have no dtype. Neither belongs in an inference checkpoint.
+    if "use_cache" in vars(model.config):
+        del model.config.use_cache
+    for sub_config in (model.config.text_config, model.config.audio_decoder_config):
+        sub_config.dtype = model.dtype
     model.config.sampling_rate = codec.sampling_rate  # what pipelines report with the audio
     model.config.frame_size = codec.hop_length
     # trained on single-speaker cloning rows only: scenes are spoken turn by turn
