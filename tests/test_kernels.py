@@ -8,7 +8,7 @@ from model_helpers import make_rows, random_frames, tiny_model
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
 import transformers_drama3  # noqa: F401  (installs the routing)
-from transformers_drama3.kernels import kernel_report
+from transformers_drama3.integrations import kernel_report
 from transformers_drama3.kernels.device_dispatch import ROUTED_FUNCTIONS
 
 FLA_IMPORTS = importlib.util.find_spec("fla") is not None and importlib.util.find_spec("triton") is not None

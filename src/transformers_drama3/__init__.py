@@ -3,6 +3,8 @@
 `import transformers_drama3` registers the model and processor with the Auto classes, so that
 `AutoModel.from_pretrained(path)` loads a published Drama 3 checkpoint (`model_type` "fish_omni"),
 `AutoProcessor` its tokenizer and codec, and `pipeline("text-to-speech", model=path)` speaks.
+It also routes the backbone's Gated DeltaNet functions by device (fla for CUDA tensors, PyTorch
+otherwise; see `integrations.install_device_dispatch`, and `DRAMA3_DEVICE_DISPATCH=0` to opt out).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
@@ -11,15 +13,17 @@ from transformers.conversion_mapping import (
     register_checkpoint_conversion_mapping,
 )
 
+from . import integrations
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
-from .kernels import install_device_dispatch
 from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
 from .feature_extraction_drama3 import Drama3FeatureExtractor, register_feature_extractor
 from .processing_drama3 import Drama3Processor, register_processor
 
 __version__ = "0.1.0"
 
-install_device_dispatch()
+integrations.warn_if_untested()
+if integrations.device_dispatch_requested():
+    integrations.install_device_dispatch()
 
 
 def _register() -> None:

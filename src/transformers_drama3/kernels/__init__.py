@@ -1,5 +1,9 @@
-"""Optional fast paths, chosen by the device of the tensors they are called with."""
+"""Optional fast paths, chosen by the device of the tensors they are called with.
 
-from .device_dispatch import install_device_dispatch, kernel_report
+The routers live here; `transformers_drama3.integrations` puts them in place of transformers'
+functions (`install_device_dispatch`, `uninstall_device_dispatch`, `kernel_report`).
+"""
 
-__all__ = ["install_device_dispatch", "kernel_report"]
+from .device_dispatch import ROUTED_FUNCTIONS, route_by_device, router_for
+
+__all__ = ["ROUTED_FUNCTIONS", "route_by_device", "router_for"]

@@ -1,11 +1,11 @@
-"""Route the Gated DeltaNet and causal-conv functions of the backbone by device.
+"""Device routers for the Gated DeltaNet and causal-conv functions of the backbone.
 
 transformers binds `torch_chunk_gated_delta_rule` & co. at import time to flash-linear-attention (and
 `causal_conv1d`) whenever those packages import, and then calls the Triton kernels even for CPU
-tensors, which fails on a machine without a GPU. Here each of those module-level functions is
-replaced by a router: CUDA tensors go to the kernel transformers picked, everything else to the
-plain PyTorch reference the kernel wraps. The router is installed once, on `import
-transformers_drama3`; it changes nothing when no kernel package is installed.
+tensors, which fails on a machine without a GPU. A router built here sends CUDA tensors to the
+kernel transformers picked and everything else to the plain PyTorch reference the kernel wraps.
+This module only builds routers from the functions it is given; putting them in place of
+transformers' module globals (and taking them out again) is `transformers_drama3.integrations`'s job.
 
 Packed documents. When the backbone runs on packed rows it passes the document boundaries as
 `cu_seqlens` (the chunked delta rule) and `cu_seq_lens_q` (the causal convolution): offsets into
@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
-# fla warns at import that Triton has no GPU here; the routing below never sends it CPU tensors.
-warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen  # noqa: E402
-
+# The names of the module-level functions of transformers' Qwen3.5-MoE modeling that get a router.
 ROUTED_FUNCTIONS = (
     "torch_chunk_gated_delta_rule",
     "torch_recurrent_gated_delta_rule",
@@ -154,10 +150,12 @@ def _no_initial_state(initial_state) -> None:
         raise ValueError("packed documents start from an empty state; got an initial_state with cu_seqlens")
 
 
-def route_chunk_delta_rule(kernel, reference):
-    """Device router for `torch_chunk_gated_delta_rule` that honours `cu_seqlens` everywhere."""
+def route_chunk_delta_rule(kernel, reference, kernel_is_reference: bool):
+    """Device router for `torch_chunk_gated_delta_rule` that honours `cu_seqlens` everywhere.
+
+    kernel_is_reference: transformers bound no package kernel (fla is not installed), so `kernel`
+    runs the reference and takes no `cu_seqlens`."""
     plain = route_by_device(kernel, reference)
-    kernel_is_reference = _implementation(kernel) is reference
 
     @functools.wraps(reference)
     def routed(query, key, value, g, beta, *, cu_seqlens=None, initial_state=None, **kwargs):
@@ -192,33 +190,15 @@ def route_causal_conv1d(kernel, reference):
     return routed
 
 
-ROUTERS = {
-    "torch_chunk_gated_delta_rule": route_chunk_delta_rule,
-    "causal_conv1d_fn": route_causal_conv1d,
-}
+def router_for(name: str, kernel, reference, implementation):
+    """The router that replaces transformers' function `name` (one of ROUTED_FUNCTIONS).
 
-
-def install_device_dispatch() -> None:
-    """Replace each routed backbone function by its device router (idempotent)."""
-    for name in ROUTED_FUNCTIONS:
-        current = getattr(qwen, name)
-        if hasattr(current, "drama3_reference"):
-            continue
-        reference = inspect.unwrap(current)
-        setattr(qwen, name, ROUTERS.get(name, route_by_device)(current, reference))
-
-
-def _implementation(kernel):
-    """The function transformers' kernel wrapper calls (the reference itself when no package imports)."""
-    closure = inspect.getclosurevars(kernel).nonlocals if hasattr(kernel, "__code__") else {}
-    return closure.get("implementation", kernel)
-
-
-def kernel_report() -> dict[str, str]:
-    """Which implementation each routed function uses for CUDA tensors (the CPU always uses PyTorch)."""
-    report = {}
-    for name in ROUTED_FUNCTIONS:
-        routed = getattr(qwen, name)
-        implementation = _implementation(getattr(routed, "drama3_kernel", routed))
-        report[name] = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
-    return report
+    kernel: the function transformers exposes (its kernel wrapper); reference: the PyTorch function
+    it wraps; implementation: what the wrapper calls (a package kernel, or the reference itself)."""
+    if name not in ROUTED_FUNCTIONS:
+        raise ValueError(f"name: {name!r} is not a routed function; routed: {ROUTED_FUNCTIONS}")
+    if name == "torch_chunk_gated_delta_rule":
+        return route_chunk_delta_rule(kernel, reference, kernel_is_reference=implementation is reference)
+    if name == "causal_conv1d_fn":
+        return route_causal_conv1d(kernel, reference)
+    return route_by_device(kernel, reference)

@@ -1,0 +1,178 @@
+"""Every place this package relies on transformers' internals, in one file.
+
+Public transformers API (Auto classes, `PreTrainedModel`, `ProcessorMixin.from_pretrained`, ...) is
+used everywhere; what transformers does not promise to keep is used only here, each with a guard
+that raises `InternalsChanged` naming the internal when an upgrade moves it:
+
+1. the device router: four module-level functions of transformers' Qwen3.5-MoE modeling
+   (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
+   (opt out with `DRAMA3_DEVICE_DISPATCH=0` before the import, or `uninstall_device_dispatch()`);
+2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound);
+3. flash-linear-attention's import-time warning, silenced for that one import.
+
+The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
+upgrade that moves one fails there first, with the internal's name in the message. The internals
+were checked against the transformers versions in `TESTED_TRANSFORMERS`; an import outside them
+warns once (`UntestedTransformersWarning`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+
+import transformers
+from packaging.version import Version
+
+from .kernels.device_dispatch import ROUTED_FUNCTIONS, router_for
+
+# [lowest, first untested): the transformers releases whose internals the guards below were read against.
+TESTED_TRANSFORMERS = ("5.24", "5.25")
+
+DEVICE_DISPATCH_ENV = "DRAMA3_DEVICE_DISPATCH"
+
+
+class InternalsChanged(RuntimeError):
+    """A transformers internal this package relies on is not where (or what) it was."""
+
+
+class UntestedTransformersWarning(UserWarning):
+    """The installed transformers is outside `TESTED_TRANSFORMERS`."""
+
+
+def _changed(what: str, expected: str) -> InternalsChanged:
+    low, high = TESTED_TRANSFORMERS
+    return InternalsChanged(
+        f"{what}: expected {expected} (as in transformers >={low},<{high}); transformers "
+        f"{transformers.__version__} is installed. transformers_drama3.integrations needs updating."
+    )
+
+
+def transformers_is_tested(version: str | None = None) -> bool:
+    """Whether `version` (default: the installed transformers) lies in `TESTED_TRANSFORMERS`."""
+    low, high = TESTED_TRANSFORMERS
+    version = transformers.__version__ if version is None else version
+    return Version(low) <= Version(Version(version).base_version) < Version(high)
+
+
+def warn_if_untested() -> None:
+    """One warning when the installed transformers is outside `TESTED_TRANSFORMERS`."""
+    if not transformers_is_tested():
+        low, high = TESTED_TRANSFORMERS
+        warnings.warn(
+            f"transformers_drama3 was checked against transformers >={low},<{high}; "
+            f"{transformers.__version__} is installed. The internals it relies on are guarded "
+            f"(transformers_drama3.integrations), but run tests/test_integrations.py to be sure.",
+            UntestedTransformersWarning,
+            stacklevel=2,
+        )
+
+
+# ----------------------------------------------------------------------------- 1-3. device router
+
+
+def _import_qwen3_5_moe_modeling():
+    """transformers' Qwen3.5-MoE modeling module. Importing it imports flash-linear-attention when
+    installed, which warns that Triton has no GPU on a CPU machine: harmless here, because the
+    routers never hand fla a CPU tensor, so that one warning from that one import is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform", module=r"fla\.")
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    return modeling_qwen3_5_moe
+
+
+qwen3_5_moe = _import_qwen3_5_moe_modeling()
+
+
+def kernel_implementation(kernel):
+    """The function transformers' kernel wrapper `kernel` calls: a package kernel (fla's) or the
+    PyTorch reference itself.
+
+    transformers (`integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`) keeps that
+    choice only in the wrapper's closure variable `implementation`; there is no public accessor.
+    A function transformers did not wrap (no `__wrapped__`) is its own implementation."""
+    if not hasattr(kernel, "__wrapped__"):
+        return kernel
+    code = getattr(kernel, "__code__", None)
+    if code is None or "implementation" not in code.co_freevars:
+        raise _changed(
+            f"transformers' kernel wrapper {getattr(kernel, '__qualname__', kernel)!r}",
+            "a closure variable 'implementation' (the kernel it calls)",
+        )
+    return inspect.getclosurevars(kernel).nonlocals["implementation"]
+
+
+def check_routed_functions() -> None:
+    """Each routed function is still a module global of transformers' Qwen3.5-MoE modeling that
+    wraps a PyTorch reference taking (query, key, value, g, beta) or (hidden_states, weight, ...)."""
+    expected_first = {
+        "torch_chunk_gated_delta_rule": ("query", "key", "value", "g", "beta"),
+        "torch_recurrent_gated_delta_rule": ("query", "key", "value", "g", "beta"),
+        "causal_conv1d_fn": ("hidden_states", "weight"),
+        "causal_conv1d_update": ("hidden_states", "conv_state", "weight"),
+    }
+    for name in ROUTED_FUNCTIONS:
+        current = getattr(qwen3_5_moe, name, None)
+        if not callable(current):
+            raise _changed(f"transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.{name}", "a module-level function")
+        reference = inspect.unwrap(_original(current))
+        first = tuple(inspect.signature(reference).parameters)[: len(expected_first[name])]
+        if first != expected_first[name]:
+            raise _changed(
+                f"the PyTorch reference of modeling_qwen3_5_moe.{name}",
+                f"leading parameters {expected_first[name]}, got {first}",
+            )
+        kernel_implementation(_original(current))
+
+
+def _original(function):
+    """transformers' own function behind a router (the function itself when none is installed)."""
+    return getattr(function, "drama3_kernel", function)
+
+
+def device_dispatch_installed() -> bool:
+    """Whether every routed function of the backbone is a device router now."""
+    return all(hasattr(getattr(qwen3_5_moe, name), "drama3_reference") for name in ROUTED_FUNCTIONS)
+
+
+def install_device_dispatch() -> None:
+    """Replace each routed function of transformers' Qwen3.5-MoE modeling by its device router
+    (idempotent). The replacement is process-wide: every Qwen3.5-MoE model in the process uses it.
+    For CUDA tensors without packed documents a router calls exactly what transformers bound; for
+    other tensors it calls the PyTorch reference, where transformers would call fla and fail."""
+    check_routed_functions()
+    for name in ROUTED_FUNCTIONS:
+        current = getattr(qwen3_5_moe, name)
+        if hasattr(current, "drama3_reference"):
+            continue
+        reference = inspect.unwrap(current)
+        setattr(qwen3_5_moe, name, router_for(name, current, reference, kernel_implementation(current)))
+
+
+def uninstall_device_dispatch() -> None:
+    """Put transformers' own functions back (idempotent); `install_device_dispatch` routes again."""
+    for name in ROUTED_FUNCTIONS:
+        setattr(qwen3_5_moe, name, _original(getattr(qwen3_5_moe, name)))
+
+
+def device_dispatch_requested(environ=os.environ) -> bool:
+    """Whether `import transformers_drama3` installs the router: yes unless DRAMA3_DEVICE_DISPATCH
+    is 0 / false / no / off."""
+    value = environ.get(DEVICE_DISPATCH_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{DEVICE_DISPATCH_ENV}={environ[DEVICE_DISPATCH_ENV]!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def kernel_report() -> dict[str, str]:
+    """Which implementation each routed function uses for CUDA tensors (the CPU always uses PyTorch
+    while the router is installed)."""
+    report = {}
+    for name in ROUTED_FUNCTIONS:
+        implementation = kernel_implementation(_original(getattr(qwen3_5_moe, name)))
+        report[name] = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
+    return report
