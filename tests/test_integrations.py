@@ -152,3 +152,58 @@ def test_importing_with_the_router_switched_off_leaves_transformers_functions_al
 
 def test_no_global_warning_filter_is_left_behind():
     assert not [f for f in warnings.filters if f[1] is not None and "Triton" in f[1].pattern]
+
+
+# ---- 4. ProcessorMixin's private hook for a processor's parts
+
+
+def test_processor_mixin_from_pretrained_still_asks_the_hook_for_the_parts(tmp_path, monkeypatch):
+    from processor_helpers import tiny_processor
+
+    from transformers_drama3.processing_drama3 import Drama3Processor
+
+    integrations.check_processor_parts_hook()
+    tiny_processor(chunk_bytes=200).save_pretrained(tmp_path)
+    asked = []
+    own_parts = Drama3Processor.parts_from_pretrained.__func__
+
+    def recording(cls, path, processor_dict, **kwargs):
+        asked.append(processor_dict)
+        return own_parts(cls, path, processor_dict, **kwargs)
+
+    monkeypatch.setattr(Drama3Processor, "parts_from_pretrained", classmethod(recording))
+    loaded = Drama3Processor.from_pretrained(tmp_path)
+    assert len(asked) == 1 and asked[0]["chunk_bytes"] == 200
+    assert loaded.chunk_bytes == 200
+
+
+def test_a_moved_processor_hook_is_named_in_the_error(monkeypatch):
+    monkeypatch.delattr(integrations.ProcessorMixin, "_get_arguments_from_pretrained")
+    with pytest.raises(InternalsChanged, match=r"ProcessorMixin\._get_arguments_from_pretrained: expected a classmethod"):
+        integrations.check_processor_parts_hook()
+
+
+def test_a_processor_hook_with_other_parameters_is_named_in_the_error(monkeypatch):
+    monkeypatch.setattr(integrations.ProcessorMixin, "_get_arguments_from_pretrained", classmethod(lambda cls, path, **kw: []))
+    with pytest.raises(InternalsChanged, match=r"_get_arguments_from_pretrained: expected parameters \(pretrained_model_name_or_path, processor_dict"):
+        integrations.check_processor_parts_hook()
+
+
+# ---- 5. cached_file's private keywords
+
+
+def test_optional_file_gives_the_path_of_a_present_file_and_none_for_a_missing_one(tmp_path):
+    integrations.check_optional_file_keywords()
+    (tmp_path / "present.json").write_text("{}")
+    assert integrations.optional_file(str(tmp_path), "present.json") == str(tmp_path / "present.json")
+    assert integrations.optional_file(str(tmp_path), "codec/config.json") is None
+    assert integrations.optional_file(str(tmp_path), "missing.json", local_files_only=True) is None
+
+
+def test_renamed_cached_file_keywords_are_named_in_the_error(monkeypatch):
+    def cached_files(path_or_repo_id, filenames, raise_for_missing_entries=True, **deprecated_kwargs):
+        return None
+
+    monkeypatch.setattr(integrations.transformers_hub, "cached_files", cached_files)
+    with pytest.raises(InternalsChanged, match=r"cached_files: expected the keywords .*missing \['_raise_exceptions_for_missing_entries'"):
+        integrations.optional_file(".", "config.json")

@@ -8,7 +8,11 @@ that raises `InternalsChanged` naming the internal when an upgrade moves it:
    (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
    (opt out with `DRAMA3_DEVICE_DISPATCH=0` before the import, or `uninstall_device_dispatch()`);
 2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound);
-3. flash-linear-attention's import-time warning, silenced for that one import.
+3. flash-linear-attention's import-time warning, silenced for that one import;
+4. `ProcessorMixin._get_arguments_from_pretrained`, the private hook through which
+   `ProcessorMixin.from_pretrained` loads a processor's parts (`ProcessorMixinWithOwnParts`);
+5. the private keywords of `transformers.utils.cached_file` that make a missing file give None
+   (`optional_file`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -24,6 +28,9 @@ import warnings
 
 import transformers
 from packaging.version import Version
+from transformers.processing_utils import ProcessorMixin
+from transformers.utils import cached_file
+from transformers.utils import hub as transformers_hub
 
 from .kernels.device_dispatch import ROUTED_FUNCTIONS, router_for
 
@@ -176,3 +183,79 @@ def kernel_report() -> dict[str, str]:
         implementation = kernel_implementation(_original(getattr(qwen3_5_moe, name)))
         report[name] = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
     return report
+
+
+# ----------------------------------------------------------------------------- 4. ProcessorMixin
+
+
+def check_processor_parts_hook() -> None:
+    """`ProcessorMixin.from_pretrained` still gets a processor's parts from the classmethod
+    `_get_arguments_from_pretrained(pretrained_model_name_or_path, processor_dict, **kwargs)`."""
+    hook = getattr(ProcessorMixin, "_get_arguments_from_pretrained", None)
+    if hook is None:
+        raise _changed("ProcessorMixin._get_arguments_from_pretrained", "a classmethod that loads the parts")
+    parameters = tuple(inspect.signature(hook).parameters)
+    if parameters[:2] != ("pretrained_model_name_or_path", "processor_dict"):
+        raise _changed(
+            "ProcessorMixin._get_arguments_from_pretrained",
+            f"parameters (pretrained_model_name_or_path, processor_dict, **kwargs), got {parameters}",
+        )
+    if "_get_arguments_from_pretrained" not in ProcessorMixin.from_pretrained.__func__.__code__.co_names:
+        raise _changed("ProcessorMixin.from_pretrained", "a call of cls._get_arguments_from_pretrained")
+
+
+class ProcessorMixinWithOwnParts(ProcessorMixin):
+    """A `ProcessorMixin` that loads its own parts (tokenizer, feature extractor, ...) in
+    `from_pretrained`, through the public classmethod `parts_from_pretrained` of the subclass.
+
+    transformers' default loads every feature extractor through `AutoFeatureExtractor`, which fails
+    for a folder without `preprocessor_config.json` (the published Drama 3 repo). The only way to
+    change that is to override the private hook `_get_arguments_from_pretrained`, done here and
+    checked by `check_processor_parts_hook` on every load."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        check_processor_parts_hook()
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        return cls.parts_from_pretrained(pretrained_model_name_or_path, processor_dict or {}, **kwargs)
+
+    @classmethod
+    def parts_from_pretrained(cls, pretrained_model_name_or_path, processor_dict: dict, **kwargs) -> list:
+        """The positional arguments of `__init__` (its parts), in order. `processor_dict` is the
+        saved processor_config.json ({} when there is none); kwargs are the hub keywords
+        (cache_dir, revision, token, ...) and `subfolder`."""
+        raise NotImplementedError(f"{cls.__name__} must implement parts_from_pretrained")
+
+
+# ----------------------------------------------------------------------------- 5. cached_file
+
+# The keywords of `from_pretrained` that say where and how to fetch a file from the Hub.
+HUB_KEYWORDS = ("cache_dir", "force_download", "token", "revision", "local_files_only")
+
+_MISSING_FILE_KEYWORDS = ("_raise_exceptions_for_missing_entries", "_raise_exceptions_for_connection_errors")
+
+
+def hub_keywords(kwargs: dict) -> dict:
+    """The `HUB_KEYWORDS` among `kwargs`."""
+    return {key: kwargs[key] for key in HUB_KEYWORDS if key in kwargs}
+
+
+def check_optional_file_keywords() -> None:
+    """`cached_file` still forwards to `cached_files`, which still names the two private keywords
+    (it also takes **deprecated_kwargs, so a renamed keyword would be swallowed silently)."""
+    if "cached_files" not in cached_file.__code__.co_names:
+        raise _changed("transformers.utils.cached_file", "a call of transformers.utils.hub.cached_files")
+    parameters = inspect.signature(transformers_hub.cached_files).parameters
+    missing = [name for name in _MISSING_FILE_KEYWORDS if name not in parameters]
+    if missing:
+        raise _changed("transformers.utils.hub.cached_files", f"the keywords {_MISSING_FILE_KEYWORDS}, missing {missing}")
+
+
+def optional_file(path_or_repo_id, filename: str, **hub) -> str | None:
+    """The local path of `filename` in a folder or Hub repo (downloaded and cached), or None when
+    it has no such file or the Hub cannot be reached. hub: `HUB_KEYWORDS`."""
+    check_optional_file_keywords()
+    return cached_file(path_or_repo_id, filename, **dict.fromkeys(_MISSING_FILE_KEYWORDS, False), **hub)

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import BatchFeature
-from transformers.processing_utils import ProcessorMixin
+from transformers import AutoTokenizer, BatchFeature
 
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
+from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (
     AUDIO_SEPARATOR,
     CHUNK_BYTES,
@@ -47,7 +47,7 @@ SAMPLES_PER_FRAME = 2048
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 
 
-class Drama3Processor(ProcessorMixin):
+class Drama3Processor(ProcessorMixinWithOwnParts):
     r"""The Drama 3 processor: the ChatML tokenizer, the audio feature extractor and the S2 codec.
 
     Calling it turns scripts (see `transformers_drama3.prompting`), raw text, or lists of them into
@@ -190,17 +190,16 @@ class Drama3Processor(ProcessorMixin):
         return processor
 
     @classmethod
-    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
-        """[tokenizer, feature extractor] of a saved processor.
+    def parts_from_pretrained(cls, pretrained_model_name_or_path, processor_dict: dict, subfolder: str = "", **kwargs) -> list:
+        """[tokenizer, feature extractor] of a saved processor (`from_pretrained` calls this).
 
         The feature extractor comes from `processor_config.json` or `preprocessor_config.json`;
         folders without either (the published repo, processors saved before it existed) give None,
         and `__init__` builds the default at the codec's rate."""
-        subfolder = kwargs.pop("subfolder", "")
-        tokenizer = cls._load_tokenizer_from_pretrained("tokenizer", pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
-        config = (processor_dict or {}).get("feature_extractor")
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        config = processor_dict.get("feature_extractor")
         if config is None:
-            hub = {key: kwargs[key] for key in _HUB_KEYS if key in kwargs}
+            hub = hub_keywords(kwargs)
             try:
                 config, _ = Drama3FeatureExtractor.get_feature_extractor_dict(
                     pretrained_model_name_or_path, subfolder=subfolder, **hub
@@ -648,8 +647,6 @@ def _unpack_decoded(decoded: Any) -> torch.Tensor:
     raise TypeError(f"cannot read audio from the codec's decode output {type(decoded).__name__}")
 
 
-_HUB_KEYS = ("cache_dir", "force_download", "token", "revision", "local_files_only")
-
 _CODEC_CLASSES: dict[str, type] = {}
 
 
@@ -689,17 +686,14 @@ def codec_class_for(config_file: str) -> type:
 def _load_codec(path: str | os.PathLike, kwargs: dict):
     """The codec saved beside a processor (`codec/`, its class chosen by the model_type in
     `codec/config.json`), or the published `codec.pth` (the S2 codec); None if neither."""
-    from transformers.utils import cached_file
-
-    hub = {key: kwargs[key] for key in _HUB_KEYS if key in kwargs}
-    probe = dict(_raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False, **hub)
-    config_file = cached_file(path, "codec/config.json", **probe)
+    hub = hub_keywords(kwargs)
+    config_file = optional_file(path, "codec/config.json", **hub)
     if config_file is not None:
         codec_class = codec_class_for(config_file)
         if os.path.isdir(path):
             return codec_class.from_pretrained(os.path.join(path, "codec"))
         return codec_class.from_pretrained(path, subfolder="codec", **hub)
-    checkpoint = cached_file(path, "codec.pth", **probe)
+    checkpoint = optional_file(path, "codec.pth", **hub)
     if checkpoint is not None:
         from .codec import Drama3CodecModel
 
