@@ -313,9 +313,9 @@ def test_save_and_load_round_trip(tmp_path):
 def test_auto_processor_finds_the_processor(tmp_path):
     from transformers import AutoProcessor
 
-    from transformers_drama3.processing_drama3 import register_processor
+    from transformers_drama3 import register_auto_classes
 
-    register_processor()
+    register_auto_classes()
     tiny_processor().save_pretrained(tmp_path)
     assert isinstance(AutoProcessor.from_pretrained(tmp_path), Drama3Processor)
 
@@ -325,9 +325,9 @@ def test_auto_processor_finds_it_from_a_model_config_alone(tmp_path):
     from transformers import AutoProcessor
 
     from transformers_drama3.configuration_drama3 import Drama3Config
-    from transformers_drama3.processing_drama3 import register_processor
+    from transformers_drama3 import register_auto_classes
 
-    register_processor()
+    register_auto_classes()
     build_drama3_tokenizer(vocab_size=300, save_directory=tmp_path)
     Drama3Config().save_pretrained(tmp_path)
     assert isinstance(AutoProcessor.from_pretrained(tmp_path), Drama3Processor)

@@ -7,44 +7,54 @@ It also routes the backbone's Gated DeltaNet functions by device (fla for CUDA t
 otherwise; see `integrations.install_device_dispatch`, and `DRAMA3_DEVICE_DISPATCH=0` to opt out).
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
-from transformers.conversion_mapping import (
-    get_checkpoint_conversion_mapping,
-    register_checkpoint_conversion_mapping,
+from transformers import (
+    AutoConfig,
+    AutoFeatureExtractor,
+    AutoModel,
+    AutoModelForTextToWaveform,
+    AutoProcessor,
 )
 
 from . import integrations
+from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3MelCodecModel
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
+from .feature_extraction_drama3 import Drama3FeatureExtractor
 from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
-from .feature_extraction_drama3 import Drama3FeatureExtractor, register_feature_extractor
-from .processing_drama3 import Drama3Processor, register_processor
+from .processing_drama3 import Drama3Processor
 
 __version__ = "0.1.0"
+
+CODECS = {Drama3CodecConfig: Drama3CodecModel, Drama3MelCodecConfig: Drama3MelCodecModel}
+
+
+def register_auto_classes() -> None:
+    """Make transformers' Auto classes know Drama 3 (idempotent; `import transformers_drama3` calls it).
+
+    The one place that registers: the configs (the model's "fish_omni" and its sub-configs, the
+    codecs' "drama3_codec" and "drama3_mel_codec"), the speech model for `AutoModel` and
+    `AutoModelForTextToWaveform` (the text-to-speech pipeline), the codecs for `AutoModel` (the
+    processor loads its `codec/` folder through it), the feature extractor and the processor, and
+    the published per-expert tensor names of the backbone. The reward model registers itself with
+    `AutoModelForSequenceClassification` when `transformers_drama3.training` is imported (it lives
+    with the training code, which needs the training extras)."""
+    for config_class in (Drama3Config, Drama3TextConfig, Drama3AudioDecoderConfig, *CODECS):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for auto_class in (AutoModel, AutoModelForTextToWaveform):
+        auto_class.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
+    for config_class, codec_class in CODECS.items():
+        AutoModel.register(config_class, codec_class, exist_ok=True)
+    AutoFeatureExtractor.register(Drama3Config, Drama3FeatureExtractor, exist_ok=True)
+    AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)
+    integrations.use_per_expert_checkpoint_names(Drama3TextConfig.model_type)
+
 
 integrations.warn_if_untested()
 if integrations.device_dispatch_requested():
     integrations.install_device_dispatch()
-
-
-def _register() -> None:
-    # The published checkpoint stores routed experts one by one (`mlp.experts.E.gate_proj.weight`),
-    # transformers' Qwen3.5-MoE fuses them (`mlp.experts.gate_up_proj`). transformers already knows
-    # that conversion for its MoE models; registering it for the backbone's model_type applies it on
-    # load and, reversed, on save, so saved files keep the published names.
-    register_checkpoint_conversion_mapping(
-        Drama3TextConfig.model_type, get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
-    )
-    for config_class in (Drama3Config, Drama3TextConfig, Drama3AudioDecoderConfig):
-        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-    AutoModel.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
-    AutoModelForTextToWaveform.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
-    register_feature_extractor()
-    register_processor()
-
-
-_register()
+register_auto_classes()
 
 __all__ = [
+    "register_auto_classes",
     "Drama3AudioDecoderConfig",
     "Drama3Cache",
     "Drama3Config",

@@ -210,11 +210,3 @@ def read_audio_file(path: str, name: str) -> tuple[np.ndarray, int]:
         raise ValueError(f"{name}: cannot read audio {path!r}: {error}") from error
     return samples.mean(axis=1), int(rate)
 
-
-def register_feature_extractor() -> None:
-    """Register Drama3FeatureExtractor with AutoFeatureExtractor for model_type "fish_omni"."""
-    from transformers import AutoFeatureExtractor
-
-    from .configuration_drama3 import Drama3Config
-
-    AutoFeatureExtractor.register(Drama3Config, Drama3FeatureExtractor, exist_ok=True)

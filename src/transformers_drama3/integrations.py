@@ -12,7 +12,9 @@ that raises `InternalsChanged` naming the internal when an upgrade moves it:
 4. `ProcessorMixin._get_arguments_from_pretrained`, the private hook through which
    `ProcessorMixin.from_pretrained` loads a processor's parts (`ProcessorMixinWithOwnParts`);
 5. the private keywords of `transformers.utils.cached_file` that make a missing file give None
-   (`optional_file`).
+   (`optional_file`);
+6. `transformers.conversion_mapping` (not exported by transformers): the published per-expert
+   tensor names <-> the fused experts of the backbone (`use_per_expert_checkpoint_names`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -28,6 +30,7 @@ import warnings
 
 import transformers
 from packaging.version import Version
+from transformers import conversion_mapping
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import cached_file
 from transformers.utils import hub as transformers_hub
@@ -259,3 +262,34 @@ def optional_file(path_or_repo_id, filename: str, **hub) -> str | None:
     it has no such file or the Hub cannot be reached. hub: `HUB_KEYWORDS`."""
     check_optional_file_keywords()
     return cached_file(path_or_repo_id, filename, **dict.fromkeys(_MISSING_FILE_KEYWORDS, False), **hub)
+
+
+# ----------------------------------------------------------------------------- 6. conversion mapping
+
+# The transformers MoE whose conversion stores routed experts one by one, as the published checkpoint does.
+PER_EXPERT_MODEL_TYPE = "qwen2_moe"
+
+
+def check_conversion_mapping() -> None:
+    """transformers still keeps per-model-type weight conversions, one of them for `PER_EXPERT_MODEL_TYPE`."""
+    for name in ("get_checkpoint_conversion_mapping", "register_checkpoint_conversion_mapping"):
+        if not callable(getattr(conversion_mapping, name, None)):
+            raise _changed(f"transformers.conversion_mapping.{name}", "a function")
+    if not conversion_mapping.get_checkpoint_conversion_mapping(PER_EXPERT_MODEL_TYPE):
+        raise _changed(
+            f"transformers.conversion_mapping.get_checkpoint_conversion_mapping({PER_EXPERT_MODEL_TYPE!r})",
+            "the per-expert <-> fused experts conversion",
+        )
+
+
+def use_per_expert_checkpoint_names(model_type: str) -> None:
+    """Load and save models of `model_type` with routed experts stored one by one.
+
+    The published checkpoint stores routed experts one by one (`mlp.experts.E.gate_proj.weight`),
+    transformers' Qwen3.5-MoE fuses them (`mlp.experts.gate_up_proj`). transformers already knows
+    that conversion for its MoE models; registering it for `model_type` applies it on load and,
+    reversed, on save, so saved files keep the published names."""
+    check_conversion_mapping()
+    conversion_mapping.register_checkpoint_conversion_mapping(
+        model_type, conversion_mapping.get_checkpoint_conversion_mapping(PER_EXPERT_MODEL_TYPE), overwrite=True
+    )

@@ -13,7 +13,7 @@
 
 Loading: with a path or repo id, `pipeline("text-to-speech", model=path)` finds the model through
 `AutoModelForTextToWaveform` and the processor through `AutoProcessor` (both registered on import
-of `transformers_drama3`; `register_text_to_speech()` does it again, idempotently). With a model
+of `transformers_drama3`, by `register_auto_classes`). With a model
 instance, transformers cannot guess a tokenizer: pass `tokenizer=` and `processor=`, or use
 `text_to_speech_pipeline(model)`, which loads them from where the model came from.
 
@@ -26,19 +26,11 @@ speak a scene one speaker turn at a time, use `generation_drama3.generate_long_f
 
 from __future__ import annotations
 
-from transformers import AutoModelForTextToWaveform, AutoProcessor, pipeline
+from transformers import pipeline
 
-from .configuration_drama3 import Drama3Config
-from .modeling_drama3 import Drama3ForSpeechGeneration
 from .processing_drama3 import Drama3Processor
 
 TASKS = ("text-to-speech", "text-to-audio")
-
-
-def register_text_to_speech() -> None:
-    """Make the Auto classes the pipeline uses know Drama 3 (safe to call more than once)."""
-    AutoModelForTextToWaveform.register(Drama3Config, Drama3ForSpeechGeneration, exist_ok=True)
-    AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)
 
 
 def text_to_speech_pipeline(model, processor: Drama3Processor | None = None, task: str = "text-to-speech", **kwargs):
@@ -48,7 +40,6 @@ def text_to_speech_pipeline(model, processor: Drama3Processor | None = None, tas
     Other keyword arguments go to `transformers.pipeline` (device, dtype, ...)."""
     if task not in TASKS:
         raise ValueError(f"task={task!r}; Drama 3 speaks through {TASKS}")
-    register_text_to_speech()
     if isinstance(model, str):
         return pipeline(task, model=model, processor=processor, **kwargs)
     if processor is None:
@@ -58,5 +49,3 @@ def text_to_speech_pipeline(model, processor: Drama3Processor | None = None, tas
         processor = Drama3Processor.from_pretrained(source)
     return pipeline(task, model=model, tokenizer=processor.tokenizer, processor=processor, **kwargs)
 
-
-register_text_to_speech()

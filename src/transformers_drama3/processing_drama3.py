@@ -700,14 +700,3 @@ def _load_codec(path: str | os.PathLike, kwargs: dict):
         return Drama3CodecModel.from_pretrained(checkpoint)
     return None
 
-
-def register_processor() -> None:
-    """Register Drama3Processor with AutoProcessor (and its feature extractor with
-    AutoFeatureExtractor) for model_type "fish_omni"."""
-    from transformers import AutoProcessor
-
-    from .configuration_drama3 import Drama3Config
-    from .feature_extraction_drama3 import register_feature_extractor
-
-    register_feature_extractor()
-    AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)

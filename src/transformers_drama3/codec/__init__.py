@@ -10,10 +10,9 @@
         play(stream.push(next_codes(window)))
 
 `Drama3MelCodecModel` (log-mel residual VQ + Griffin-Lim, the drama3-tiny codec) has the same
-interface. Importing this module registers "drama3_codec" and "drama3_mel_codec" with `AutoConfig` and `AutoModel`.
+interface. `import transformers_drama3` registers "drama3_codec" and "drama3_mel_codec" with
+`AutoConfig` and `AutoModel` (`transformers_drama3.register_auto_classes`).
 """
-
-from transformers import AutoConfig, AutoModel
 
 from .audio import check_audio, is_silent
 from .configuration_codec import Drama3CodecConfig
@@ -21,11 +20,6 @@ from .convert import convert_codec_checkpoint
 from .mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
 from .modeling_codec import DecodedAudio, Drama3CodecModel, EncodedAudio
 from .streaming import StreamingDecoder, StreamingEncoder, stream_decode_windows
-
-AutoConfig.register(Drama3CodecConfig.model_type, Drama3CodecConfig, exist_ok=True)
-AutoModel.register(Drama3CodecConfig, Drama3CodecModel, exist_ok=True)
-AutoConfig.register(Drama3MelCodecConfig.model_type, Drama3MelCodecConfig, exist_ok=True)
-AutoModel.register(Drama3MelCodecConfig, Drama3MelCodecModel, exist_ok=True)
 
 __all__ = [
     "Drama3CodecConfig",

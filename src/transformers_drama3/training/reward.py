@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModelForSequenceClassification
 from transformers.utils import ModelOutput
 
 from ..configuration_drama3 import Drama3Config
@@ -110,13 +111,10 @@ class Drama3ForRewardModeling(Drama3PreTrainedModel):
 
 def register_reward_model() -> None:
     """Make `AutoModelForSequenceClassification.from_pretrained` build `Drama3ForRewardModeling` for
-    Drama 3 configs (its output is one score per row, as a 1-label classifier)."""
-    from transformers import AutoModelForSequenceClassification
-
-    try:
-        AutoModelForSequenceClassification.register(Drama3Config, Drama3ForRewardModeling)
-    except ValueError:  # already registered
-        pass
+    Drama 3 configs (its output is one score per row, as a 1-label classifier). Idempotent;
+    `import transformers_drama3.training` calls it. Everything else is registered by
+    `transformers_drama3.register_auto_classes`, which cannot import the training code."""
+    AutoModelForSequenceClassification.register(Drama3Config, Drama3ForRewardModeling, exist_ok=True)
 
 
 class PreferenceCollator:
