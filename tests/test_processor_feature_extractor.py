@@ -8,11 +8,12 @@ import pytest
 import soundfile
 import soxr
 import torch
+from transformers import AutoConfig, AutoModel, PreTrainedConfig
 
 from codec_helpers import tiny_codec
 from processor_helpers import random_codes, tiny_processor, tiny_tokenizer
 from transformers_drama3.feature_extraction_drama3 import Drama3FeatureExtractor
-from transformers_drama3.processing_drama3 import Drama3Processor, register_codec_class
+from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.prompting import Reference, Script
 
 
@@ -194,6 +195,10 @@ def test_a_folder_saved_without_a_feature_extractor_loads_with_the_codec_rate(tm
 # ---- codecs by model_type ----------------------------------------------------------------------------------
 
 
+class FakeCodecConfig(PreTrainedConfig):
+    model_type = "fake_codec"
+
+
 class FakeCodec:
     """Stands in for a second codec class: what the processor reads of a codec."""
 
@@ -215,12 +220,10 @@ def _saved_with_codec_type(tmp_path, model_type: str):
     config_file.write_text(json.dumps(config))
 
 
-def test_the_saved_codec_loads_with_the_class_of_its_model_type(tmp_path, monkeypatch):
-    from transformers_drama3 import processing_drama3
-
-    monkeypatch.setattr(processing_drama3, "_CODEC_CLASSES", {})
+def test_the_saved_codec_loads_with_the_class_of_its_model_type(tmp_path):
     _saved_with_codec_type(tmp_path, "fake_codec")
-    register_codec_class("fake_codec", FakeCodec)
+    AutoConfig.register(FakeCodecConfig.model_type, FakeCodecConfig, exist_ok=True)
+    AutoModel.register(FakeCodecConfig, FakeCodec, exist_ok=True)
     loaded = Drama3Processor.from_pretrained(tmp_path)
     assert isinstance(loaded.codec, FakeCodec) and loaded.codec.folder.endswith("codec")
     assert (loaded.sampling_rate, loaded.frame_rate) == (16000, 25.0)

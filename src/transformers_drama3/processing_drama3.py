@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, BatchFeature
+from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
 
+from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (
@@ -77,7 +78,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         feature_extractor: a `Drama3FeatureExtractor`; None builds one at the codec's rate (or at
             `sampling_rate` without a codec). `save_pretrained` writes it (`preprocessor_config.json`
             and inside `processor_config.json`); folders saved without one load with the default.
-        codec: a `Drama3CodecModel` (or another registered codec, see `register_codec_class`), or
+        codec: a `Drama3CodecModel` (or another codec registered with `AutoConfig` and `AutoModel`), or
             None (codes-only use). Not a ProcessorMixin attribute (those must be tokenizers or
             feature extractors): `save_pretrained` writes it to `codec/` and `from_pretrained` reads
             it back.
@@ -647,56 +648,43 @@ def _unpack_decoded(decoded: Any) -> torch.Tensor:
     raise TypeError(f"cannot read audio from the codec's decode output {type(decoded).__name__}")
 
 
-_CODEC_CLASSES: dict[str, type] = {}
+# The codecs of this package; a codec of another model_type loads once registered with
+# AutoConfig and AutoModel (it needs the interface the processor uses: `encode`, `decode`,
+# `num_codebooks`, `sampling_rate`, `frame_rate`).
+PACKAGE_CODECS = (Drama3CodecConfig.model_type, Drama3MelCodecConfig.model_type)
 
 
-def register_codec_class(model_type: str, codec_class: type) -> None:
-    """Let `Drama3Processor.from_pretrained` load a codec whose `codec/config.json` says `model_type`.
-
-    `codec_class` needs `from_pretrained(folder)` and the codec interface the processor uses
-    (`encode`, `decode`, `num_codebooks`, `sampling_rate`, `frame_rate`)."""
-    _CODEC_CLASSES[model_type] = codec_class
-
-
-def codec_classes() -> dict[str, type]:
-    """model_type -> codec class: the S2 codec, the log-mel codec of drama3-tiny, then whatever
-    `register_codec_class` added."""
-    from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3MelCodecModel
-
-    return {
-        Drama3CodecConfig.model_type: Drama3CodecModel,
-        Drama3MelCodecConfig.model_type: Drama3MelCodecModel,
-        **_CODEC_CLASSES,
-    }
-
-
-def codec_class_for(config_file: str) -> type:
-    """The codec class named by the `model_type` of a saved codec's config.json."""
+def check_codec_model_type(config_file: str) -> None:
+    """A saved codec's config.json names a model_type that AutoConfig knows."""
     with open(config_file, encoding="utf-8") as reader:
         model_type = json.load(reader).get("model_type")
-    known = codec_classes()
-    if model_type not in known:
+    try:
+        AutoConfig.for_model(model_type)
+    except ValueError:
         raise ValueError(
-            f"{config_file}: codec model_type {model_type!r} is not a known codec; known: {sorted(known)} "
-            f"(register another with transformers_drama3.processing_drama3.register_codec_class)"
-        )
-    return known[model_type]
+            f"{config_file}: codec model_type {model_type!r} is not a known codec; known: {sorted(PACKAGE_CODECS)} "
+            f"(or any codec registered with transformers' AutoConfig.register and AutoModel.register)"
+        ) from None
+
+
+def load_saved_codec(path: str | os.PathLike, config_file: str, hub: dict):
+    """The codec in the `codec/` subfolder of `path` (a folder or Hub repo), built by `AutoModel`
+    from the model_type of its config.json."""
+    check_codec_model_type(config_file)
+    if os.path.isdir(path):
+        return AutoModel.from_pretrained(os.path.join(path, "codec"))
+    return AutoModel.from_pretrained(path, subfolder="codec", **hub)
 
 
 def _load_codec(path: str | os.PathLike, kwargs: dict):
-    """The codec saved beside a processor (`codec/`, its class chosen by the model_type in
-    `codec/config.json`), or the published `codec.pth` (the S2 codec); None if neither."""
+    """The codec saved beside a processor (`codec/`, loaded through `AutoModel`), or the published
+    `codec.pth` (the S2 codec); None if neither."""
     hub = hub_keywords(kwargs)
     config_file = optional_file(path, "codec/config.json", **hub)
     if config_file is not None:
-        codec_class = codec_class_for(config_file)
-        if os.path.isdir(path):
-            return codec_class.from_pretrained(os.path.join(path, "codec"))
-        return codec_class.from_pretrained(path, subfolder="codec", **hub)
+        return load_saved_codec(path, config_file, hub)
     checkpoint = optional_file(path, "codec.pth", **hub)
     if checkpoint is not None:
-        from .codec import Drama3CodecModel
-
         return Drama3CodecModel.from_pretrained(checkpoint)
     return None
 
