@@ -61,6 +61,12 @@ def test_a_missing_routed_function_is_named_in_the_error(monkeypatch):
         integrations.check_routed_functions()
 
 
+def test_the_router_refuses_to_install_over_moved_functions_and_names_the_opt_out(monkeypatch):
+    monkeypatch.delattr(qwen, "causal_conv1d_update")
+    with pytest.raises(InternalsChanged, match=r"causal_conv1d_update: .*Set DRAMA3_DEVICE_DISPATCH=0"):
+        integrations.install_device_dispatch()
+
+
 def test_a_reference_with_other_parameters_is_named_in_the_error(monkeypatch):
     def moved(q, k, v, decay, beta):
         return q

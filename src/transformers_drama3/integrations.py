@@ -1,8 +1,10 @@
-"""Every place this package relies on transformers' internals, in one file.
+"""Every place this package reaches into transformers' internals, in one file.
 
-Public transformers API (Auto classes, `PreTrainedModel`, `ProcessorMixin.from_pretrained`, ...) is
-used everywhere; what transformers does not promise to keep is used only here, each with a guard
-that raises `InternalsChanged` naming the internal when an upgrade moves it:
+The rest of the package composes transformers' modules and calls its API (Auto classes,
+`PreTrainedModel`, `ProcessorMixin.from_pretrained`, ...). What it replaces, overrides or reads
+beyond that (module functions patched, a closure variable, a private hook, private keywords, an
+unexported module) happens only here, each with a guard that raises `InternalsChanged` naming the
+internal when an upgrade moves it:
 
 1. the device router: four module-level functions of transformers' Qwen3.5-MoE modeling
    (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
@@ -152,7 +154,10 @@ def install_device_dispatch() -> None:
     (idempotent). The replacement is process-wide: every Qwen3.5-MoE model in the process uses it.
     For CUDA tensors without packed documents a router calls exactly what transformers bound; for
     other tensors it calls the PyTorch reference, where transformers would call fla and fail."""
-    check_routed_functions()
+    try:
+        check_routed_functions()
+    except InternalsChanged as error:
+        raise InternalsChanged(f"{error} Set {DEVICE_DISPATCH_ENV}=0 to import without the device router.") from None
     for name in ROUTED_FUNCTIONS:
         current = getattr(qwen3_5_moe, name)
         if hasattr(current, "drama3_reference"):
