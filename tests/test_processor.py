@@ -222,10 +222,12 @@ def test_chat_with_system_references_user_text_and_history_gives_the_rows_of_the
         {"role": "assistant", "content": [{"type": "audio", "codes": take}]},
         {"role": "user", "content": "<|speaker:1|>[softer than the previous take] Take one."},
     ]
+    # raw text is spoken as given: the equivalent script gives the same raw text, and its
+    # instruction lands where the conversation wrote it (after the speaker tag)
     script = Script(
-        Line("Take one.", 1),
+        "<|speaker:1|>Take one.",
         references=[Reference("Reference words.", ref, 1)],
-        history=[Take(Line("Take one.", 1), take)],
+        history=[Take("<|speaker:1|>Take one.", take)],
         instruction="softer than the previous take",
     )
     assert torch.equal(processor.apply_chat_template(conversation)["input_ids"], processor(script)["input_ids"])

@@ -75,7 +75,8 @@ def test_several_references_of_several_speakers():
             "\n\n[Reference 2]\nText: <|speaker:1|> Second voice.\nSpeech: ", b,
             "\n\n[Reference 3]\nText: <|speaker:0|> Again one.\nSpeech: ", c,
             "<|im_end|>\n",
-            "<|im_start|>user\n", "<|speaker:0|> Where were you?\n<|speaker:1|> Out.", "<|im_end|>\n",
+            # raw text is the user turn as given (no space or line break added at the tags)
+            "<|im_start|>user\n", "<|speaker:0|>Where were you?<|speaker:1|>Out.", "<|im_end|>\n",
             "<|im_start|>assistant\n<|voice|>",
         ],
     )

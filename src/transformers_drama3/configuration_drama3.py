@@ -16,6 +16,8 @@ from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 from .quantization import is_block_fp8_config, transformers_quantization_config
 
 SPEECH_TEMPLATE_VERSION = "reference-bracket-v1"
+# Codes per frame: codebook 0 (semantic) and 9 acoustic ones. The one source of this count.
+NUM_CODEBOOKS = 10
 TEXT_MODEL_TYPES = ("fish_omni_text", "qwen3_5_moe_text")
 
 # Keys Fish writes into text_config that state what the stock Qwen3.5-MoE text model hard-codes.
@@ -114,7 +116,7 @@ class Drama3AudioDecoderConfig(PretrainedConfig):
         shared_enrichment_layers: int = 4,
         intermediate_size: int = 6144,
         norm_eps: float = 1e-6,
-        num_codebooks: int = 10,
+        num_codebooks: int = NUM_CODEBOOKS,
         vocab_size: int = SEMANTIC_CODEBOOK_SIZE,
         max_seq_len: int | None = None,
         rope_base: float = 1e7,

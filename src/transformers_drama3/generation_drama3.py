@@ -40,6 +40,7 @@ from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
 from .modeling_drama3 import Drama3Cache, positions_from_mask, tower_attention_mask
+from .prompting.text import is_cjk
 
 if TYPE_CHECKING:
     from .prompting import Script
@@ -324,22 +325,12 @@ def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.
 # ----------------------------------------------------------------------------- budgets and anomalies
 
 
-def _is_cjk(character: str) -> bool:
-    code = ord(character)
-    return (
-        0x3040 <= code <= 0x30FF  # kana
-        or 0x3400 <= code <= 0x9FFF  # CJK ideographs (+ extension A)
-        or 0xAC00 <= code <= 0xD7AF  # Hangul syllables
-        or 0xF900 <= code <= 0xFAFF
-    )
-
-
 def expected_seconds_of_text(text: str) -> float:
     """How long `text` takes to say: CJK characters at 4.5/s plus other words at 2.5/s, at least 1 s.
 
     Tags (`<|speaker:N|>`, `[laughs]`, `<whisper>`) count as a word each: they cost a little time."""
-    cjk = sum(_is_cjk(character) for character in text)
-    words = len("".join(" " if _is_cjk(character) else character for character in text).split())
+    cjk = sum(is_cjk(character) for character in text)
+    words = len("".join(" " if is_cjk(character) else character for character in text).split())
     return max(MIN_EXPECTED_SECONDS, cjk / CJK_CHARACTERS_PER_SECOND + words / WORDS_PER_SECOND)
 
 
@@ -361,6 +352,12 @@ def target_text_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, eo
         else:
             counts.append(int(real[item].sum()))
     return torch.tensor(counts, dtype=torch.long)
+
+
+def speak_span_tokens(speak_span: torch.Tensor) -> torch.Tensor:
+    """Text tokens of the turn to speak, per prompt `[batch]`, from the layout's `speak_span`
+    `[batch, 2]` (the processor's rows say where that turn's text is; nothing is searched)."""
+    return (speak_span[:, 1] - speak_span[:, 0]).clamp(min=0).cpu()
 
 
 def expected_seconds_of_tokens(tokens: torch.Tensor) -> torch.Tensor:
@@ -865,8 +862,13 @@ def resolve_separator_id(model, generation_config: GenerationConfig | None, expl
     return None
 
 
-def line_separators(model, input_ids, attention_mask, separator_id: int | None) -> LineSeparators | None:
-    """The separator rule of a batch: None unless some prompt is a line-by-line prompt."""
+def line_separators(
+    model, input_ids, attention_mask, separator_id: int | None, boundaries_left: torch.Tensor | None = None
+) -> LineSeparators | None:
+    """The separator rule of a batch: None unless some prompt is a line-by-line prompt.
+
+    `boundaries_left` [batch] is what the processor's layout says; rows given without it are read
+    by `separators_left`."""
     if separator_id is None:
         return None
     vocabulary = model.get_output_embeddings().weight.shape[0]
@@ -877,7 +879,10 @@ def line_separators(model, input_ids, attention_mask, separator_id: int | None) 
             f"{vocabulary}, eos {config.eos_token_id}, semantic band {config.semantic_start_token_id}.."
             f"{config.semantic_end_token_id})"
         )
-    left = separators_left(input_ids, attention_mask, config.eos_token_id, separator_id)
+    if boundaries_left is not None:
+        left = torch.as_tensor(boundaries_left, dtype=torch.long).flatten().to(input_ids.device)
+    else:
+        left = separators_left(input_ids, attention_mask, config.eos_token_id, separator_id)
     return LineSeparators(separator_id, left) if bool(left.any()) else None
 
 
@@ -898,10 +903,14 @@ def make_sampler(model, request: _Request, input_ids, attention_mask, seed) -> D
 
 
 def _resolve_request(
-    model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id=None
+    model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id=None, layout=None
 ) -> _Request:
+    """`layout`: the processor's `speak_span` / `boundaries_left` when the rows came with them."""
     config = model.config
-    if expected_seconds is None:
+    layout = layout or {}
+    if expected_seconds is None and layout.get("speak_span") is not None:
+        seconds = expected_seconds_of_tokens(speak_span_tokens(torch.as_tensor(layout["speak_span"])))
+    elif expected_seconds is None:
         tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
         seconds = expected_seconds_of_tokens(tokens)
     else:
@@ -916,7 +925,7 @@ def _resolve_request(
         budgets=frame_budgets(seconds, frame_rate, max_new_tokens),
         guard_budgets=frame_budgets(seconds, frame_rate),
         expected_frames=seconds * frame_rate,
-        separators=line_separators(model, input_ids, attention_mask, separator_id),
+        separators=line_separators(model, input_ids, attention_mask, separator_id, layout.get("boundaries_left")),
     )
 
 
@@ -1049,6 +1058,8 @@ def generate(
     expected_seconds: float | Sequence[float] | None = None,
     regenerate_on_anomaly: int = 0,
     audio_separator_token_id: int | None = None,
+    speak_span: torch.Tensor | None = None,
+    boundaries_left: torch.Tensor | None = None,
     **kwargs,
 ):
     """Speak: prompt rows in, takes out (see the module docstring for the loop and the sampler).
@@ -1074,6 +1085,9 @@ def generate(
             a line-by-line prompt (lines separated by the separator in its last user turn) may draw
             the separator between lines, once per line boundary it has left; each one is reported
             in `line_boundaries`. Other prompts never draw it.
+        speak_span, boundaries_left: the layout's metadata on the processor's rows (`[batch, 2]`
+            rows of the text of the turn to speak, `[batch]` line boundaries still to draw); rows
+            given without them are read from their token ids.
         **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
 
     Returns:
@@ -1090,7 +1104,8 @@ def generate(
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
     separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id)
+    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
+    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout)
     output = _run(model, *prompt, request, seed, codec, streamer)
     if regenerate_on_anomaly:
         output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
@@ -1113,6 +1128,8 @@ def stream(
     expected_seconds: float | None = None,
     windows: Iterator[int] | None = None,
     audio_separator_token_id: int | None = None,
+    speak_span: torch.Tensor | None = None,
+    boundaries_left: torch.Tensor | None = None,
     **kwargs,
 ) -> Iterator[AudioChunk]:
     """Speak one prompt and yield `AudioChunk`s as frames are produced.
@@ -1133,8 +1150,9 @@ def stream(
     if input_ids.shape[0] != 1:
         raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
     separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
     request = _resolve_request(
-        model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id
+        model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id, layout
     )
     started = time.perf_counter()
     sampler = make_sampler(model, request, input_ids, attention_mask, seed)
@@ -1243,7 +1261,8 @@ def _long_form_script(processor, text, references, strict_speakers: bool = True)
     from .prompting import Script, parse_text
 
     if isinstance(text, str):
-        return Script(parse_text(text, "text"), tuple(references), strict_speakers=strict_speakers)
+        parse_text(text, "text")  # refused here with its location; one chunk is spoken as given
+        return Script(text, tuple(references), strict_speakers=strict_speakers)
     script = processor.as_request(text, tuple(references), "text")
     if type(script) is not Script:
         raise ValueError(f"text: long-form generation takes raw text or a Script; got {type(script).__name__}")
@@ -1273,6 +1292,8 @@ def _speak_chunks(model, processor, script, seed, relay, progress, max_new_token
             inputs["input_ids"],
             inputs["audio_codes"],
             inputs["attention_mask"],
+            speak_span=inputs["speak_span"],
+            boundaries_left=inputs["boundaries_left"],
             streamer=relay,
             seed=None if seed is None else seed + index,
             max_new_tokens=max_new_tokens,

@@ -42,6 +42,7 @@ from .prompting import (
     parse_rows,
     parse_text,
     semantic_token,
+    with_speaker_tag,
 )
 
 SAMPLES_PER_FRAME = 2048
@@ -245,10 +246,28 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         frames = int(lengths[0]) if lengths is not None else codes.shape[-1]
         return codes[0, :, :frames].to("cpu", torch.long)
 
+    def given_codes(self, clip: Clip, location: str) -> torch.Tensor | None:
+        """The codes a clip was given as, checked, or None for a waveform or a file: the one gate of
+        codes input. Integer codes of any dtype (uint16/32/64 included) are taken as int64; float
+        codes are refused, and so is a float "waveform" that is shaped and valued like codes
+        (`[num_codebooks, frames]`, whole numbers beyond [-1, 1]): encoding it as audio would
+        silently speak noise."""
+        if clip.codes is not None:
+            return check_codes(clip.codes, self.num_codebooks, self.codebook_size, location)
+        waveform = clip.waveform
+        if waveform is not None and getattr(waveform, "ndim", 0) == 2 and waveform.shape[0] == self.num_codebooks:
+            values = torch.as_tensor(waveform).double()
+            if values.numel() and bool((values == values.round()).all()) and float(values.abs().max()) > 1:
+                raise ValueError(
+                    f"{location}: a float array [{self.num_codebooks}, frames] of whole numbers looks like codes "
+                    f"given as floats; give codes as an integer array (e.g. .long()), or a waveform in [-1, 1]"
+                )
+        return None
+
     def codes_of(self, clip: Clip, location: str, is_reference: bool = False) -> torch.Tensor:
         """Any clip -> checked codes [num_codebooks, frames]; references are held to the length cap."""
-        if clip.codes is not None:
-            codes = check_codes(clip.codes, self.num_codebooks, self.codebook_size, location)
+        codes = self.given_codes(clip, location)
+        if codes is not None:
             self._check_reference_length(codes.shape[1] / self.frame_rate, is_reference, location)
             return codes
         samples = self.load_waveform(clip, location, self.max_reference_seconds if is_reference else None)
@@ -284,7 +303,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
                 f"audios but {len(texts)} transcripts; every reference needs exactly one transcript"
             )
         if reference_speaker is None:
-            speakers = [0] * len(audios)
+            speakers = [None] * len(audios)  # a transcript's own leading tag, else speaker 0
         elif isinstance(reference_speaker, (int, np.integer)):
             speakers = [reference_speaker] * len(audios)
         else:
@@ -302,7 +321,8 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
                 raise ValueError(f"{location}: give references inside the script, not beside it")
             return item
         if isinstance(item, str):
-            return Script(lines=parse_text(item, location), references=references)
+            parse_text(item, location)  # refused here with its location; the Script keeps it as given
+            return Script(lines=item, references=references)
         raise ValueError(f"{location}: expected a str, Script, Infill or StreamingScript; got {type(item).__name__}")
 
     def rows(self, request: Request) -> PromptRows:
@@ -355,7 +375,23 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         rows = [self.rows(request) for request in requests]
         if return_labels is None:
             return_labels = any(bool(r.supervised.any()) for r in rows)
-        return self.pad(rows, return_labels=return_labels, padding_side=padding_side)
+        batch = self.pad(rows, return_labels=return_labels, padding_side=padding_side)
+        batch.update(self.layout_metadata(rows, batch["input_ids"].shape[1], padding_side))
+        return batch
+
+    def layout_metadata(self, rows: Sequence[PromptRows], length: int, padding_side: str = "left") -> dict:
+        """What the layout says about each prompt, in padded row coordinates, for `generate()`:
+
+        - `speak_span` [batch, 2] long: [start, stop) rows of the text of the turn to speak (its
+          length sets the frame budget);
+        - `boundaries_left` [batch] long: line boundaries (`<|audio_separator|>`) still to draw.
+        """
+        spans = torch.zeros(len(rows), 2, dtype=torch.long)
+        for index, row in enumerate(rows):
+            offset = length - len(row) if padding_side == "left" else 0
+            spans[index] = torch.tensor(row.speak_span) + offset
+        boundaries = torch.tensor([row.boundaries_left for row in rows], dtype=torch.long)
+        return {"speak_span": spans, "boundaries_left": boundaries}
 
     def pad(self, rows: Sequence[PromptRows], return_labels: bool = False, padding_side: str = "left") -> BatchFeature:
         """Stack prompts into a batch: pad id / zero codes / mask 0 / label -100 on the padding."""
@@ -553,7 +589,7 @@ def _audio_clip(item: dict, location: str) -> Clip:
     if keys[0] in ("path", "url"):
         return Clip(path=os.fspath(value))
     if keys[0] == "codes":
-        return Clip(codes=torch.as_tensor(value))
+        return Clip(codes=value if isinstance(value, (torch.Tensor, np.ndarray)) else np.asarray(value))
     return as_clip(value, location, item.get("sampling_rate"))
 
 
@@ -596,25 +632,33 @@ def conversation_to_script(messages: Sequence[dict], location: str = "conversati
                 references.append(Reference(texts.pop(), _audio_clip(item, item_where), item_speaker))
             if texts and role == "system":
                 raise ValueError(f"{where}: system text must be reference transcripts, each followed by its audio")
-            pending.extend(
-                line for text in texts for line in parse_text(text, f"{where}.content", default_speaker=default)
-            )
+            pending.extend((text, default, f"{where}.content") for text in texts)
         elif role == "assistant":
             audio = [item for item in items if item["type"] == "audio"]
             if len(audio) != 1 or len(items) != 1:
                 raise ValueError(f"{where}: an assistant message holds exactly one audio item (the take)")
             if not pending:
                 raise ValueError(f"{where}: a take must follow the lines it speaks")
-            takes.append(Take(tuple(pending), _audio_clip(audio[0], f"{where}.content[0]")))
+            takes.append(Take(_pending_lines(pending), _audio_clip(audio[0], f"{where}.content[0]")))
             pending = []
         else:
             raise ValueError(f"{where}.role: 'system', 'user', 'assistant' or a speaker 0-15; got {role!r}")
     if pending:
-        return Script(lines=tuple(pending), references=tuple(references), history=tuple(takes))
+        return Script(lines=_pending_lines(pending), references=tuple(references), history=tuple(takes))
     if takes:
         *history, last = takes
         return Script(lines=last.lines, references=tuple(references), history=tuple(history), target=last.audio)
     raise ValueError(f"{location}: nothing to speak (no text lines)")
+
+
+def _pending_lines(pending: list[tuple[str, int, str]]) -> str | tuple:
+    """The lines of the text items since the last take: one item is raw text, spoken as given
+    (tagged with its message's speaker when no tag leads it); several are read as lines."""
+    if len(pending) == 1:
+        text, speaker, where = pending[0]
+        parse_text(text, where, default_speaker=speaker)
+        return with_speaker_tag(text, speaker)
+    return tuple(line for text, speaker, where in pending for line in parse_text(text, where, default_speaker=speaker))
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
