@@ -46,17 +46,9 @@ DEFAULT_TRAINING_TEXTS = (
     "user\nassistant\nsystem\n",
 )
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'text' -%}{{- item['text'] -}}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<|voice|>' -}}{%- endif -%}"
-)
+# No Jinja chat template is shipped: a template renders one string, and tokenizing the joined
+# prompt changes ids at the seams and cannot write audio rows, so it could never give the published
+# rows token for token. `Drama3Processor.apply_chat_template` builds them from the layout instead.
 
 
 def drama3_special_tokens(codebook_size: int = CODEBOOK_SIZE) -> list[str]:
@@ -86,8 +78,8 @@ def build_drama3_tokenizer(
         texts: training sentences; a small multilingual default when None.
         vocab_size: size of the BPE vocabulary before the special tokens (at least 256 + 1).
         codebook_size: number of `<|semantic:N|>` tokens (the semantic codebook size, 4096 published).
-        save_directory: when given, writes tokenizer.json, tokenizer_config.json,
-            special_tokens_map.json and chat_template.jinja there.
+        save_directory: when given, writes tokenizer.json, tokenizer_config.json and
+            special_tokens_map.json there.
 
     Returns:
         A `PreTrainedTokenizerFast` whose `eos_token` is `<|im_end|>` and `pad_token` `<|endoftext|>`.
@@ -114,20 +106,15 @@ def build_drama3_tokenizer(
         pad_token=PAD,
         model_max_length=1 << 20,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
     if save_directory is not None:
         save_drama3_tokenizer(tokenizer, save_directory)
     return tokenizer
 
 
 def save_drama3_tokenizer(tokenizer: PreTrainedTokenizerFast, save_directory: str | os.PathLike) -> None:
-    """Write the four published tokenizer files (transformers 5 no longer writes special_tokens_map.json)."""
+    """Write the published tokenizer files (transformers 5 no longer writes special_tokens_map.json)."""
     os.makedirs(save_directory, exist_ok=True)
     tokenizer.save_pretrained(save_directory)
     special_tokens_map = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
     with open(os.path.join(save_directory, "special_tokens_map.json"), "w", encoding="utf-8") as handle:
         json.dump(special_tokens_map, handle, indent=2)
-    template_path = os.path.join(save_directory, "chat_template.jinja")
-    if not os.path.exists(template_path):
-        with open(template_path, "w", encoding="utf-8") as handle:
-            handle.write(tokenizer.chat_template)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
-from ..prompting import IM_END, semantic_token
+from ..prompting import IM_END, TEMPLATE_VERSION, semantic_token
 
 TINY_CORPUS_PLAN = {
     "seed": 0,
@@ -113,7 +113,7 @@ def tiny_model_config(
         semantic_end_token_id=semantic_start + codebook_size - 1,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
         pad_token_id=tokenizer.pad_token_id,
-        speech_template_version="reference-bracket-v1",
+        speech_template_version=TEMPLATE_VERSION,
         tie_word_embeddings=False,
         sampling_rate=sampling_rate,
         frame_size=frame_size,

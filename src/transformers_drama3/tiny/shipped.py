@@ -50,7 +50,7 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path = 
     if destination.exists():
         shutil.rmtree(destination)
     keep = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja", "processor_config.json", "preprocessor_config.json")
+            "special_tokens_map.json", "processor_config.json", "preprocessor_config.json")
     destination.mkdir(parents=True)
     for name in keep:
         if (run_model / name).is_file():
