@@ -54,6 +54,29 @@ def test_the_separator_stays_masked_for_a_prompt_that_is_not_line_by_line():
     assert out.audio_codes[0, :, 0].tolist() == [5, 0, 6]  # masked: the argmax falls on <|semantic:0|>
 
 
+def test_the_layouts_line_boundaries_are_read_instead_of_the_ids():
+    """`boundaries_left` from the processor's layout decides: the same planted script draws its
+    separator on a prompt the layout gives one boundary, and never on one it gives none."""
+    scripted = lambda: script_main_tokens(tiny_model(seed=0), [[S + 5, SEPARATOR, S + 6]])  # noqa: E731
+    plain_ids, plain_codes = prompt(1)
+    told = generate(scripted(), plain_ids, plain_codes, do_sample=False, max_new_tokens=20, boundaries_left=torch.tensor([1]))
+    assert told.line_boundaries == [[1]] and told.audio_codes[0, :, 0].tolist() == [5, 6]
+    line_ids, line_codes = line_prompt(1, lines=2)
+    none = generate(scripted(), line_ids, line_codes, do_sample=False, max_new_tokens=20, boundaries_left=torch.tensor([0]))
+    assert none.line_boundaries == [[]] and none.audio_codes[0, :, 0].tolist() == [5, 0, 6]
+
+
+def test_the_speak_span_sets_the_frame_budget():
+    ids, codes = prompt(1)
+
+    def budget(span):
+        model = script_main_tokens(tiny_model(seed=0), [[S + 5] * 200])
+        return int(generate(model, ids, codes, do_sample=False, speak_span=torch.tensor([span])).lengths[0])
+
+    # at 2.5x the expected duration, 40 text tokens (more than the floor of 1 s) give a longer budget than 4
+    assert budget([0, 40]) > budget([0, 4])
+
+
 def test_without_the_separator_id_a_line_by_line_prompt_never_draws_it():
     model = script_main_tokens(tiny_model(seed=0), [[S + 5, SEPARATOR, S + 6]])
     out = model.generate(*[t[None] for t in line_prompt(1)], do_sample=False, max_new_tokens=20, return_dict_in_generate=True)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from processor_helpers import expected_rows, only_item, random_codes, tiny_processor
-from transformers_drama3.prompting import Clip, Reference, Script, Take
+from transformers_drama3.generation_drama3 import separators_left
+from transformers_drama3.prompting import Clip, Infill, LineByLineScript, Reference, Script, StreamingScript, Take
 
 TTS = "convert the provided text to speech"
 WITH_REFERENCES = "convert the provided text to speech reference to the following:"
@@ -273,3 +274,40 @@ def test_raw_text_rows_parse_back_to_a_request_with_the_same_rows(script):
     again = processor(processor.parse(batch))
     for key in ("input_ids", "audio_codes", "attention_mask", "speak_span", "boundaries_left"):
         assert torch.equal(again[key], batch[key])
+
+
+LAYOUTS = [
+    Script("Hi."),
+    LineByLineScript(["One.", "<|speaker:1|>Two.", "Three."]),
+    LineByLineScript(["One.", "Two.", "Three."], target=[random_codes(2, 1)]),
+    LineByLineScript(["One.", "Two."], target=[random_codes(2, 1)]),
+    LineByLineScript(["One.", "Two."], target=[random_codes(2, 1), random_codes(2, 2)]),
+    Infill("Edited.", prefix=random_codes(3, 1), suffix=random_codes(2, 2)),
+    StreamingScript(["One.", "Two.", "Three."], spoken=[random_codes(2, 1)]),
+]
+
+
+def test_the_layouts_line_boundaries_are_what_the_rows_hold():
+    """On open prompts the layout's count and the reading of the same rows' ids (generation's
+    fallback for bare rows) agree; on closed training rows only the layout knows nothing is left."""
+    processor = tiny_processor()
+    batch = processor(LAYOUTS)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    read = separators_left(ids, mask, eos, processor.audio_separator_token_id)
+    assert batch["boundaries_left"].tolist() == [0, 2, 1, 0, 0, 0, 0]
+    closed = 4  # every line has its audio: the voice turn is closed
+    assert [v for i, v in enumerate(read.tolist()) if i != closed] == [0, 2, 1, 0, 0, 0]
+
+
+def test_the_speak_span_lies_inside_the_last_user_turn_of_every_layout():
+    processor = tiny_processor()
+    batch = processor(LAYOUTS)
+    im_start = processor.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for index in range(len(LAYOUTS)):
+        start, stop = batch["speak_span"][index].tolist()
+        row = batch["input_ids"][index]
+        starts = (row == im_start).nonzero().flatten().tolist()
+        user_turn_start = [position for position in starts if position < start][-1]
+        assert processor.tokenizer.decode(row[user_turn_start + 1 : start].tolist()) == "user\n"
+        assert 0 < stop - start and row[stop].item() == processor.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -75,13 +75,15 @@ MAX_REFERENCE_SECONDS = 60.0
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 
 
-def check_free_text(text: Any, location: str, allow_empty: bool = False) -> str:
-    """Validate user text and return it with line breaks flattened and the ends stripped."""
+def check_free_text(text: Any, location: str) -> str:
+    """Validate the text of a structured `Line` field and return it with line breaks flattened and
+    the ends stripped: structured lines are joined by "\n", so a break inside one would read as a
+    line boundary. (Raw text is never flattened: see `parse_text`.)"""
     if not isinstance(text, str):
         raise ValueError(f"{location}: text must be a str; got {type(text).__name__}")
     check_no_special_tokens(text, location)
     flat = flatten_line_breaks(text)
-    if not flat and not allow_empty:
+    if not flat:
         raise ValueError(f"{location}: text is empty")
     check_tags(flat, location)
     return flat

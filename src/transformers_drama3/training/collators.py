@@ -1,7 +1,7 @@
 """Collators: prepared examples -> labelled training rows in the published layout.
 
 Every collator turns each example into a request of the processor (`Script`, `LineByLineScript`,
-`Infill`, see `prompting.py`) and lets the processor build the rows and the label mask, so the
+`Infill`, see the `prompting` package) and lets the processor build the rows and the label mask, so the
 training rows are token for token what generation sees. The output feeds
 `Drama3ForSpeechGeneration.forward` directly: `input_ids`, `audio_codes`, `attention_mask`,
 `labels` (right padding). Labels supervise only the model's own output (the target audio, its
@@ -165,7 +165,7 @@ class DialogueCollator(RowCollator):
 class LineByLineCollator(RowCollator):
     """Line-by-line synthesis: `example["turns"]` as for dialogue, but the lines are separated by
     `<|audio_separator|>` in the user turn and the assistant answers one segment per line, segments
-    separated by supervised `<|audio_separator|>` tokens (designed from the paper, see prompting.py)."""
+    separated by supervised `<|audio_separator|>` tokens (designed from the paper, see the `prompting` package)."""
 
     def request(self, example, rng):
         turns = example["turns"]
