@@ -12,7 +12,7 @@ import torch
 
 from processor_helpers import expected_rows, only_item, random_codes, tiny_processor
 from transformers_drama3.generation_drama3 import separators_left
-from transformers_drama3.prompting import Clip, Infill, LineByLineScript, Reference, Script, StreamingScript, Take
+from transformers_drama3.prompting import Clip, Infill, LineByLineScript, Reference, Script, StreamingScript, Take, speaker_turns
 
 TTS = "convert the provided text to speech"
 WITH_REFERENCES = "convert the provided text to speech reference to the following:"
@@ -144,6 +144,13 @@ def test_a_short_script_is_its_own_only_chunk():
     script = Script("One.\n<|speaker:1|>Two.")
     assert tiny_processor().chunk(script) == [script]
     assert tiny_processor().chunk(script)[0].text == "One.\n<|speaker:1|>Two."
+
+
+def test_a_scene_of_one_speaker_zero_turn_is_spoken_as_given():
+    script = Script("<|speaker:0|>One.\nTwo.", references=[Reference("r", random_codes(2))])
+    [(speaker, request)] = speaker_turns(script)
+    assert speaker == 0 and request.text == "<|speaker:0|>One.\nTwo."
+    assert torch.equal(tiny_processor()(request)["input_ids"], tiny_processor()(script)["input_ids"])
 
 
 # ---- refusals: what the published rule refuses -----------------------------------------------------------

@@ -427,8 +427,12 @@ def speaker_turns(script: Script) -> list[tuple[int, Script]]:
                 f"speaker from its own references (references cover speakers {covered}); add a Reference "
                 f"with speaker={line.speaker}"
             )
+    runs = [(speaker, tuple(run)) for speaker, run in itertools.groupby(script.lines, key=lambda line: line.speaker)]
+    if len(runs) == 1 and runs[0][0] == 0:
+        # one turn of speaker 0: nothing to split or renumber, so the script is spoken as given
+        return [(0, Script(script.source(), script.references, instruction=script.instruction))]
     turns = []
-    for speaker, run in itertools.groupby(script.lines, key=lambda line: line.speaker):
+    for speaker, run in runs:
         own = [reference for reference in script.references if reference.speaker == speaker]
         references = tuple(reference.renumbered(0) for reference in own)
         lines = tuple(replace(line, speaker=0) for line in run)
