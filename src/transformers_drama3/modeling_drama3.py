@@ -10,6 +10,7 @@ published checkpoint, so its tensors load under their own names.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,9 @@ from transformers.utils import ModelOutput
 from transformers.utils.generic import is_flash_attention_requested
 
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
+from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
+from .saving import save_published, start_upload
 
 IGNORE_INDEX = -100
 
@@ -360,18 +363,75 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         from .generation_drama3 import drama3_generation_config
 
         self.generation_config = drama3_generation_config(config)
-        self._register_load_state_dict_pre_hook(_published_layout_to_modules, with_module=True)
+        # What the weights were loaded from, so that `save_pretrained` writes it back unchanged
+        # (`loaded_checkpoint.py`); None for a model built from a config. Set it to None to free
+        # the kept FP8 experts (a later save then re-quantises every expert).
+        self.loaded_checkpoint: LoadedCheckpoint | None = None
+        self.register_load_state_dict_pre_hook(_published_layout_to_modules)
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save in the published layout: per-expert tensor names and, when the config says
-        "bsgemm-moe", the routed experts in block-FP8 with their `weight_scale_inv`.
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        # transformers' loader (a private static method, same call in transformers 5.x) is the one
+        # place that sees the resolved checkpoint files; reading them again here is how the model
+        # learns what it was loaded from.
+        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        if isinstance(model, Drama3ForSpeechGeneration):
+            safetensors_files = [f for f in checkpoint_files or () if os.fspath(f).endswith(".safetensors")]
+            if safetensors_files and len(safetensors_files) == len(checkpoint_files):
+                model.loaded_checkpoint = record_files(safetensors_files, model.state_dict())
+        return loaded
+
+    def save_pretrained(
+        self,
+        save_directory,
+        is_main_process: bool = True,
+        state_dict=None,
+        push_to_hub: bool = False,
+        max_shard_size: int | str = "50GB",
+        variant: str | None = None,
+        token=None,
+        save_peft_format: bool = True,
+        save_original_format: bool = True,
+        **kwargs,
+    ):
+        """Save in the published layout (`saving.py`): per-expert tensor names, each tensor in the
+        dtype it was loaded in (float32 `A_log`), and, when the config says "bsgemm-moe", the
+        routed experts in block-FP8 with their `weight_scale_inv`. A tensor unchanged since loading
+        is written byte for byte as loaded, into the same shard files when the checkpoint was
+        sharded and each shard fits `max_shard_size`; a changed routed expert is re-quantised.
+
+        Returns the names of the routed expert weights quantised from the model's weights (changed
+        since loading; all of them for a model not loaded from block-FP8 experts).
 
         Set `model.config.published_quantization_config = None` to save dense experts instead.
+        Adapter-only saves (PEFT), `variant`, `save_original_format=False` and distributed
+        checkpoints go through transformers' writer.
         """
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if self.config.is_block_fp8 and kwargs.get("is_main_process", True):
-            block = tuple(self.config.published_quantization_config.get("weight_block_size", (128, 128)))
-            quantize_saved_experts(save_directory, block)
+        if (
+            getattr(self, "_hf_peft_config_loaded", False)
+            or variant is not None
+            or not save_original_format
+            or kwargs.get("distributed_checkpoint")
+        ):
+            super().save_pretrained(
+                save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
+                max_shard_size=max_shard_size, variant=variant, token=token, save_peft_format=save_peft_format,
+                save_original_format=save_original_format, **kwargs,
+            )
+            if self.config.is_block_fp8 and is_main_process and not getattr(self, "_hf_peft_config_loaded", False):
+                block = tuple(self.config.published_quantization_config.get("weight_block_size", (128, 128)))
+                quantize_saved_experts(save_directory, block)
+            return []
+        if os.path.isfile(save_directory):
+            raise ValueError(f"save_directory must be a directory; {os.fspath(save_directory)!r} is a file")
+        if not is_main_process:
+            return []
+        os.makedirs(save_directory, exist_ok=True)
+        upload = start_upload(self, save_directory, token, kwargs) if push_to_hub else None
+        quantized = save_published(self, save_directory, state_dict, max_shard_size)
+        if upload is not None:
+            upload()
+        return quantized
 
     # -- small helpers used by generation and training ----------------------------------------
 
@@ -727,9 +787,12 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
 def _published_layout_to_modules(module, state_dict, prefix, *args) -> None:
     """`load_state_dict` pre-hook: accept the published layout (per-expert names, block-FP8 experts)
     as `from_pretrained` does, so that a checkpoint file read directly (Trainer's resume, a user's
-    `load_file`) loads into the fused experts."""
+    `load_file`) loads into the fused experts. The model records what it was given, as
+    `from_pretrained` does, so that a later save writes it back unchanged."""
     if not any(name.endswith("_scale_inv") or ".mlp.experts.0." in name for name in state_dict):
         return
+    published = {name.removeprefix(prefix): tensor for name, tensor in state_dict.items() if name.startswith(prefix)}
+    module.loaded_checkpoint = record_state_dict(published, module.state_dict())
     dense, _ = dequantize_state_dict(state_dict, dtype=module.dtype)
     converted = fuse_expert_weights(dense)
     state_dict.clear()

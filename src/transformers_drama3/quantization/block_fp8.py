@@ -10,10 +10,13 @@ Each block b keeps one float32 number `scale_inv[b]` and its elements as float8 
 it is the inverse of the factor that maps the weight onto the FP8 range, that is the factor
 that maps FP8 back to the weight.
 
-Quantisation maps each block's largest magnitude onto the largest e4m3 value, 448.
-A block of zeros gets `scale_inv = 1`: its FP8 elements are all zero, so any scale
-reproduces it; a finite, non-zero value keeps `1 / scale_inv` finite for kernels that
-divide by it (transformers' FP8 quantiser makes the same choice).
+Quantisation maps each block's largest magnitude onto the largest e4m3 value, 448:
+`scale_inv = amax / 448` in float32 (the "amax" rule, `quantize_block_fp8`). A block of zeros
+gets `scale_inv = 1`: its FP8 elements are all zero, so any scale reproduces it; a finite,
+non-zero value keeps `1 / scale_inv` finite for kernels that divide by it (transformers' FP8
+quantiser makes the same choice). Some quantisers round the scale up to a power of two instead
+(the "power_of_two" rule, `quantize_block_fp8_power_of_two`): the largest element then maps to a
+value in (224, 448]. `scale_rule` reads off which rule a stored weight's scales follow.
 
 Accuracy of a quantise-then-dequantise round trip (round to nearest even, s = scale_inv
 of the element's block): e4m3 has 3 stored mantissa bits, so an element in the normal range
@@ -52,6 +55,10 @@ PER_EXPERT_WEIGHT = re.compile(
     r"^(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate|up|down)_proj\.weight$"
 )
 FUSED_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<projection>gate_up_proj|down_proj)$")
+# transformers' FP8Experts (CUDA, compute capability >= 8.9) keep the fused weights in FP8 next to
+# their fused scale grids.
+FUSED_EXPERT_SCALE = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<projection>gate_up_proj|down_proj)_scale_inv$")
+AMAX_RULE, POWER_OF_TWO_RULE = "amax", "power_of_two"
 
 Block = tuple[int, int]
 
@@ -70,6 +77,43 @@ def quantize_block_fp8(
     Returns `(weight_fp8: [..., out, in] float8_e4m3fn,
     scale_inv: [..., ceil(out / block_out), ceil(in / block_in)] float32)`.
     """
+    blocks, amax = _blocks_and_amax(weight, block)
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return _scaled_to_fp8(weight, blocks, scale_inv)
+
+
+def quantize_block_fp8_power_of_two(
+    weight: torch.Tensor, block: Block = DEFAULT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_block_fp8` with each block's scale rounded up to a power of two:
+    `scale_inv = 2 ** ceil(log2(amax / 448))` (zero blocks: 1). Same shapes and dtypes."""
+    blocks, amax = _blocks_and_amax(weight, block)
+    exact = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = torch.exp2(torch.ceil(torch.log2(exact)))
+    return _scaled_to_fp8(weight, blocks, scale_inv)
+
+
+def scale_rule(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, block: Block = DEFAULT_BLOCK) -> str | None:
+    """Which rule a stored block-FP8 weight's scales follow: "amax" when every non-zero block's
+    largest FP8 magnitude is 448 (scale = amax / 448), "power_of_two" when every scale is a power
+    of two, None when neither can be read off."""
+    _check_pair(weight_fp8, scale_inv, block)
+    _, code_amax = _blocks_and_amax(weight_fp8.float(), block)
+    if bool(((code_amax == FP8_MAX) | (code_amax == 0)).all()):
+        return AMAX_RULE
+    if bool((torch.frexp(scale_inv.float()).mantissa == 0.5).all()):
+        return POWER_OF_TWO_RULE
+    return None
+
+
+def quantizer_for_rule(rule: str | None) -> Callable[[torch.Tensor, Block], tuple[torch.Tensor, torch.Tensor]]:
+    """The quantiser of a `scale_rule` result; the amax rule when no rule could be read off."""
+    return quantize_block_fp8_power_of_two if rule == POWER_OF_TWO_RULE else quantize_block_fp8
+
+
+def _blocks_and_amax(weight: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight: [..., out, in]` -> (blocks `[..., block_rows, block_out, block_columns, block_in]`
+    float32, zero-padded at the edges; amax `[..., block_rows, block_columns]`)."""
     _check_block(block)
     *leading, rows, columns = weight.shape
     block_rows, block_columns = scale_grid_shape(weight.shape, block)[-2:]
@@ -77,10 +121,14 @@ def quantize_block_fp8(
     padded = F.pad(
         weight.float(), (0, block_columns * block[1] - columns, 0, block_rows * block[0] - rows)
     )
-    # blocks: [..., block_rows, block_out, block_columns, block_in]
     blocks = padded.unflatten(-1, (block_columns, block[1])).unflatten(-3, (block_rows, block[0]))
-    amax = blocks.abs().amax(dim=(-3, -1))  # [..., block_rows, block_columns]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return blocks, blocks.abs().amax(dim=(-3, -1))
+
+
+def _scaled_to_fp8(
+    weight: torch.Tensor, blocks: torch.Tensor, scale_inv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, columns = weight.shape[-2:]
     scaled = blocks / scale_inv[..., :, None, :, None]
     # amax / (amax / 448) can land one float32 ulp above 448, which e4m3fn cannot hold.
     weight_fp8 = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -247,29 +295,70 @@ def fuse_expert_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tor
 def split_expert_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of `fuse_expert_weights`: `P.gate_up_proj: [E, 2I, H]` and
     `P.down_proj: [E, H, I]` -> `P.e.{gate,up,down}_proj.weight` for e = 0..E-1 (expert-major,
-    gate, up, down). The per-expert tensors are copies, so they can be saved with safetensors."""
+    gate, up, down). The per-expert tensors are copies, so they can be saved with safetensors.
+
+    FP8 experts (transformers' `FP8Experts`) also carry `P.gate_up_proj_scale_inv:
+    [E, 2 ceil(I/bo), ceil(H/bi)]` and `P.down_proj_scale_inv`; each expert's weight is then
+    followed by its own `weight_scale_inv` grid.
+    """
     fused: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in state_dict.items():
-        match = FUSED_EXPERT_WEIGHT.match(name)
+        match = FUSED_EXPERT_WEIGHT.match(name) or FUSED_EXPERT_SCALE.match(name)
         if match:
-            fused.setdefault(match["experts"], {})[match["projection"]] = tensor
+            suffix = SCALE_SUFFIX if name.endswith(SCALE_SUFFIX) else ""
+            fused.setdefault(match["experts"], {})[match["projection"] + suffix] = tensor
 
     split: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        match = FUSED_EXPERT_WEIGHT.match(name)
+        match = FUSED_EXPERT_WEIGHT.match(name) or FUSED_EXPERT_SCALE.match(name)
         if match is None:
             split[name] = tensor
             continue
         experts = match["experts"]
         if f"{experts}.0.gate_proj.weight" in split:
             continue
-        gate_up, down = _fused_pair(experts, fused[experts])
-        intermediate = gate_up.shape[1] // 2
-        for expert in range(gate_up.shape[0]):
-            split[f"{experts}.{expert}.gate_proj.weight"] = gate_up[expert, :intermediate].clone()
-            split[f"{experts}.{expert}.up_proj.weight"] = gate_up[expert, intermediate:].clone()
-            split[f"{experts}.{expert}.down_proj.weight"] = down[expert].clone()
+        for per_expert_name, part in expert_projections(experts, fused[experts]):
+            split[per_expert_name] = part.clone()
     return split
+
+
+def expert_projections(experts: str, fused: Mapping[str, torch.Tensor]):
+    """Yield `(P.e.{gate,up,down}_proj.weight[_scale_inv], view)` for the fused parameters of one
+    experts module `P` (`gate_up_proj`, `down_proj`, and their `_scale_inv` grids when FP8), in the
+    published order: expert-major, gate, up, down, each weight followed by its scales. The views
+    share the fused storage."""
+    gate_up, down = _fused_pair(experts, fused)
+    intermediate = gate_up.shape[1] // 2
+    scales = _fused_scales(experts, fused)
+    for expert in range(gate_up.shape[0]):
+        parts = {
+            "gate_proj": gate_up[expert, :intermediate],
+            "up_proj": gate_up[expert, intermediate:],
+            "down_proj": down[expert],
+        }
+        for projection, weight in parts.items():
+            yield f"{experts}.{expert}.{projection}.weight", weight
+            if scales is not None:
+                yield f"{experts}.{expert}.{projection}.weight{SCALE_SUFFIX}", scales[projection][expert]
+
+
+def _fused_scales(
+    experts: str, fused: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """Per-projection views of the fused scale grids, or None for dense experts."""
+    gate_up_scale = fused.get("gate_up_proj" + SCALE_SUFFIX)
+    down_scale = fused.get("down_proj" + SCALE_SUFFIX)
+    if gate_up_scale is None and down_scale is None:
+        return None
+    if gate_up_scale is None or down_scale is None or gate_up_scale.shape[1] % 2:
+        raise ValueError(
+            f"{experts}: FP8 experts need gate_up_proj_scale_inv [E, 2 ceil(I/block), ceil(H/block)] and "
+            f"down_proj_scale_inv; got {None if gate_up_scale is None else tuple(gate_up_scale.shape)} and "
+            f"{None if down_scale is None else tuple(down_scale.shape)}"
+        )
+    # transformers fuses the gate and up grids by concatenation, so each half is one projection's grid.
+    rows = gate_up_scale.shape[1] // 2
+    return {"gate_proj": gate_up_scale[:, :rows], "up_proj": gate_up_scale[:, rows:], "down_proj": down_scale}
 
 
 def _check_block(block: Block) -> None:
@@ -303,7 +392,7 @@ def _complete_expert_count(experts: str, projections: Mapping[tuple[int, str], t
 
 
 def _fused_pair(experts: str, fused: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    if set(fused) != {"gate_up_proj", "down_proj"}:
+    if not {"gate_up_proj", "down_proj"} <= set(fused):
         raise ValueError(f"{experts} needs both gate_up_proj and down_proj; got {sorted(fused)}")
     gate_up, down = fused["gate_up_proj"], fused["down_proj"]
     if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[1] % 2 or gate_up.shape[0] != down.shape[0]:
