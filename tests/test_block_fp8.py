@@ -20,7 +20,9 @@ from transformers_drama3.quantization import (
     is_block_fp8_config,
     is_routed_expert_weight,
     quantize_block_fp8,
+    quantize_block_fp8_power_of_two,
     quantize_state_dict,
+    scale_rule,
     split_expert_weights,
     transformers_quantization_config,
     weight_block_size,
@@ -101,6 +103,34 @@ def test_zero_block_has_unit_scale_and_dequantizes_to_zero():
     dense = dequantize_block_fp8(weight_fp8, scale_inv, dtype=torch.float32)
     assert torch.equal(dense[128:, :128], torch.zeros(128, 128))
     assert torch.isfinite(scale_inv).all() and (scale_inv > 0).all()
+
+
+def test_power_of_two_scales_round_each_block_scale_up():
+    block = (64, 32)
+    weight = blockwise_weight(200, 72, block, seed=3)
+    _, exact = quantize_block_fp8(weight, block)
+    weight_fp8, scale_inv = quantize_block_fp8_power_of_two(weight, block)
+    assert torch.equal(torch.frexp(scale_inv).mantissa, torch.full_like(scale_inv, 0.5))
+    assert (scale_inv >= exact).all() and (scale_inv < 2 * exact).all()
+    dense = dequantize_block_fp8(weight_fp8, scale_inv, block, dtype=torch.float64)
+    bound = 2.0**-4 * weight.double().abs() + 2.0**-10 * expanded_scale(scale_inv, weight.shape, block)
+    assert ((dense - weight.double()).abs() <= bound * (1 + 2.0**-20)).all()
+
+
+@pytest.mark.parametrize(
+    ("quantizer", "rule"), [(quantize_block_fp8, "amax"), (quantize_block_fp8_power_of_two, "power_of_two")]
+)
+def test_scale_rule_is_read_off_the_stored_blocks(quantizer, rule):
+    weight = blockwise_weight(256, 384, (128, 128), seed=4)
+    weight[:128, :128] = 0  # a zero block fits either rule
+    assert scale_rule(*quantizer(weight)) == rule
+
+
+def test_scale_rule_is_none_for_scales_with_headroom():
+    weight_fp8, scale_inv = quantize_block_fp8(blockwise_weight(256, 384, (128, 128), seed=5))
+    # the same values stored with 3 times the scale: codes no longer reach 448, scales not powers of two
+    codes = (weight_fp8.float() / 3).to(FP8_DTYPE)
+    assert scale_rule(codes, scale_inv * 3) is None
 
 
 def test_leading_dimensions_quantize_each_matrix_alone():
@@ -211,6 +241,23 @@ def test_split_inverts_fuse_exactly():
     split = split_expert_weights(fuse_expert_weights(state))
     assert set(split) == set(state)
     assert all(torch.equal(split[name], state[name]) for name in state)
+
+
+def test_split_gives_fp8_experts_their_own_scale_grids():
+    """transformers' FP8Experts hold fused FP8 weights beside fused scale grids (gate rows first)."""
+    state = expert_state_dict(num_experts=3, intermediate=256, hidden=384)
+    quantized, _ = quantize_state_dict(state)
+    fused = {
+        f"{EXPERTS}.gate_up_proj": torch.stack([torch.cat([quantized[f"{EXPERTS}.{e}.{p}_proj.weight"] for p in ("gate", "up")]) for e in range(3)]),
+        f"{EXPERTS}.gate_up_proj_scale_inv": torch.stack([torch.cat([quantized[f"{EXPERTS}.{e}.{p}_proj.weight_scale_inv"] for p in ("gate", "up")]) for e in range(3)]),
+        f"{EXPERTS}.down_proj": torch.stack([quantized[f"{EXPERTS}.{e}.down_proj.weight"] for e in range(3)]),
+        f"{EXPERTS}.down_proj_scale_inv": torch.stack([quantized[f"{EXPERTS}.{e}.down_proj.weight_scale_inv"] for e in range(3)]),
+    }
+    split = split_expert_weights(fused)
+    assert set(split) == {name for name in quantized if ".experts." in name}
+    for name, tensor in split.items():
+        assert tensor.dtype == quantized[name].dtype, name
+        assert torch.equal(tensor.view(torch.uint8), quantized[name].view(torch.uint8)), name
 
 
 def test_fuse_rejects_missing_expert_projection():

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers import AutoModel
 from transformers_drama3 import Drama3ForSpeechGeneration
+from transformers_drama3.accounting import round_trip_memory
 from transformers_drama3.loaded_checkpoint import published_state_dict
 from transformers_drama3.quantization import (
     FP8_DTYPE,
@@ -349,6 +350,17 @@ def test_kept_memory_is_the_fp8_experts_and_narrowed_tensors(tmp_path):
     assert in_bfloat16.loaded_checkpoint.kept_bytes == expert_bytes + a_log_bytes
     dense = AutoModel.from_pretrained(write_dense(tmp_path / "dense"), dtype=torch.bfloat16)
     assert dense.loaded_checkpoint.kept_bytes == a_log_bytes
+    # The meta-device accounting (its full-size figures are in the docs) counts the same bytes.
+    for model in (in_float32, in_bfloat16):
+        memory = round_trip_memory(model.config, model.dtype)
+        assert memory.kept_bytes == model.loaded_checkpoint.kept_bytes
+
+
+def test_full_size_round_trip_keeps_one_byte_per_routed_expert_parameter():
+    memory = round_trip_memory(compute_dtype=torch.bfloat16)  # the full-size config, on the meta device
+    # FP8 codes + one float32 scale per 128 x 128 block (512 and 2048 are whole blocks)
+    assert memory.kept_bytes_per_routed_expert_parameter == 1 + 4 / (128 * 128)
+    assert 0.4 < memory.overhead < 0.5  # below half the bf16 weights: not a second copy
 
 
 def write_dense(directory):

@@ -29,8 +29,11 @@ What is counted:
   layers (each keeps a causal KV cache over the whole sequence); Gated DeltaNet layers keep a
   constant-size state and are not counted.
 
+`round_trip_memory` counts what a model loaded from the published checkpoint keeps so that
+`save_pretrained` writes it back byte for byte (`loaded_checkpoint.py`), in the same way.
+
 `python -m transformers_drama3.accounting` prints the default (full-size) model's table next to
-the paper's.
+the paper's, and that cost.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet
 
 from .configuration_drama3 import Drama3Config
+from .loaded_checkpoint import FLOAT32_PARAMETER_SUFFIXES, must_keep
 from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3TowerAttention
 
 BF16_BYTES = 2
@@ -188,6 +192,59 @@ def account(config: Drama3Config | None = None) -> Drama3Accounting:
     return account_model(model)
 
 
+@dataclass(frozen=True)
+class RoundTripMemory:
+    """Memory of a model loaded from the published layout (bf16, float32 `A_log`, FP8 routed
+    experts) that computes in `compute_dtype` with dense experts, as on a CPU, and of the loaded
+    tensors it keeps for `save_pretrained` (with FP8 experts, on a GPU with FP8 kernels, it keeps
+    only the narrowed float32 tensors)."""
+
+    compute_dtype: torch.dtype
+    model_bytes: int
+    kept_bytes: int
+    routed_expert_parameters: int
+    kept_routed_expert_bytes: int
+
+    @property
+    def overhead(self) -> float:
+        """kept / model bytes."""
+        return self.kept_bytes / self.model_bytes
+
+    @property
+    def kept_bytes_per_routed_expert_parameter(self) -> float:
+        return self.kept_routed_expert_bytes / self.routed_expert_parameters
+
+
+def round_trip_memory(config: Drama3Config | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> RoundTripMemory:
+    """The memory `loaded_checkpoint` keeps beside a model of `config` (default: full size), from
+    its meta-device module tree and the same keep rule (`must_keep`)."""
+    config = config or Drama3Config()
+    with torch.device("meta"):
+        model = Drama3ForSpeechGeneration(config)
+    block = _fp8_block(config)
+    model_bytes = kept = expert_parameters = expert_kept = 0
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    for name, parameter in model.named_parameters():
+        model_bytes += parameter.numel() * element
+        if parameter_kind(name) == "routed_experts":
+            params, scales = _one_expert(name, parameter.shape, block)
+            expert_parameters += parameter.shape[0] * params
+            expert_kept += parameter.shape[0] * (params * FP8_BYTES + scales * SCALE_BYTES)
+            continue
+        stored = torch.float32 if name.endswith(FLOAT32_PARAMETER_SUFFIXES) else torch.bfloat16
+        if must_keep(name, stored, {name: compute_dtype}):
+            kept += parameter.numel() * torch.empty((), dtype=stored).element_size()
+    return RoundTripMemory(compute_dtype, model_bytes, kept + expert_kept, expert_parameters, expert_kept)
+
+
+def format_round_trip(memory: RoundTripMemory) -> str:
+    return (
+        f"kept for a byte-faithful save ({str(memory.compute_dtype).removeprefix('torch.')} compute, dense experts): "
+        f"{memory.kept_bytes / GB:.2f} GB beside {memory.model_bytes / GB:.2f} GB of weights "
+        f"(+{100 * memory.overhead:.0f}%; {memory.kept_bytes_per_routed_expert_parameter:.5f} bytes per routed expert parameter)"
+    )
+
+
 def format_table(accounting: Drama3Accounting, paper: PaperFigures = PAPER_DRAMA3) -> str:
     """The computed figures beside the paper's, one per line."""
     a = accounting
@@ -218,6 +275,8 @@ def format_table(accounting: Drama3Accounting, paper: PaperFigures = PAPER_DRAMA
 def main() -> None:
     """Print the full-size model's table next to the paper's."""
     print(format_table(account()))
+    for dtype in (torch.bfloat16, torch.float32):
+        print(format_round_trip(round_trip_memory(compute_dtype=dtype)))
 
 
 def _fp8_block(config: Drama3Config) -> tuple[int, int]:
