@@ -194,6 +194,17 @@ def test_state_dict_loaded_directly_is_saved_back_as_given(tmp_path):
     assert stored_tensors(tmp_path / "saved") == stored_tensors(tmp_path / "published")
 
 
+def test_tensors_the_model_ignores_on_load_are_written_back(tmp_path):
+    """`mtp.*` tensors (the model skips them on load, `_keys_to_ignore_on_load_unexpected`) are
+    part of the folder: a round trip keeps them."""
+    directory = tmp_path / "published"
+    published = write_published(directory, fp8=True)
+    published["mtp.layers.0.eh_proj.weight"] = torch.randn(8, 16).to(torch.bfloat16)
+    save_file(published, directory / "model.safetensors", metadata={"format": "pt"})
+    AutoModel.from_pretrained(directory, dtype=torch.float32).save_pretrained(tmp_path / "saved")
+    assert stored_tensors(tmp_path / "saved") == stored_tensors(directory)
+
+
 # ----------------------------------------------------------------------------- changed weights
 
 

@@ -10,7 +10,9 @@ byte for byte on the CPU, only the stored tensors that the compute weights canno
 - a routed expert's FP8 weight and scales when the model holds that expert dense (on a GPU with
   FP8 kernels transformers keeps the experts in FP8: nothing is kept);
 - a dense tensor stored in a dtype the compute dtype narrows (float32 `A_log` in a bf16 model);
-- a stored tensor the model does not hold (written back as loaded).
+- a stored tensor the model deliberately does not load (`_keys_to_ignore_on_load_unexpected`,
+  e.g. `mtp.*`), written back as loaded. Other names the model does not hold (a checkpoint read
+  through a `key_mapping`) are only listed.
 
 A tensor stored in the compute dtype, or in one the compute dtype widens exactly (bf16 stored,
 float32 compute), needs nothing: casting back returns its bytes.
@@ -27,7 +29,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,12 +87,14 @@ class LoadedCheckpoint:
         return sum(tensor.numel() * tensor.element_size() for tensor in self.kept.values())
 
 
-def record_files(files: Iterable[str | os.PathLike], model_state: Mapping[str, torch.Tensor]) -> LoadedCheckpoint:
+def record_files(
+    files: Iterable[str | os.PathLike], model_state: Mapping[str, torch.Tensor], ignored: Sequence[str] = ()
+) -> LoadedCheckpoint:
     """Read the record of safetensors `files` that were loaded into a model with `model_state`
-    (its state dict after loading), and of the config.json beside them. Only the kept tensors
-    are read in full."""
+    (its state dict after loading), and of the config.json beside them. `ignored`: the model's
+    `_keys_to_ignore_on_load_unexpected` patterns. Only the kept tensors are read in full."""
     files = list(files)
-    compute = compute_dtypes(model_state)
+    compute = _Holdings(model_state, ignored)
     record = LoadedCheckpoint(config_dtypes=config_dtypes(os.path.join(os.path.dirname(files[0]), "config.json")))
     for file in files:
         with safe_open(os.fspath(file), framework="pt", device="cpu") as handle:
@@ -98,19 +103,21 @@ def record_files(files: Iterable[str | os.PathLike], model_state: Mapping[str, t
                 record.dtypes[name] = stored
                 if len(files) > 1:
                     record.shards[name] = os.path.basename(file)
-                if must_keep(name, stored, compute):
+                if compute.keeps(name, stored):
                     record.kept[name] = handle.get_tensor(name)
     return record
 
 
-def record_state_dict(state_dict: Mapping[str, torch.Tensor], model_state: Mapping[str, torch.Tensor]) -> LoadedCheckpoint:
+def record_state_dict(
+    state_dict: Mapping[str, torch.Tensor], model_state: Mapping[str, torch.Tensor], ignored: Sequence[str] = ()
+) -> LoadedCheckpoint:
     """The record of a published-layout `state_dict` loaded into a model with `model_state`
     (its state dict before loading). Kept tensors are the given ones, not copies."""
-    compute = compute_dtypes(model_state)
+    compute = _Holdings(model_state, ignored)
     record = LoadedCheckpoint()
     for name, tensor in state_dict.items():
         record.dtypes[name] = tensor.dtype
-        if must_keep(name, tensor.dtype, compute):
+        if compute.keeps(name, tensor.dtype):
             record.kept[name] = tensor.detach().cpu()
     return record
 
@@ -146,10 +153,27 @@ def compute_dtypes(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.d
 
 def must_keep(name: str, stored: torch.dtype, compute: Mapping[str, torch.dtype]) -> bool:
     """Whether the stored tensor `name` (dtype `stored`) cannot be rebuilt by casting the model's
-    copy (dtype `compute[name]`) back: the model lacks it, or holds it in another dtype that is not
-    an exact widening (FP8 dequantised, float32 narrowed to bf16, ...)."""
+    copy (dtype `compute[name]`) back: the model holds it in another dtype that is not an exact
+    widening (FP8 dequantised, float32 narrowed to bf16, ...), or holds the expert weight of a
+    stored `weight_scale_inv` dense."""
     held = compute.get(name)
-    return held is None or not (held == stored or (stored, held) in EXACT_WIDENINGS)
+    if held is None:
+        weight = name.removesuffix(SCALE_SUFFIX)
+        return _is_expert_scale(name) and compute.get(weight) not in (None, FP8_DTYPE)
+    return not (held == stored or (stored, held) in EXACT_WIDENINGS)
+
+
+class _Holdings(dict):
+    """`compute_dtypes` of a model state, plus the names the model ignores on load."""
+
+    def __init__(self, model_state: Mapping[str, torch.Tensor], ignored: Sequence[str]):
+        super().__init__(compute_dtypes(model_state))
+        self.ignored = [re.compile(pattern) for pattern in ignored]
+
+    def keeps(self, name: str, stored: torch.dtype) -> bool:
+        if name not in self and any(pattern.search(name) for pattern in self.ignored):
+            return True
+        return must_keep(name, stored, self)
 
 
 def published_state_dict(

@@ -378,7 +378,9 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         if isinstance(model, Drama3ForSpeechGeneration):
             safetensors_files = [f for f in checkpoint_files or () if os.fspath(f).endswith(".safetensors")]
             if safetensors_files and len(safetensors_files) == len(checkpoint_files):
-                model.loaded_checkpoint = record_files(safetensors_files, model.state_dict())
+                model.loaded_checkpoint = record_files(
+                    safetensors_files, model.state_dict(), model._keys_to_ignore_on_load_unexpected or ()
+                )
         return loaded
 
     def save_pretrained(
@@ -405,13 +407,16 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
 
         Set `model.config.published_quantization_config = None` to save dense experts instead.
         Adapter-only saves (PEFT), `variant`, `save_original_format=False` and distributed
-        checkpoints go through transformers' writer.
+        checkpoints and models offloaded by a device map (weights on the meta device) go through
+        transformers' writer, with the experts quantised afresh.
         """
+        offloaded = {"cpu", "disk"} & set((getattr(self, "hf_device_map", None) or {}).values())
         if (
             getattr(self, "_hf_peft_config_loaded", False)
             or variant is not None
             or not save_original_format
             or kwargs.get("distributed_checkpoint")
+            or offloaded
         ):
             super().save_pretrained(
                 save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
@@ -792,7 +797,9 @@ def _published_layout_to_modules(module, state_dict, prefix, *args) -> None:
     if not any(name.endswith("_scale_inv") or ".mlp.experts.0." in name for name in state_dict):
         return
     published = {name.removeprefix(prefix): tensor for name, tensor in state_dict.items() if name.startswith(prefix)}
-    module.loaded_checkpoint = record_state_dict(published, module.state_dict())
+    module.loaded_checkpoint = record_state_dict(
+        published, module.state_dict(), module._keys_to_ignore_on_load_unexpected or ()
+    )
     dense, _ = dequantize_state_dict(state_dict, dtype=module.dtype)
     converted = fuse_expert_weights(dense)
     state_dict.clear()
