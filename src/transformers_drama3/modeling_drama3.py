@@ -407,8 +407,8 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
 
         Set `model.config.published_quantization_config = None` to save dense experts instead.
         Adapter-only saves (PEFT), `variant`, `save_original_format=False` and distributed
-        checkpoints and models offloaded by a device map (weights on the meta device) go through
-        transformers' writer, with the experts quantised afresh.
+        checkpoints, models sharded by transformers' `distributed_config` and models offloaded by a
+        device map go through transformers' writer, with the experts quantised afresh.
         """
         offloaded = {"cpu", "disk"} & set((getattr(self, "hf_device_map", None) or {}).values())
         if (
@@ -417,6 +417,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             or not save_original_format
             or kwargs.get("distributed_checkpoint")
             or offloaded
+            or getattr(self.config, "distributed_config", None) is not None
         ):
             super().save_pretrained(
                 save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,

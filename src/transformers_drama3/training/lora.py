@@ -11,7 +11,8 @@
 
 `merge_and_save` folds the adapter into the weights and writes a full checkpoint in the published
 layout (per-expert tensor names, block-FP8 experts when the config says so), which engines that
-read that layout (SGLang-Omni) serve as is.
+read that layout (SGLang-Omni) serve as is. Tensors the adapter did not change are written byte
+for byte as loaded (`save_pretrained`, docs/saving.md).
 """
 
 from __future__ import annotations
