@@ -213,3 +213,38 @@ def test_renamed_cached_file_keywords_are_named_in_the_error(monkeypatch):
     monkeypatch.setattr(integrations.transformers_hub, "cached_files", cached_files)
     with pytest.raises(InternalsChanged, match=r"cached_files: expected the keywords .*missing \['_raise_exceptions_for_missing_entries'"):
         integrations.optional_file(".", "config.json")
+
+
+# ---- 7. the loader's checkpoint files, the Hub-upload helpers
+
+
+def test_from_pretrained_tells_the_model_which_files_it_loaded(tmp_path, monkeypatch):
+    from model_helpers import tiny_model
+
+    from transformers_drama3 import Drama3ForSpeechGeneration
+
+    integrations.check_pretrained_loader()
+    tiny_model().save_pretrained(tmp_path)
+    told = []
+    monkeypatch.setattr(Drama3ForSpeechGeneration, "loaded_from_files", lambda self, files: told.append(files))
+    Drama3ForSpeechGeneration.from_pretrained(tmp_path)
+    assert told == [[str(tmp_path / "model.safetensors")]]
+
+
+def test_a_moved_pretrained_loader_is_named_in_the_error(monkeypatch):
+    monkeypatch.setattr(integrations.PreTrainedModel, "_load_pretrained_model", classmethod(lambda cls, *a: None))
+    with pytest.raises(InternalsChanged, match=r"PreTrainedModel\._load_pretrained_model: expected a static method"):
+        integrations.check_pretrained_loader()
+
+
+def test_a_pretrained_loader_with_other_parameters_is_named_in_the_error(monkeypatch):
+    monkeypatch.setattr(integrations.PreTrainedModel, "_load_pretrained_model", staticmethod(lambda model, files: None))
+    with pytest.raises(InternalsChanged, match=r"_load_pretrained_model: expected parameters \('model', 'state_dict'"):
+        integrations.check_pretrained_loader()
+
+
+def test_the_hub_upload_helpers_are_there_and_a_moved_one_is_named(monkeypatch):
+    integrations.check_hub_upload()
+    monkeypatch.delattr(integrations.transformers_hub, "create_and_tag_model_card")
+    with pytest.raises(InternalsChanged, match=r"transformers\.utils\.hub\.create_and_tag_model_card: expected a function"):
+        integrations.check_hub_upload()

@@ -16,7 +16,12 @@ internal when an upgrade moves it:
 5. the private keywords of `transformers.utils.cached_file` that make a missing file give None
    (`optional_file`);
 6. `transformers.conversion_mapping` (not exported by transformers): the published per-expert
-   tensor names <-> the fused experts of the backbone (`use_per_expert_checkpoint_names`).
+   tensor names <-> the fused experts of the backbone (`use_per_expert_checkpoint_names`);
+7. `PreTrainedModel._load_pretrained_model`, the private static method through which
+   `from_pretrained` reads the resolved checkpoint files (`PreTrainedModelWithLoadedFiles` tells
+   the model which files it was loaded from), and the Hub-upload helpers `save_pretrained(...,
+   push_to_hub=True)` uses (`PushToHubMixin._get_files_timestamps` / `_upload_modified_files`,
+   `transformers.utils.hub.hf_api` / `create_and_tag_model_card`; `start_hub_upload`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -32,7 +37,7 @@ import warnings
 
 import transformers
 from packaging.version import Version
-from transformers import conversion_mapping
+from transformers import PreTrainedModel, conversion_mapping
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import cached_file
 from transformers.utils import hub as transformers_hub
@@ -298,3 +303,79 @@ def use_per_expert_checkpoint_names(model_type: str) -> None:
     conversion_mapping.register_checkpoint_conversion_mapping(
         model_type, conversion_mapping.get_checkpoint_conversion_mapping(PER_EXPERT_MODEL_TYPE), overwrite=True
     )
+
+
+# ----------------------------------------------------------------------------- 7. loaded files, Hub uploads
+
+_LOADER_PARAMETERS = ("model", "state_dict", "checkpoint_files", "load_config")
+
+
+def check_pretrained_loader() -> None:
+    """`PreTrainedModel.from_pretrained` still reads the weights through the static method
+    `_load_pretrained_model(model, state_dict, checkpoint_files, load_config, ...)`."""
+    loader = inspect.getattr_static(PreTrainedModel, "_load_pretrained_model", None)
+    if not isinstance(loader, staticmethod):
+        raise _changed("PreTrainedModel._load_pretrained_model", "a static method that loads the checkpoint files")
+    parameters = tuple(inspect.signature(loader.__func__).parameters)
+    if parameters[: len(_LOADER_PARAMETERS)] != _LOADER_PARAMETERS:
+        raise _changed("PreTrainedModel._load_pretrained_model", f"parameters {_LOADER_PARAMETERS}, got {parameters}")
+    if "_load_pretrained_model" not in PreTrainedModel.from_pretrained.__func__.__code__.co_names:
+        raise _changed("PreTrainedModel.from_pretrained", "a call of cls._load_pretrained_model")
+
+
+class PreTrainedModelWithLoadedFiles(PreTrainedModel):
+    """A `PreTrainedModel` told which files `from_pretrained` loaded its weights from: once they are
+    loaded, `from_pretrained` calls the public method `loaded_from_files(files)` of the subclass.
+
+    Only transformers' private loader `_load_pretrained_model` sees the resolved files (a local
+    folder, or the Hub cache, shards included); it is overridden here and checked by
+    `check_pretrained_loader` on every load."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        check_pretrained_loader()
+        return super().from_pretrained(*args, **kwargs)
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        if isinstance(model, PreTrainedModelWithLoadedFiles) and checkpoint_files:
+            model.loaded_from_files([os.fspath(file) for file in checkpoint_files])
+        return loaded
+
+    def loaded_from_files(self, files: list[str]) -> None:
+        """Called by `from_pretrained` once the weights in `files` are loaded; does nothing here."""
+
+
+_UPLOAD_HELPERS = ("_get_files_timestamps", "_upload_modified_files")
+
+
+def check_hub_upload() -> None:
+    """The helpers transformers' own `save_pretrained(..., push_to_hub=True)` uses are still there."""
+    for name in _UPLOAD_HELPERS:
+        if not callable(getattr(PreTrainedModel, name, None)):
+            raise _changed(f"PushToHubMixin.{name}", "a method")
+    for name in ("hf_api", "create_and_tag_model_card"):
+        if not callable(getattr(transformers_hub, name, None)):
+            raise _changed(f"transformers.utils.hub.{name}", "a function")
+
+
+def start_hub_upload(model, directory, token, hub_kwargs: dict):
+    """`save_pretrained(directory, push_to_hub=True, **hub_kwargs)` as transformers does it: create
+    the repo now (`repo_id` defaults to the folder's name), note the folder's files, and return the
+    call that, after the save, uploads the files it changed, with a model card."""
+    check_hub_upload()
+    commit_message = hub_kwargs.pop("commit_message", None)
+    repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(os.fspath(directory))))
+    create_pr = hub_kwargs.pop("create_pr", False)
+    repo_id = transformers_hub.hf_api().create_repo(repo_id, exist_ok=True, token=token, **hub_kwargs).repo_id
+    files_timestamps = model._get_files_timestamps(directory)
+
+    def upload():
+        card = transformers_hub.create_and_tag_model_card(repo_id, model.model_tags, token=token)
+        card.save(os.path.join(directory, "README.md"))
+        return model._upload_modified_files(
+            directory, repo_id, files_timestamps, commit_message=commit_message, token=token, create_pr=create_pr
+        )
+
+    return upload

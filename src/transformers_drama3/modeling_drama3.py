@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import (
     create_causal_mask,
@@ -35,7 +35,8 @@ from transformers.utils.generic import is_flash_attention_requested
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
-from .saving import save_published, start_upload
+from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
+from .saving import save_published
 
 IGNORE_INDEX = -100
 
@@ -322,7 +323,7 @@ def same_document(document_ids: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the model
 
 
-class Drama3PreTrainedModel(PreTrainedModel):
+class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
     config_class = Drama3Config
     config: Drama3Config
     base_model_prefix = "model"
@@ -369,19 +370,10 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         self.loaded_checkpoint: LoadedCheckpoint | None = None
         self.register_load_state_dict_pre_hook(_published_layout_to_modules)
 
-    @staticmethod
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
-        # transformers' loader (a private static method, same call in transformers 5.x) is the one
-        # place that sees the resolved checkpoint files; reading them again here is how the model
-        # learns what it was loaded from.
-        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-        if isinstance(model, Drama3ForSpeechGeneration):
-            safetensors_files = [f for f in checkpoint_files or () if os.fspath(f).endswith(".safetensors")]
-            if safetensors_files and len(safetensors_files) == len(checkpoint_files):
-                model.loaded_checkpoint = record_files(
-                    safetensors_files, model.state_dict(), model._keys_to_ignore_on_load_unexpected or ()
-                )
-        return loaded
+    def loaded_from_files(self, files: list[str]) -> None:
+        """Record what `from_pretrained` loaded (safetensors files only), for `save_pretrained`."""
+        if all(file.endswith(".safetensors") for file in files):
+            self.loaded_checkpoint = record_files(files, self.state_dict(), self._keys_to_ignore_on_load_unexpected or ())
 
     def save_pretrained(
         self,
@@ -433,7 +425,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         if not is_main_process:
             return []
         os.makedirs(save_directory, exist_ok=True)
-        upload = start_upload(self, save_directory, token, kwargs) if push_to_hub else None
+        upload = start_hub_upload(self, save_directory, token, kwargs) if push_to_hub else None
         quantized = save_published(self, save_directory, state_dict, max_shard_size)
         if upload is not None:
             upload()

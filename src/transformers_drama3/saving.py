@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
-from transformers.utils import hub as transformers_hub
 from transformers.utils import logging
 
 from .checkpoint_writer import shard_layout, write_checkpoint
@@ -63,22 +62,3 @@ def stored_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
         if tensor.is_floating_point() and tensor.dtype != FP8_DTYPE and not name.endswith(SCALE_SUFFIX):
             elements[tensor.dtype] = elements.get(tensor.dtype, 0) + tensor.numel()
     return max(elements, key=elements.get)
-
-
-def start_upload(model, directory: str | os.PathLike, token, hub_kwargs: dict) -> Callable[[], object]:
-    """`save_pretrained(..., push_to_hub=True)`, as transformers does it: create the repo now,
-    and return the call that uploads the files the save changed, with a model card."""
-    commit_message = hub_kwargs.pop("commit_message", None)
-    repo_id = hub_kwargs.pop("repo_id", os.fspath(directory).rstrip(os.sep).split(os.sep)[-1])
-    create_pr = hub_kwargs.pop("create_pr", False)
-    repo_id = transformers_hub.hf_api().create_repo(repo_id, exist_ok=True, token=token, **hub_kwargs).repo_id
-    files_timestamps = model._get_files_timestamps(directory)
-
-    def upload():
-        card = transformers_hub.create_and_tag_model_card(repo_id, model.model_tags, token=token)
-        card.save(os.path.join(directory, "README.md"))
-        return model._upload_modified_files(
-            directory, repo_id, files_timestamps, commit_message=commit_message, token=token, create_pr=create_pr
-        )
-
-    return upload
