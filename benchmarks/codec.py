@@ -64,13 +64,13 @@ def child(model_dir: str, mode: str, seconds: float, encode_chunk_frames: int) -
     audio = torch.randn(1, int(seconds * codec.sampling_rate), generator=torch.Generator().manual_seed(0)) * 0.1
     report = {"mode": mode, "seconds": seconds}
     # Warm up: page in the memory-mapped weights and let torch pick its kernels before measuring.
-    codec.decode(codec.encode(audio[:, : codec.hop_length], sampling_rate=codec.sampling_rate).codes)
+    codec.decode(codec.encode(audio[:, : codec.hop_length], sampling_rate=codec.sampling_rate).audio_codes)
 
     if mode == "offline":
         codes, report["encode_s"], report["encode_peak_mib"] = _measure(
-            lambda: codec.encode(audio, sampling_rate=codec.sampling_rate).codes
+            lambda: codec.encode(audio, sampling_rate=codec.sampling_rate).audio_codes
         )
-        _, report["decode_s"], report["decode_peak_mib"] = _measure(lambda: codec.decode(codes).audio)
+        _, report["decode_s"], report["decode_peak_mib"] = _measure(lambda: codec.decode(codes).audio_values)
     else:
 
         def encode_stream():

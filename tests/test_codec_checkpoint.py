@@ -96,8 +96,8 @@ def test_hop_length_and_codebooks_come_from_the_config():
     assert codec.hop_length == 64
     assert codec.frame_rate == 22050 / 64
     encoded = codec.encode(torch.zeros(1, 200), sampling_rate=22050)
-    assert encoded.codes.shape == (1, 3, math.ceil(200 / 64))
-    assert codec.decode(encoded.codes).audio.shape == (1, 4 * 64)
+    assert encoded.audio_codes.shape == (1, 3, math.ceil(200 / 64))
+    assert codec.decode(encoded.audio_codes).audio_values.shape == (1, 4 * 64)
 
 
 def test_config_rejects_a_decoder_that_does_not_undo_the_encoder():
@@ -160,9 +160,9 @@ def test_safetensors_round_trip_keeps_weights_and_outputs(tmp_path):
     assert reloaded.config.to_diff_dict() | {"_name_or_path": ""} == codec.config.to_diff_dict() | {"_name_or_path": ""}
     assert all(torch.equal(a, b) for a, b in zip(codec.state_dict().values(), reloaded.state_dict().values()))
     audio = torch.randn(2, 300, generator=torch.Generator().manual_seed(0)) * 0.3
-    codes = codec.encode(audio, sampling_rate=44100).codes
-    assert torch.equal(reloaded.encode(audio, sampling_rate=44100).codes, codes)
-    assert torch.equal(reloaded.decode(codes).audio, codec.decode(codes).audio)
+    codes = codec.encode(audio, sampling_rate=44100).audio_codes
+    assert torch.equal(reloaded.encode(audio, sampling_rate=44100).audio_codes, codes)
+    assert torch.equal(reloaded.decode(codes).audio_values, codec.decode(codes).audio_values)
 
 
 def test_convert_turns_codec_pth_into_a_folder_that_loads_the_same_weights(tmp_path):

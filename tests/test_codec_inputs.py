@@ -96,7 +96,7 @@ def test_bad_lengths_are_rejected(codec):
 def test_silence_encodes_but_check_audio_can_reject_it(codec):
     silence = np.zeros(200, dtype=np.float32)
     assert is_silent(torch.from_numpy(silence))
-    assert codec.encode(silence, sampling_rate=RATE).codes.shape[-1] > 0
+    assert codec.encode(silence, sampling_rate=RATE).audio_codes.shape[-1] > 0
     assert not is_silent(torch.tensor([0.0, 0.5]))
     with pytest.raises(ValueError, match="reference is silent"):
         check_audio(silence, "reference", reject_silence=True)
@@ -140,4 +140,4 @@ def test_decode_lengths_must_fit_the_codes(codec):
 
 def test_no_frames_decode_to_no_audio(codec):
     decoded = codec.decode(torch.zeros(2, codec.num_codebooks, 0, dtype=torch.long))
-    assert decoded.audio.shape == (2, 0)
+    assert decoded.audio_values.shape == (2, 0)

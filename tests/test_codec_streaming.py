@@ -61,25 +61,25 @@ FRAMES = 30
 def test_streamed_encoding_equals_offline(codec, frames_per_push):
     audio = noise(FRAMES * codec.hop_length)
     sizes = [n * codec.hop_length for n in frames_per_push]
-    assert torch.equal(stream_encode(codec, audio, sizes), codec.encode(audio, sampling_rate=RATE).codes)
+    assert torch.equal(stream_encode(codec, audio, sizes), codec.encode(audio, sampling_rate=RATE).audio_codes)
 
 
 def test_streamed_encoding_accepts_pieces_that_cut_frames(codec):
     audio = noise(FRAMES * codec.hop_length + 11)  # ends inside a frame: flush pads it
     streamed = stream_encode(codec, audio, [5, codec.hop_length + 3, 50])
-    assert torch.equal(streamed, codec.encode(audio, sampling_rate=RATE).codes)
+    assert torch.equal(streamed, codec.encode(audio, sampling_rate=RATE).audio_codes)
 
 
 def test_streamed_encoding_of_a_batch_equals_offline(codec):
     audio = noise(12 * codec.hop_length, batch=2)
     streamed = stream_encode(codec, audio, [codec.hop_length, 3 * codec.hop_length], batch_size=2)
-    assert torch.equal(streamed, codec.encode(audio, sampling_rate=RATE).codes)
+    assert torch.equal(streamed, codec.encode(audio, sampling_rate=RATE).audio_codes)
 
 
 @pytest.mark.parametrize("frames_per_push", [[1], [3], [2, 5, 1], [FRAMES]], ids=["one-frame", "three", "uneven", "whole"])
 def test_streamed_decoding_equals_offline(codec, frames_per_push):
     codes = random_codes(codec, FRAMES)
-    offline = codec.decode(codes).audio
+    offline = codec.decode(codes).audio_values
     torch.testing.assert_close(stream_decode(codec, codes, frames_per_push), offline, rtol=1e-9, atol=1e-9)
 
 
@@ -87,7 +87,7 @@ def test_streamed_decoding_in_the_serving_windows_equals_offline_without_overlap
     windows = list(itertools.islice(stream_decode_windows(), 6))
     codes = random_codes(codec, sum(windows), batch=2)
     streamed = stream_decode(codec, codes, windows, batch_size=2)
-    torch.testing.assert_close(streamed, codec.decode(codes).audio, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(streamed, codec.decode(codes).audio_values, rtol=1e-9, atol=1e-9)
 
 
 def test_each_decoded_push_returns_its_frames_at_once(codec):
@@ -145,4 +145,4 @@ def test_streamed_decoding_in_float32_matches_offline_to_float_tolerance():
     codec32 = tiny_codec()
     codes = random_codes(codec32, FRAMES)
     # The random tiny decoder amplifies float32 rounding ~100x; 1e-3 is still far below its output (~0.3).
-    torch.testing.assert_close(stream_decode(codec32, codes, [1]), codec32.decode(codes).audio, rtol=0, atol=1e-3)
+    torch.testing.assert_close(stream_decode(codec32, codes, [1]), codec32.decode(codes).audio_values, rtol=0, atol=1e-3)

@@ -42,22 +42,22 @@ def test_sizes_follow_the_config(fitted_codec):
     codec = fitted_codec
     assert codec.frame_rate == pytest.approx(22050 / 1024)
     encoded = codec.encode(tone(150, 1.0), sampling_rate=RATE)
-    assert encoded.codes.shape == (1, 4, 22)  # ceil(22050 / 1024)
-    assert encoded.codes.max() < 64 and encoded.codes.min() >= 0
-    decoded = codec.decode(encoded.codes, encoded.lengths)
-    assert decoded.audio.shape == (1, 22 * 1024) and int(decoded.lengths[0]) == 22 * 1024
+    assert encoded.audio_codes.shape == (1, 4, 22)  # ceil(22050 / 1024)
+    assert encoded.audio_codes.max() < 64 and encoded.audio_codes.min() >= 0
+    decoded = codec.decode(encoded.audio_codes, encoded.lengths)
+    assert decoded.audio_values.shape == (1, 22 * 1024) and int(decoded.lengths[0]) == 22 * 1024
 
 
 def test_resampled_input_gives_the_same_frame_count(fitted_codec):
     from scipy.signal import resample_poly
 
     at_16k = resample_poly(tone(150, 1.0), 320, 441).astype(np.float32)
-    assert fitted_codec.encode(at_16k, sampling_rate=16000).codes.shape[-1] == 22
+    assert fitted_codec.encode(at_16k, sampling_rate=16000).audio_codes.shape[-1] == 22
 
 
 def test_streaming_encoder_equals_offline(fitted_codec):
     audio = tone(170, 1.3)
-    offline = fitted_codec.encode(audio, sampling_rate=RATE).codes
+    offline = fitted_codec.encode(audio, sampling_rate=RATE).audio_codes
     stream = fitted_codec.streaming_encoder()
     rng = np.random.default_rng(0)
     pieces, start = [], 0
@@ -71,8 +71,8 @@ def test_streaming_encoder_equals_offline(fitted_codec):
 
 @pytest.mark.parametrize("windows", [[1], [10, 10, 12, 32, 64], [3, 17]])
 def test_streaming_decoder_equals_offline(fitted_codec, windows):
-    codes = fitted_codec.encode(tone(200, 2.1), sampling_rate=RATE).codes  # 46 frames: not a whole block
-    offline = fitted_codec.decode(codes).audio
+    codes = fitted_codec.encode(tone(200, 2.1), sampling_rate=RATE).audio_codes  # 46 frames: not a whole block
+    offline = fitted_codec.decode(codes).audio_values
     stream = fitted_codec.streaming_decoder()
     pieces, start, turn = [], 0, 0
     while start < codes.shape[-1]:
@@ -90,13 +90,13 @@ def test_streaming_decoder_equals_offline(fitted_codec, windows):
 def test_batch_equals_items(fitted_codec):
     a, b = tone(120, 1.0), tone(250, 0.6)
     batch = fitted_codec.encode([a, b], sampling_rate=RATE)
-    decoded = fitted_codec.decode(batch.codes, batch.lengths)
+    decoded = fitted_codec.decode(batch.audio_codes, batch.lengths)
     for item, audio in enumerate((a, b)):
         alone = fitted_codec.encode(audio, sampling_rate=RATE)
         frames = int(alone.lengths[0])
-        assert torch.equal(batch.codes[item, :, :frames], alone.codes[0])
+        assert torch.equal(batch.audio_codes[item, :, :frames], alone.audio_codes[0])
         torch.testing.assert_close(
-            decoded.audio[item, : frames * 1024], fitted_codec.decode(alone.codes).audio[0], rtol=0, atol=1e-4
+            decoded.audio_values[item, : frames * 1024], fitted_codec.decode(alone.audio_codes).audio_values[0], rtol=0, atol=1e-4
         )
 
 
@@ -114,7 +114,7 @@ def dominant_frequency(audio: np.ndarray, rate: int = RATE) -> float:
 def test_resynthesis_keeps_spectrum_and_pitch(fitted_codec):
     original = tone(160, 1.5)  # a pitch between the fitted ones
     encoded = fitted_codec.encode(original, sampling_rate=RATE)
-    resynthesis = fitted_codec.decode(encoded.codes).audio[0].numpy()[: len(original)]
+    resynthesis = fitted_codec.decode(encoded.audio_codes).audio_values[0].numpy()[: len(original)]
     mel_original, mel_resynthesis = log_mel_of(fitted_codec, original), log_mel_of(fitted_codec, resynthesis)
     voiced = mel_original.max(dim=0).values > -4  # frames with sound
     error = (mel_original - mel_resynthesis).abs()[:, voiced].mean()
@@ -124,7 +124,7 @@ def test_resynthesis_keeps_spectrum_and_pitch(fitted_codec):
     assert silence_error > 3 * error
     # a pitch the codebooks were fitted on survives (between fitted pitches the quantiser snaps)
     seen = tone(220, 1.2)
-    again = fitted_codec.decode(fitted_codec.encode(seen, sampling_rate=RATE).codes).audio[0].numpy()[: len(seen)]
+    again = fitted_codec.decode(fitted_codec.encode(seen, sampling_rate=RATE).audio_codes).audio_values[0].numpy()[: len(seen)]
     assert dominant_frequency(again) == pytest.approx(220, rel=0.05)
 
 
@@ -147,9 +147,9 @@ def test_save_and_load_round_trip(fitted_codec, tmp_path):
     loaded = Drama3MelCodecModel.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(loaded.window, fitted_codec.window)  # not stored: recomputed from the config
     torch.testing.assert_close(loaded.mel_basis, fitted_codec.mel_basis)
-    codes = fitted_codec.encode(tone(150, 0.8), sampling_rate=RATE).codes
-    assert torch.equal(loaded.encode(tone(150, 0.8), sampling_rate=RATE).codes, codes)
-    torch.testing.assert_close(loaded.decode(codes).audio, fitted_codec.decode(codes).audio)
+    codes = fitted_codec.encode(tone(150, 0.8), sampling_rate=RATE).audio_codes
+    assert torch.equal(loaded.encode(tone(150, 0.8), sampling_rate=RATE).audio_codes, codes)
+    torch.testing.assert_close(loaded.decode(codes).audio_values, fitted_codec.decode(codes).audio_values)
 
 
 def test_processor_loads_the_codec_by_model_type(fitted_codec, tmp_path):
@@ -174,5 +174,5 @@ def test_bad_codes_and_sizes_are_refused(fitted_codec):
         Drama3MelCodecConfig(context_mel_frames=2)
     with pytest.raises(Exception, match="multiple of mel_hop_length"):
         Drama3MelCodecConfig(hop_length=1000)
-    silent_codes = fitted_codec.encode(np.zeros(RATE, dtype=np.float32), sampling_rate=RATE).codes
+    silent_codes = fitted_codec.encode(np.zeros(RATE, dtype=np.float32), sampling_rate=RATE).audio_codes
     assert silent_codes.shape[-1] == 22  # silence encodes (references check silence themselves)

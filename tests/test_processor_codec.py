@@ -34,7 +34,7 @@ def test_the_processor_takes_its_sizes_from_the_codec(processor):
 def test_a_waveform_reference_gives_the_rows_of_its_codes(processor):
     wave = voice()
     encoded = processor.codec.encode(torch.from_numpy(wave)[None], sampling_rate=44100)
-    codes = encoded.codes[0, :, : int(encoded.lengths[0])]
+    codes = encoded.audio_codes[0, :, : int(encoded.lengths[0])]
     by_audio = processor("Hello.", reference_audio=wave, reference_text="Ref.")
     by_codes = processor("Hello.", reference_audio=codes, reference_text="Ref.")
     assert torch.equal(by_audio["input_ids"], by_codes["input_ids"])
@@ -91,7 +91,7 @@ def test_batch_decode_trims_each_item_to_its_frames(processor):
     assert [w.shape[0] for w in waves] == [7 * hop, 3 * hop]
     alone = processor.decode(codes[1, :3])
     assert torch.allclose(waves[1], alone, atol=1e-3)  # the codec itself differs by ~2e-4 batched vs alone
-    expected = processor.codec.decode(codes[0].T[None]).audio[0]
+    expected = processor.codec.decode(codes[0].T[None]).audio_values[0]
     assert torch.allclose(waves[0], expected, atol=1e-3)
 
 

@@ -988,7 +988,7 @@ def decode_audio(codec, codes: torch.Tensor, lengths: torch.Tensor) -> list[torc
     if codes.shape[1] == 0:
         return [torch.zeros(0, device=codec.device) for _ in range(codes.shape[0])]
     decoded = codec.decode(codes.transpose(1, 2), lengths)
-    return [decoded.audio[item, : int(decoded.lengths[item])] for item in range(codes.shape[0])]
+    return [decoded.audio_values[item, : int(decoded.lengths[item])] for item in range(codes.shape[0])]
 
 
 REGENERATION_SEED_STRIDE = 1_000_003

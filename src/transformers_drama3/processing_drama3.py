@@ -242,9 +242,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         audio = torch.from_numpy(samples)[None]  # [1, samples]
         with torch.no_grad():
             encoded = self.codec.encode(audio, sampling_rate=self.sampling_rate)
-        codes, lengths = _unpack_encoded(encoded)
-        frames = int(lengths[0]) if lengths is not None else codes.shape[-1]
-        return codes[0, :, :frames].to("cpu", torch.long)
+        return encoded.audio_codes[0, :, : int(encoded.lengths[0])].to("cpu", torch.long)
 
     def given_codes(self, clip: Clip, location: str) -> torch.Tensor | None:
         """The codes a clip was given as, checked, or None for a waveform or a file: the one gate of
@@ -538,7 +536,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
             stacked[index, :, : item.shape[1]] = item
         device = next(self.codec.parameters()).device
         with torch.no_grad():
-            audio = _unpack_decoded(self.codec.decode(stacked.to(device)))  # [batch, samples]
+            audio = self.codec.decode(stacked.to(device)).audio_values  # [batch, samples]
         audio = audio.reshape(len(items), -1).float().cpu()
         return [audio[index, : count * self.samples_per_frame] for index, count in enumerate(frames)]
 
@@ -664,37 +662,10 @@ def _pending_lines(pending: list[tuple[str, int, str]]) -> str | tuple:
 # ---- helpers --------------------------------------------------------------------------------------------
 
 
-def _unpack_encoded(encoded: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The codec's encode output -> (codes [batch, num_codebooks, frames], lengths [batch] or None)."""
-    if isinstance(encoded, torch.Tensor):
-        return encoded, None
-    if isinstance(encoded, (tuple, list)):
-        return encoded[0], (encoded[1] if len(encoded) > 1 else None)
-    for name in ("audio_codes", "codes"):
-        codes = getattr(encoded, name, None)
-        if codes is not None:
-            lengths = getattr(encoded, "lengths", None)
-            if lengths is None:
-                lengths = getattr(encoded, "code_lengths", None)
-            return codes, lengths
-    raise TypeError(f"cannot read codes from the codec's encode output {type(encoded).__name__}")
-
-
-def _unpack_decoded(decoded: Any) -> torch.Tensor:
-    if isinstance(decoded, torch.Tensor):
-        return decoded
-    if isinstance(decoded, (tuple, list)):
-        return decoded[0]
-    for name in ("audio_values", "audio", "waveform"):
-        audio = getattr(decoded, name, None)
-        if audio is not None:
-            return audio
-    raise TypeError(f"cannot read audio from the codec's decode output {type(decoded).__name__}")
-
-
 # The codecs of this package; a codec of another model_type loads once registered with
-# AutoConfig and AutoModel (it needs the interface the processor uses: `encode`, `decode`,
-# `num_codebooks`, `sampling_rate`, `frame_rate`).
+# AutoConfig and AutoModel (it needs the interface the processor uses: `encode` returning
+# `audio_codes` + `lengths`, `decode` returning `audio_values`, `num_codebooks`, `sampling_rate`,
+# `frame_rate`).
 PACKAGE_CODECS = (Drama3CodecConfig.model_type, Drama3MelCodecConfig.model_type)
 
 

@@ -3,7 +3,7 @@
     from transformers_drama3.codec import Drama3CodecModel
     codec = Drama3CodecModel.from_pretrained("path/to/codec.pth")      # or an HF folder
     encoded = codec.encode(waveform, sampling_rate=16000)              # codes [batch, 10, frames]
-    audio = codec.decode(encoded.codes, encoded.lengths).audio         # [batch, samples] at 44.1 kHz
+    audio = codec.decode(encoded.audio_codes, encoded.lengths).audio_values  # [batch, samples] at 44.1 kHz
 
     stream = codec.streaming_decoder()
     for window in stream_decode_windows():                             # 10, 10, 12, 32, 64, ...
@@ -18,7 +18,7 @@ from .audio import check_audio, is_silent
 from .configuration_codec import Drama3CodecConfig
 from .convert import convert_codec_checkpoint
 from .mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
-from .modeling_codec import DecodedAudio, Drama3CodecModel, EncodedAudio
+from .modeling_codec import Drama3CodecDecoderOutput, Drama3CodecEncoderOutput, Drama3CodecModel
 from .streaming import StreamingDecoder, StreamingEncoder, stream_decode_windows
 
 __all__ = [
@@ -27,8 +27,8 @@ __all__ = [
     "Drama3MelCodecConfig",
     "Drama3MelCodecModel",
     "fit_residual_codebooks",
-    "EncodedAudio",
-    "DecodedAudio",
+    "Drama3CodecEncoderOutput",
+    "Drama3CodecDecoderOutput",
     "StreamingEncoder",
     "StreamingDecoder",
     "stream_decode_windows",

@@ -37,7 +37,7 @@ from transformers import initialization as init
 from transformers.modeling_utils import PreTrainedAudioTokenizerBase
 
 from .audio import as_float_waveform, check_codes
-from .modeling_codec import DecodedAudio, EncodedAudio, FrameCodec
+from .modeling_codec import Drama3CodecDecoderOutput, FrameCodec
 
 
 @strict
@@ -337,8 +337,9 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
     # -- public API ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, codes, lengths=None) -> DecodedAudio:
-        """Codes `[batch, num_codebooks, frames]` -> `DecodedAudio(audio [batch, frames * hop_length], lengths)`."""
+    def decode(self, codes, lengths=None) -> Drama3CodecDecoderOutput:
+        """Codes `[batch, num_codebooks, frames]` -> `Drama3CodecDecoderOutput(audio_values [batch,
+        frames * hop_length], lengths [batch] samples)`."""
         codes, lengths = check_codes(codes, self.num_codebooks, lengths, name="codes")
         if codes.shape[-1] == 0:
             audio = torch.zeros(codes.shape[0], 0, device=self.device)
@@ -353,12 +354,12 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         sample_lengths = lengths.to(audio.device) * self.hop_length
         positions = torch.arange(audio.shape[-1], device=audio.device)
         audio = audio.masked_fill(positions[None, :] >= sample_lengths[:, None], 0.0).clamp(-1.0, 1.0)
-        return DecodedAudio(audio, sample_lengths)
+        return Drama3CodecDecoderOutput(audio_values=audio, lengths=sample_lengths)
 
-    def forward(self, input_values: torch.Tensor, lengths: torch.Tensor | None = None) -> DecodedAudio:
+    def forward(self, input_values: torch.Tensor, lengths: torch.Tensor | None = None) -> Drama3CodecDecoderOutput:
         """Reconstruct `input_values` `[batch, samples]` (at the codec's rate): encode, then decode."""
         encoded = self.encode(input_values, sampling_rate=self.sampling_rate, lengths=lengths)
-        return self.decode(encoded.codes, encoded.lengths)
+        return self.decode(encoded.audio_codes, encoded.lengths)
 
     def streaming_encoder(self, batch_size: int = 1) -> "MelStreamingEncoder":
         return MelStreamingEncoder(self, batch_size)

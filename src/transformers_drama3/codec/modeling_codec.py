@@ -15,6 +15,7 @@ what one offline call computes.
 
 import math
 import os
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -25,6 +26,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from transformers.modeling_utils import PreTrainedAudioTokenizerBase
 from transformers import initialization as init
 from transformers.models.dac.modeling_dac import Snake1d
+from transformers.utils import ModelOutput
 
 from .audio import check_codes, prepare_audio_batch
 from .configuration_codec import Drama3CodecConfig
@@ -552,20 +554,32 @@ class DownsampleResidualVectorQuantizer(CausalModule):
 # The model
 
 
-class EncodedAudio(NamedTuple):
-    """codes `[batch, num_codebooks, frames]` (long, right-padded with 0) and `lengths` `[batch]`
-    (frames of each item)."""
+@dataclass
+class Drama3CodecEncoderOutput(ModelOutput):
+    r"""What `encode` returns (named like transformers' `DacEncoderOutput`).
 
-    codes: torch.Tensor
-    lengths: torch.Tensor
+    audio_codes (`torch.LongTensor` of shape `(batch, num_codebooks, frames)`):
+        The codes of each item, right-padded with 0.
+    lengths (`torch.LongTensor` of shape `(batch,)`):
+        Frames of each item.
+    """
+
+    audio_codes: torch.LongTensor | None = None
+    lengths: torch.LongTensor | None = None
 
 
-class DecodedAudio(NamedTuple):
-    """audio `[batch, samples]` in [-1, 1] at the codec's rate (right-padded with 0) and
-    `lengths` `[batch]` (samples of each item = its frames x hop_length)."""
+@dataclass
+class Drama3CodecDecoderOutput(ModelOutput):
+    r"""What `decode` and `forward` return (named like transformers' `DacDecoderOutput`).
 
-    audio: torch.Tensor
-    lengths: torch.Tensor
+    audio_values (`torch.FloatTensor` of shape `(batch, samples)`):
+        Waveforms in [-1, 1] at the codec's rate, right-padded with 0.
+    lengths (`torch.LongTensor` of shape `(batch,)`):
+        Samples of each item (its frames x hop_length).
+    """
+
+    audio_values: torch.FloatTensor | None = None
+    lengths: torch.LongTensor | None = None
 
 
 class FrameCodec:
@@ -597,7 +611,7 @@ class FrameCodec:
     # -- audio -> codes ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def encode(self, audio, sampling_rate: int, lengths=None, max_seconds: float | None = None) -> EncodedAudio:
+    def encode(self, audio, sampling_rate: int, lengths=None, max_seconds: float | None = None) -> Drama3CodecEncoderOutput:
         """Audio -> codes (both codecs: check, resample and pad the waveforms, then `encode_frames`).
 
         Args:
@@ -610,7 +624,8 @@ class FrameCodec:
             max_seconds: longest accepted item (default `config.max_audio_seconds`).
 
         Returns:
-            `EncodedAudio(codes [batch, num_codebooks, frames] long, lengths [batch] frames)`;
+            `Drama3CodecEncoderOutput(audio_codes [batch, num_codebooks, frames] long, lengths [batch]
+            frames)`;
             an item of `n` samples has `ceil(n / hop_length)` frames, its last frame right-padded
             with silence. Items are padded on the right, which (the codec being causal) does not
             change their codes.
@@ -626,7 +641,7 @@ class FrameCodec:
         frames = int(frame_lengths.max())
         batch = F.pad(batch, (0, frames * self.hop_length - batch.shape[-1]))
         codes = self.encode_frames(batch.to(device=self.device, dtype=self.dtype))
-        return EncodedAudio(codes, frame_lengths.to(codes.device))
+        return Drama3CodecEncoderOutput(audio_codes=codes, lengths=frame_lengths.to(codes.device))
 
 
 class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
@@ -698,7 +713,7 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
     # -- public API ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, codes, lengths=None) -> DecodedAudio:
+    def decode(self, codes, lengths=None) -> Drama3CodecDecoderOutput:
         """Codes -> audio.
 
         Args:
@@ -709,7 +724,8 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
             lengths: frames of each item of a right-padded batch (default: all frames).
 
         Returns:
-            `DecodedAudio(audio [batch, frames * hop_length], lengths [batch] samples)`; samples
+            `Drama3CodecDecoderOutput(audio_values [batch, frames * hop_length], lengths [batch]
+            samples)`; samples
             past an item's length are zero.
         """
         codes, lengths = check_codes(codes, self.num_codebooks, lengths, name="codes")
@@ -718,12 +734,12 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         sample_lengths = lengths.to(audio.device) * self.hop_length
         positions = torch.arange(audio.shape[-1], device=audio.device)
         audio = audio.masked_fill(positions[None, :] >= sample_lengths[:, None], 0.0)
-        return DecodedAudio(audio, sample_lengths)
+        return Drama3CodecDecoderOutput(audio_values=audio, lengths=sample_lengths)
 
-    def forward(self, input_values: torch.Tensor, lengths: torch.Tensor | None = None) -> DecodedAudio:
+    def forward(self, input_values: torch.Tensor, lengths: torch.Tensor | None = None) -> Drama3CodecDecoderOutput:
         """Reconstruct `input_values` `[batch, samples]` (at the codec's rate): encode, then decode."""
         encoded = self.encode(input_values, sampling_rate=self.sampling_rate, lengths=lengths)
-        return self.decode(encoded.codes, encoded.lengths)
+        return self.decode(encoded.audio_codes, encoded.lengths)
 
     def streaming_encoder(self, batch_size: int = 1):
         """A `StreamingEncoder`: `.push(audio_chunk)` -> codes of the frames completed so far, `.flush()`."""
@@ -778,4 +794,4 @@ def _fish_speech_checkpoint(path) -> str | None:
     return None
 
 
-__all__ = ["Drama3CodecModel", "EncodedAudio", "DecodedAudio", "StreamCache"]
+__all__ = ["Drama3CodecModel", "Drama3CodecEncoderOutput", "Drama3CodecDecoderOutput", "StreamCache"]

@@ -182,9 +182,9 @@ def resynthesize(model: Drama3CodecModel, audio: torch.Tensor) -> tuple[torch.Te
     was_training = model.training
     model.eval()
     encoded = model.encode(audio[None], sampling_rate=model.sampling_rate)
-    decoded = model.decode(encoded.codes, encoded.lengths)
+    decoded = model.decode(encoded.audio_codes, encoded.lengths)
     model.train(was_training)
-    return decoded.audio[0, : len(audio)], encoded.codes[0]
+    return decoded.audio_values[0, : len(audio)], encoded.audio_codes[0]
 
 
 def evaluate_reconstruction(run: CodecTraining, heldout: Sequence[torch.Tensor]) -> dict:

@@ -197,7 +197,7 @@ def direction_effect(direction: str, more, less, sampling_rate: int) -> float:
 def resynthesize(codec, audio: np.ndarray, rate: int):
     """`audio` through the codec and back: (its encoding, the resynthesised waveform)."""
     encoded = codec.encode(audio, sampling_rate=rate)
-    return encoded, codec.decode(encoded.codes, encoded.lengths).audio[0].cpu().numpy()
+    return encoded, codec.decode(encoded.audio_codes, encoded.lengths).audio_values[0].cpu().numpy()
 
 
 def direction_following(model, processor, chosen, by_id, load, sentences: int, seed: int = 0,
@@ -310,8 +310,8 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
             encoded, resynthesis = resynthesize(codec, original, rate)
             other_text = chosen[(index + 1) % len(chosen)].directed_text
             right, wrong = text_reliance(model, processor, record.directed_text, other_text, reference.transcript,
-                                         codec.encode(reference_audio, sampling_rate=reference_rate).codes[0],
-                                         encoded.codes[0])
+                                         codec.encode(reference_audio, sampling_rate=reference_rate).audio_codes[0],
+                                         encoded.audio_codes[0])
             right_losses.append(right)
             wrong_losses.append(wrong)
 

@@ -258,7 +258,7 @@ def prepare_dataset(
         if not pending:
             return
         encoded = codec.encode([item[2] for item in pending], sampling_rate=codec.sampling_rate, max_seconds=max_seconds + 1)
-        for (index, row, _, path), codes, length in zip(pending, encoded.codes, encoded.lengths):
+        for (index, row, _, path), codes, length in zip(pending, encoded.audio_codes, encoded.lengths):
             codes = codes[:, : int(length)].to("cpu", torch.int32).numpy()
             np.save(path.with_suffix(".tmp.npy"), codes)
             os.replace(path.with_suffix(".tmp.npy"), path)  # atomic: an interrupted run leaves no half file
