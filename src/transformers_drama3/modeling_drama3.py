@@ -37,6 +37,7 @@ from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
 from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
 from .saving import save_published
+from .rope import apply_interleaved_rope, rope_cos_sin
 
 IGNORE_INDEX = -100
 
@@ -88,21 +89,6 @@ class Drama3Output(ModelOutput):
 # ----------------------------------------------------------------------------- tower modules
 
 
-def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
-    """Rotate consecutive pairs (GPT-J style) of the first `rotary_dim` features, in float32.
-
-    x: [batch, heads, rows, head_dim]; positions: [batch, rows].
-    """
-    half = rotary_dim // 2
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2 / rotary_dim)
-    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # [batch, 1, rows, half]
-    cos, sin = angles.cos(), angles.sin()
-    rotated, passthrough = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    even, odd = rotated[..., 0::2], rotated[..., 1::2]
-    pairs = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return torch.cat((pairs.flatten(-2).to(x.dtype), passthrough), dim=-1)
-
-
 class Drama3TowerAttention(nn.Module):
     """Gated grouped-query attention; `wqkv` rows are [all queries | all gates | keys | values]."""
 
@@ -131,8 +117,8 @@ class Drama3TowerAttention(nn.Module):
         q = self.q_norm(q.view(batch, rows, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(batch, rows, self.n_kv, self.head_dim)).transpose(1, 2)
         v = v.view(batch, rows, self.n_kv, self.head_dim).transpose(1, 2)
-        q = interleaved_rope(q, positions, self.rotary_dim, self.rope_base)
-        k = interleaved_rope(k, positions, self.rotary_dim, self.rope_base)
+        cos, sin = rope_cos_sin(positions[:, None], self.rotary_dim, self.rope_base)  # [batch, 1, rows, half]
+        q, k = apply_interleaved_rope(q, cos, sin), apply_interleaved_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_index)
         out = F.scaled_dot_product_attention(

@@ -28,6 +28,7 @@ from transformers import initialization as init
 from transformers.models.dac.modeling_dac import Snake1d
 from transformers.utils import ModelOutput
 
+from ..rope import apply_interleaved_rope, rope_cos_sin
 from .audio import check_codes, prepare_audio_batch
 from .configuration_codec import Drama3CodecConfig
 
@@ -164,20 +165,8 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, table_d
     Rounded to `table_dtype` the way fish-speech rounds its precomputed table, then returned in
     float32.
     """
-    inverse_frequencies = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    angles = positions.float()[:, None] * inverse_frequencies[None, :]
-    return angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
-
-
-def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of `x` [batch, time, heads, head_dim] by the angles of each time.
-
-    Runs in float32 at least (as fish-speech does for bfloat16 models), in float64 for float64."""
-    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(*x.shape[:-1], -1, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    cos, sin = rope_cos_sin(positions, head_dim, theta)
+    return cos.to(table_dtype).float(), sin.to(table_dtype).float()
 
 
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -203,8 +192,9 @@ class Attention(nn.Module):
         `[batch, heads, past + time, head_dim]`."""
         batch, time, _ = hidden.shape
         query, key, value = self.wqkv(hidden).view(batch, time, 3, self.heads, self.head_dim).unbind(2)
-        query = apply_interleaved_rotary(query, cos, sin).transpose(1, 2)
-        key = apply_interleaved_rotary(key, cos, sin).transpose(1, 2)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # against [batch, time, heads, head_dim]
+        query = apply_interleaved_rope(query, cos, sin).transpose(1, 2)
+        key = apply_interleaved_rope(key, cos, sin).transpose(1, 2)
         keys = torch.cat([past_keys, key], dim=2)
         values = torch.cat([past_values, value.transpose(1, 2)], dim=2)
         attended = F.scaled_dot_product_attention(
