@@ -5,7 +5,7 @@ import pytest
 import torch
 from codec_helpers import one_thread, tiny_codec  # noqa: F401 (fixture)
 
-from transformers_drama3.codec import check_audio, is_silent
+from transformers_drama3.codec import check_audio, is_inaudible
 
 RATE = 44100
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,9 +95,9 @@ def test_bad_lengths_are_rejected(codec):
 
 def test_silence_encodes_but_check_audio_can_reject_it(codec):
     silence = np.zeros(200, dtype=np.float32)
-    assert is_silent(torch.from_numpy(silence))
+    assert is_inaudible(torch.from_numpy(silence))
     assert codec.encode(silence, sampling_rate=RATE).audio_codes.shape[-1] > 0
-    assert not is_silent(torch.tensor([0.0, 0.5]))
+    assert not is_inaudible(torch.tensor([0.0, 0.5]))
     with pytest.raises(ValueError, match="reference is silent"):
         check_audio(silence, "reference", reject_silence=True)
 

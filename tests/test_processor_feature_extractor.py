@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel, PreTrainedConfig
 
 from codec_helpers import tiny_codec
 from processor_helpers import random_codes, tiny_processor, tiny_tokenizer
-from transformers_drama3.feature_extraction_drama3 import Drama3FeatureExtractor
+from transformers_drama3.feature_extraction_drama3 import Drama3FeatureExtractor, resample
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.prompting import Reference, Script
 
@@ -89,6 +89,45 @@ def test_other_rates_are_resampled_with_soxr(extractor, tmp_path):
     assert np.array_equal(extractor.load(str(path)), expected)
 
 
+def test_base64_data_uris_and_bytes_give_the_same_samples(extractor, tmp_path):
+    import base64
+
+    wave = voice(seed=7)
+    path = tmp_path / "v.wav"
+    soundfile.write(path, wave, 44100, subtype="FLOAT")
+    encoded = path.read_bytes()
+    as_base64 = base64.b64encode(encoded).decode("ascii")
+    for form in (encoded, as_base64, f"data:audio/wav;base64,{as_base64}", {"bytes": encoded, "path": "v.wav"}):
+        assert np.array_equal(extractor.load(form), wave), type(form)
+
+
+def test_a_file_and_an_array_at_another_rate_give_the_same_samples(extractor, tmp_path):
+    """16 kHz -> 44.1 kHz is not a whole ratio: both paths keep transformers' load_audio length rule."""
+    from transformers.audio_utils import load_audio
+
+    wave = voice(1001, seed=8)
+    path = tmp_path / "low.wav"
+    soundfile.write(path, wave, 16000, subtype="FLOAT")
+    from_array = extractor.load(wave, sampling_rate=16000)
+    by_soxr = soxr.resample(wave, 16000, 44100)  # 2759 samples: soxr rounds 2759.006 down
+    assert np.array_equal(from_array, np.append(by_soxr, 0.0).astype(np.float32))  # ceil: 2760
+    assert np.array_equal(extractor.load(str(path)), from_array)
+    assert np.array_equal(load_audio(str(path), sampling_rate=44100, backend="soundfile"), from_array)
+
+
+def test_the_codec_resamples_like_the_feature_extractor(extractor):
+    codec = tiny_codec()
+    wave = voice(3001, seed=9)[:3001]
+    direct = codec.encode(wave, sampling_rate=16000)
+    through = codec.encode(extractor.load(wave, sampling_rate=16000), sampling_rate=44100)
+    assert torch.equal(direct.audio_codes, through.audio_codes) and torch.equal(direct.lengths, through.lengths)
+
+
+def test_resample_of_the_same_rate_changes_nothing():
+    wave = voice(seed=10)
+    assert np.array_equal(resample(wave, 44100, 44100), wave)
+
+
 @pytest.mark.parametrize(
     "audio, kwargs, message",
     [
@@ -118,7 +157,7 @@ def test_unreadable_files_are_refused_naming_the_input(extractor, tmp_path):
     garbage.write_bytes(b"not audio")
     with pytest.raises(ValueError, match=r"audio\[1\]: cannot read audio .*garbage\.wav"):
         extractor([voice(), str(garbage)])
-    with pytest.raises(ValueError, match=r"audio: cannot read audio .*missing\.wav"):
+    with pytest.raises(ValueError, match=r"audio: cannot read audio .*missing\.wav.*: no such file"):
         extractor(str(tmp_path / "missing.wav"))
 
 

@@ -1,15 +1,22 @@
 """Drama3FeatureExtractor: any audio a user hands over -> checked mono waveforms at the codec's rate.
 
-The codec turns waveforms into codes; this component decides what reaches it. It reads files and
-URLs (soundfile), takes arrays, tensors and `{"array", "sampling_rate"}` dicts (the `datasets`
-Audio format), down-mixes to mono, resamples with soxr, and refuses audio a codec could not take a
-voice from: unreadable, empty, non-finite, silent, or longer than a caller's limit. Every error
-names the input it is about.
+The codec turns waveforms into codes; this module decides what reaches it, and is the one place
+audio is read, down-mixed and resampled. Files, http(s) and file:// URLs, base64 strings and
+encoded bytes are decoded by transformers' `load_audio` (soundfile backend); arrays, tensors and
+`{"array", "sampling_rate"}` dicts (the `datasets` Audio format) are taken as they are. On top
+come the project's checks: unreadable, empty, non-finite, inaudible, or longer than a caller's
+limit audio is refused with an error that names the input.
+
+The module-level helpers are shared: `resample` (the one soxr call), `read_audio`, `downmix` and
+the reference rule `is_inaudible` serve the codec's input checks, training-data preparation and
+the drama3-tiny recipe too.
 """
 
 from __future__ import annotations
 
-import io
+import base64
+import binascii
+import math
 import os
 import urllib.parse
 import urllib.request
@@ -17,30 +24,40 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import soxr
 import torch
 from transformers import BatchFeature
+from transformers.audio_utils import load_audio
 from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
 
 SAMPLING_RATE = 44100
 """The published S2 codec's rate; a processor built around another codec takes that codec's rate."""
-SILENCE_PEAK = 1e-3
-"""Peak below -60 dBFS: nothing a codec could take a voice from."""
+INAUDIBLE_PEAK = 1e-3
+"""The reference rule: audio whose peak stays below -60 dBFS holds no voice a codec could take, so a
+reference (or a training record) made of it is refused. Not the generation guard's silence, which
+looks for long quiet stretches inside a take by windowed RMS (`generation_drama3.SILENCE_RMS`)."""
+MAX_CHANNELS = 16
+"""Largest channel count accepted; more almost always means a `[samples, channels]` array."""
+URL_TIMEOUT_SECONDS = 60.0
 
 
 class Drama3FeatureExtractor(SequenceFeatureExtractor):
     r"""Audio in any common form -> `input_values` [batch, 1, samples] (float32, mono, at `sampling_rate`)
     and `padding_mask` [batch, samples] (1 on real samples, 0 on the right padding).
 
-    Accepted audio: a path or an http(s)/file URL (read with soundfile), a float array or tensor
-    `[samples]` or `[channels, samples]`, or a dict `{"array", "sampling_rate"}` (also `{"path"}`).
+    Accepted audio: a path, an http(s) or file:// URL, a base64 string or `data:` URI, or encoded
+    bytes (decoded with `load_audio`); a float array or tensor `[samples]` or `[channels, samples]`;
+    or a dict `{"array", "sampling_rate"}`, `{"bytes"}` or `{"path"}` (the `datasets` Audio forms).
     Arrays without a rate of their own are taken to be at the call's `sampling_rate`, or at
-    `self.sampling_rate` when that is None. Channels are averaged; other rates are resampled (soxr).
+    `self.sampling_rate` when that is None. Channels are averaged; other rates are resampled (soxr,
+    see `resample`).
 
     Args:
         feature_size: channels of `input_values` (1: mono).
         sampling_rate: the rate the codec works at (44100 for the published codec).
         padding_value: the value of padded samples.
-        silence_peak: audio whose peak stays below this is refused as silent.
+        silence_peak: audio whose peak stays below this is refused as silent (default
+            `INAUDIBLE_PEAK`, the reference rule).
     """
 
     model_input_names = ["input_values", "padding_mask"]
@@ -50,7 +67,7 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
         feature_size: int = 1,
         sampling_rate: int = SAMPLING_RATE,
         padding_value: float = 0.0,
-        silence_peak: float = SILENCE_PEAK,
+        silence_peak: float = INAUDIBLE_PEAK,
         **kwargs,
     ):
         if feature_size != 1:
@@ -76,20 +93,12 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
             max_seconds: refuse audio longer than this.
         """
         samples, rate = self._read(audio, sampling_rate, name)
-        if samples.ndim == 2:
-            if samples.shape[0] > samples.shape[1]:
-                raise ValueError(
-                    f"{name}: a multi-channel waveform must be [channels, samples]; got {samples.shape} "
-                    f"(more channels than samples: transpose it)"
-                )
-            samples = samples.mean(axis=0)
-        elif samples.ndim != 1:
-            raise ValueError(f"{name}: a waveform must be [samples] or [channels, samples]; got {samples.shape}")
+        samples = downmix(samples, name)
         if samples.size == 0:
             raise ValueError(f"{name}: the audio is empty")
         if not np.isfinite(samples).all():
             raise ValueError(f"{name}: the audio holds NaN or infinite samples")
-        if float(np.abs(samples).max()) < self.silence_peak:
+        if is_inaudible(samples, self.silence_peak):
             raise ValueError(f"{name}: the audio is silent (peak below {self.silence_peak})")
         seconds = samples.shape[0] / rate
         if max_seconds is not None and seconds > max_seconds:
@@ -97,16 +106,13 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
                 f"{name}: the audio is {seconds:.1f} s long; at most {max_seconds:g} s is taken here "
                 f"(cut a representative part)"
             )
-        if rate != self.sampling_rate:
-            import soxr
-
-            samples = soxr.resample(samples, rate, self.sampling_rate).astype(np.float32)
-        return np.ascontiguousarray(samples, dtype=np.float32)
+        return resample(samples, rate, self.sampling_rate)
 
     def _read(self, audio: Any, sampling_rate: int | None, name: str) -> tuple[np.ndarray, int]:
-        """(samples as float32 [samples] or [channels, samples], their rate)."""
-        if isinstance(audio, (str, os.PathLike)):
-            return read_audio_file(os.fspath(audio), name)
+        """(samples as float32 [samples] or [channels, samples], their rate). Encoded audio is
+        decoded straight to `self.sampling_rate`."""
+        if isinstance(audio, (str, os.PathLike, bytes, bytearray)):
+            return read_audio(audio, self.sampling_rate, name), self.sampling_rate
         if isinstance(audio, Mapping):
             if audio.get("array") is not None:
                 own = audio.get("sampling_rate")
@@ -117,9 +123,12 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
                         f"{name}: the audio dict says sampling_rate={own} but sampling_rate={sampling_rate} was given"
                     )
                 return _as_float_array(audio["array"], name), check_rate(own, name)
-            if audio.get("path") is not None:
-                return read_audio_file(os.fspath(audio["path"]), name)
-            raise ValueError(f"{name}: an audio dict needs 'array' + 'sampling_rate' or 'path'; got keys {sorted(audio)}")
+            source = audio.get("bytes") or audio.get("path")  # datasets: the bytes are the content
+            if source:
+                return read_audio(source, self.sampling_rate, name), self.sampling_rate
+            raise ValueError(
+                f"{name}: an audio dict needs 'array' + 'sampling_rate', 'bytes' or 'path'; got keys {sorted(audio)}"
+            )
         rate = self.sampling_rate if sampling_rate is None else check_rate(sampling_rate, name)
         return _as_float_array(audio, name), rate
 
@@ -189,24 +198,97 @@ def _as_float_array(audio: Any, name: str) -> np.ndarray:
             raise ValueError(f"{name}: a waveform must hold floats; got dtype {array.dtype}")
         return array.astype(np.float32)
     raise ValueError(
-        f"{name}: audio must be a path, a URL, a float array or tensor, or a dict with 'array' and "
-        f"'sampling_rate'; got {type(audio).__name__}"
+        f"{name}: audio must be a path, a URL, base64, bytes, a float array or tensor, or a dict with 'array' "
+        f"and 'sampling_rate'; got {type(audio).__name__}"
     )
 
 
-def read_audio_file(path: str, name: str) -> tuple[np.ndarray, int]:
-    """Mono float32 samples [samples] and their rate from a local path, a file:// or http(s) URL."""
-    import soundfile
+# ---- the shared helpers ----------------------------------------------------------------------------
 
-    scheme = urllib.parse.urlparse(path).scheme
+
+def resample(samples: np.ndarray, from_rate: float, to_rate: float) -> np.ndarray:
+    """Mono float32 `[samples]` at `from_rate` -> float32 `[ceil(samples * to_rate / from_rate)]` at `to_rate`.
+
+    soxr at high quality, zero-padded or trimmed to that length: the convention of transformers'
+    `load_audio` (and `librosa.load`), so an array and a file holding the same audio give the same
+    samples. Every resampling of this package goes through here.
+    """
+    if from_rate == to_rate:
+        return np.ascontiguousarray(samples, dtype=np.float32)
+    length = math.ceil(samples.shape[-1] * to_rate / from_rate)
+    resampled = soxr.resample(samples, from_rate, to_rate, quality="soxr_hq")
+    resampled = np.pad(resampled, (0, max(0, length - resampled.shape[-1])))[:length]
+    return np.ascontiguousarray(resampled, dtype=np.float32)
+
+
+def read_audio(source: str | os.PathLike | bytes, sampling_rate: int, name: str = "audio") -> np.ndarray:
+    """Encoded audio -> mono float32 samples `[samples]` at `sampling_rate`.
+
+    `source`: a local path, an http(s) or file:// URL, a base64 string or `data:` URI, or the
+    bytes of an audio file. Decoded by transformers' `load_audio` with its soundfile backend
+    (channels averaged, resampled as `resample` does); torchcodec, which `load_audio` would prefer
+    when installed, is not used, so every machine decodes alike. Anything unreadable is a
+    ValueError naming `name`.
+    """
+    text = _source_text(source, name)
     try:
-        if scheme in ("http", "https", "file"):
-            with urllib.request.urlopen(path, timeout=60) as response:
-                source: Any = io.BytesIO(response.read())
-        else:
-            source = path
-        samples, rate = soundfile.read(source, dtype="float32", always_2d=True)  # [samples, channels]
-    except Exception as error:  # soundfile, urllib and OS errors all mean the same to the caller
-        raise ValueError(f"{name}: cannot read audio {path!r}: {error}") from error
-    return samples.mean(axis=1), int(rate)
+        samples = load_audio(text, sampling_rate=sampling_rate, timeout=URL_TIMEOUT_SECONDS, backend="soundfile")
+    except Exception as error:  # soundfile, httpx, base64 and OS errors all mean the same to the caller
+        raise ValueError(f"{name}: cannot read audio {_shown(source)}: {error}") from error
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def _source_text(source: str | os.PathLike | bytes, name: str) -> str:
+    """`source` in the string forms `load_audio` takes (a path, an http(s) URL, base64)."""
+    if isinstance(source, (bytes, bytearray)):
+        if not source:
+            raise ValueError(f"{name}: the audio bytes are empty")
+        return base64.b64encode(source).decode("ascii")
+    text = os.fspath(source)
+    if text.startswith("file://"):
+        path = urllib.request.url2pathname(urllib.parse.urlparse(text).path)
+        if os.path.isfile(path):
+            return path
+    elif text.startswith(("http://", "https://", "data:")) or os.path.isfile(text) or _is_base64(text):
+        return text
+    # load_audio would take a missing path for base64 and fail on what that decodes to
+    raise ValueError(f"{name}: cannot read audio {text!r}: no such file")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def _shown(source: Any) -> str:
+    """How an error shows a source: a path or URL in full, base64 and bytes by their size."""
+    if isinstance(source, (bytes, bytearray)):
+        return f"({len(source)} bytes)"
+    text = os.fspath(source)
+    return repr(text) if len(text) <= 200 else f"(a {len(text)}-character string starting {text[:40]!r})"
+
+
+def downmix(samples: np.ndarray | torch.Tensor, name: str) -> np.ndarray | torch.Tensor:
+    """`[samples]` unchanged; `[channels, samples]` -> the mean of its channels `[samples]`."""
+    if samples.ndim == 1:
+        return samples
+    if samples.ndim != 2:
+        raise ValueError(f"{name}: a waveform must be [samples] or [channels, samples]; got {tuple(samples.shape)}")
+    channels, length = samples.shape
+    if channels > MAX_CHANNELS or channels > length:
+        raise ValueError(
+            f"{name}: a multi-channel waveform must be [channels, samples] with at most {MAX_CHANNELS} channels; "
+            f"got {tuple(samples.shape)} (soundfile returns [samples, channels]: transpose it)"
+        )
+    return samples.mean(axis=0)
+
+
+def is_inaudible(samples: np.ndarray | torch.Tensor, peak: float = INAUDIBLE_PEAK) -> bool:
+    """The reference rule: True when no sample reaches `peak` in magnitude (see `INAUDIBLE_PEAK`)."""
+    if isinstance(samples, torch.Tensor):
+        samples = samples.detach().to("cpu", torch.float32).numpy()
+    return samples.size == 0 or float(np.abs(samples).max()) < peak
 

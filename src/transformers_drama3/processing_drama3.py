@@ -70,7 +70,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
 
     Audio (references, history takes, targets, infilling sources) may be given as codes
     `[num_codebooks, frames]`; a codec is needed only for waveforms and files, and for decoding.
-    Waveforms, files and URLs pass through `feature_extractor` (read, down-mix, resample, check)
+    Waveforms, files, URLs and base64 pass through `feature_extractor` (read, down-mix, resample, check)
     before the codec encodes them.
 
     Args:

@@ -14,7 +14,8 @@ interface. `import transformers_drama3` registers "drama3_codec" and "drama3_mel
 `AutoConfig` and `AutoModel` (`transformers_drama3.register_auto_classes`).
 """
 
-from .audio import check_audio, is_silent
+from ..feature_extraction_drama3 import is_inaudible
+from .audio import check_audio
 from .configuration_codec import Drama3CodecConfig
 from .convert import convert_codec_checkpoint
 from .mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
@@ -34,5 +35,5 @@ __all__ = [
     "stream_decode_windows",
     "convert_codec_checkpoint",
     "check_audio",
-    "is_silent",
+    "is_inaudible",
 ]

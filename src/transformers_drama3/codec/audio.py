@@ -1,13 +1,15 @@
 """Checking and shaping what callers hand the codec: waveforms in, codes in.
 
-Every error is a ValueError that names the input and says what was expected, raised before any
-convolution runs.
+`encode` takes arrays and tensors already in memory (files, URLs and bytes enter through
+`Drama3FeatureExtractor`); the down-mix, the resampling and the reference rule are the feature
+extractor module's, so both read audio alike. Every error is a ValueError that names the input
+and says what was expected, raised before any convolution runs.
 """
-
-from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from ..feature_extraction_drama3 import INAUDIBLE_PEAK, downmix, is_inaudible, resample
 
 # PCM integer dtypes and the value that maps to full scale (1.0).
 _PCM_FULL_SCALE = {
@@ -15,10 +17,6 @@ _PCM_FULL_SCALE = {
     torch.int16: 2.0**15,
     torch.int32: 2.0**31,
 }
-# Largest channel count accepted; more almost always means a [samples, channels] array.
-MAX_CHANNELS = 16
-SILENCE_THRESHOLD = 1e-4
-"""Peak amplitude at or under which audio counts as silent."""
 
 
 def as_float_waveform(audio, name: str) -> torch.Tensor:
@@ -62,11 +60,6 @@ def _tensor_to_float(audio: torch.Tensor, name: str) -> torch.Tensor:
     return audio.float()
 
 
-def is_silent(audio: torch.Tensor, threshold: float = SILENCE_THRESHOLD) -> bool:
-    """True when no sample of `audio` exceeds `threshold` in magnitude."""
-    return audio.numel() == 0 or bool(audio.abs().max() <= threshold)
-
-
 def check_audio(
     audio,
     name: str = "audio",
@@ -79,8 +72,8 @@ def check_audio(
 
     Checks: numeric real dtype (PCM integers are scaled), not empty, finite, at most
     `max_seconds` long (needs `sampling_rate`; the last dim is time), and, with
-    `reject_silence`, not silent (peak <= SILENCE_THRESHOLD) — a reference voice that is all
-    silence tells the model nothing, while silence inside generated or edited audio is fine.
+    `reject_silence`, audible by the reference rule (`is_inaudible`) — a reference voice that is
+    all silence tells the model nothing, while silence inside generated or edited audio is fine.
     Raises ValueError naming `name`.
     """
     waveform = as_float_waveform(audio, name)
@@ -96,8 +89,8 @@ def check_audio(
                 f"{name} is {seconds:.1f} s long; expected at most {max_seconds:g} s "
                 "(split it, or raise max_seconds)"
             )
-    if reject_silence and is_silent(waveform):
-        raise ValueError(f"{name} is silent (peak amplitude <= {SILENCE_THRESHOLD:g}); expected audible audio")
+    if reject_silence and is_inaudible(waveform):
+        raise ValueError(f"{name} is silent (peak amplitude below {INAUDIBLE_PEAK:g}); expected audible audio")
     return waveform
 
 
@@ -150,28 +143,6 @@ def _check_lengths(lengths, batch: int, longest: int, name: str, unit: str) -> t
     return lengths.long()
 
 
-def _downmix(item: torch.Tensor, name: str) -> torch.Tensor:
-    """`[channels, samples]` -> `[samples]` (mean of the channels); `[samples]` unchanged."""
-    if item.dim() == 1:
-        return item
-    if item.shape[0] > MAX_CHANNELS:
-        raise ValueError(
-            f"{name} has shape {tuple(item.shape)}, i.e. {item.shape[0]} channels; expected "
-            f"[channels, samples] with at most {MAX_CHANNELS} channels (soundfile returns "
-            "[samples, channels]: transpose it)"
-        )
-    return item.mean(dim=0)
-
-
-def resample(waveform: torch.Tensor, from_rate: float, to_rate: float) -> torch.Tensor:
-    """Resample a mono `[samples]` float32 waveform with soxr (high quality)."""
-    if from_rate == to_rate:
-        return waveform
-    import soxr
-
-    return torch.from_numpy(np.ascontiguousarray(soxr.resample(waveform.numpy(), from_rate, to_rate)))
-
-
 def prepare_audio_batch(
     audio,
     sampling_rate,
@@ -190,8 +161,8 @@ def prepare_audio_batch(
     rate = _check_rate(sampling_rate, name)
     items = []
     for item_name, item in _split_items(audio, lengths, name):
-        item = _downmix(check_audio(item, item_name, sampling_rate=rate, max_seconds=max_seconds), item_name)
-        items.append(resample(item, rate, target_rate))
+        item = downmix(check_audio(item, item_name, sampling_rate=rate, max_seconds=max_seconds), item_name)
+        items.append(torch.from_numpy(resample(item.numpy(), rate, target_rate)))
     sample_lengths = torch.tensor([item.shape[-1] for item in items], dtype=torch.long)
     batch = torch.zeros(len(items), int(sample_lengths.max()))
     for row, item in enumerate(items):

@@ -32,6 +32,7 @@ from xml.sax.saxutils import escape
 import numpy as np
 from tqdm.auto import tqdm
 
+from transformers_drama3.feature_extraction_drama3 import read_audio
 from .sentences import english_sentence, spanish_sentence
 
 SAMPLING_RATE = 22050  # what espeak-ng writes; the corpus keeps it
@@ -205,12 +206,8 @@ def write_wav(path: Path, samples: np.ndarray) -> None:
 
 
 def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    """A corpus WAV as float32 samples in [-1, 1] [time], and its sampling rate."""
-    with wave.open(str(path), "rb") as source:
-        if source.getsampwidth() != 2 or source.getnchannels() != 1:
-            raise ValueError(f"{path}: expected 16-bit mono PCM")
-        raw = source.readframes(source.getnframes())
-        return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0, source.getframerate()
+    """A corpus WAV as float32 samples in [-1, 1] [time] at the corpus rate, and that rate."""
+    return read_audio(path, SAMPLING_RATE, str(path)), SAMPLING_RATE
 
 
 # ---- the corpus ---------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
-import soxr
 import torch
 
+from transformers_drama3.feature_extraction_drama3 import resample
 from .corpus import plain_transcript
 
 SCORING_RATE = 16000
@@ -55,8 +55,7 @@ def prepare(waveform, sampling_rate: int) -> np.ndarray:
     the same audio twice gives the same numbers. Returns [time] at SCORING_RATE.
     """
     audio = as_mono_float(waveform)
-    if sampling_rate != SCORING_RATE:
-        audio = soxr.resample(audio, sampling_rate, SCORING_RATE).astype(np.float32)
+    audio = resample(audio, sampling_rate, SCORING_RATE)
     noise = np.random.default_rng(DITHER_SEED).standard_normal(len(audio)).astype(np.float32)
     return audio + DITHER_STD * noise
 

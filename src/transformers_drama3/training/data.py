@@ -9,13 +9,13 @@ A record is (audio, transcript[, speaker]). Sources:
 - a Hub dataset name or any `datasets.Dataset` with an audio column.
 
 Audio is never decoded by `datasets` (that needs torchcodec): the audio column is cast to
-`Audio(decode=False)` and read with soundfile. Bad records are skipped and reported, never fatal.
+`Audio(decode=False)` and read by the feature extractor's `read_audio` (transformers' `load_audio`,
+soundfile backend) straight at the codec's rate. Bad records are skipped and reported, never fatal.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from collections import Counter
@@ -26,11 +26,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from ..feature_extraction_drama3 import is_inaudible, read_audio
+
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 TEXT_COLUMNS = ("text", "transcript", "transcription", "sentence")
 AUDIO_COLUMNS = ("audio", "path", "file", "file_name", "audio_path")
 SPEAKER_COLUMNS = ("speaker", "speaker_id", "voice")
-SILENCE_PEAK = 1e-3  # same rule as the processor's references: peak below -60 dBFS is silence
 MIN_SECONDS = 0.5
 MAX_SECONDS = 30.0
 
@@ -121,18 +122,12 @@ def _normalise_columns(dataset, audio_column: str | None, base_dir: Path | None)
 # ---- reading and validating ----------------------------------------------------------------------
 
 
-def read_audio(value: Any) -> tuple[np.ndarray, int]:
-    """An undecoded `Audio` value ({"path", "bytes"}) or a path -> (mono float32 samples, rate)."""
-    import soundfile
-
-    if isinstance(value, dict):
-        source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
-    else:
-        source = value
-    if source is None:
+def read_record_audio(value: Any, sampling_rate: int) -> np.ndarray:
+    """An undecoded `Audio` value ({"path", "bytes"}) or a path -> mono float32 samples at `sampling_rate`."""
+    source = (value.get("bytes") or value.get("path")) if isinstance(value, dict) else value
+    if not source:
         raise ValueError("no audio (neither bytes nor a path)")
-    samples, rate = soundfile.read(source, dtype="float32", always_2d=True)  # [samples, channels]
-    return samples.mean(axis=1), int(rate)
+    return read_audio(source, sampling_rate, _describe(value))
 
 
 @dataclass
@@ -187,7 +182,7 @@ def check_record(
         return "empty audio", ""
     if not np.isfinite(samples).all():
         return "non-finite samples", ""
-    if float(np.abs(samples).max()) < SILENCE_PEAK:
+    if is_inaudible(samples):  # the reference rule: a record without an audible voice teaches nothing
         return "silent", f"peak {float(np.abs(samples).max()):.2e}"
     seconds = samples.shape[0] / rate
     if seconds < min_seconds:
@@ -280,18 +275,14 @@ def prepare_dataset(
             report.from_cache += 1
             continue
         try:
-            samples, rate = read_audio(audio_value)
-        except Exception as error:  # soundfile raises several types for broken files
-            report.skipped.append(Skipped(index, source, "unreadable", f"{type(error).__name__}: {error}"))
+            samples = read_record_audio(audio_value, codec.sampling_rate)
+        except ValueError as error:  # read_audio turns every decoding failure into a ValueError
+            report.skipped.append(Skipped(index, source, "unreadable", str(error)))
             continue
-        problem = check_record(text, samples, rate, min_seconds, max_seconds)
+        problem = check_record(text, samples, codec.sampling_rate, min_seconds, max_seconds)
         if problem is not None:
             report.skipped.append(Skipped(index, source, *problem))
             continue
-        if rate != codec.sampling_rate:
-            import soxr
-
-            samples = soxr.resample(samples, rate, codec.sampling_rate).astype(np.float32)
         pending.append((index, row, samples, path))
         if len(pending) >= batch_size:
             flush()
