@@ -35,7 +35,7 @@ SAMPLING_RATE = 44100
 INAUDIBLE_PEAK = 1e-3
 """The reference rule: audio whose peak stays below -60 dBFS holds no voice a codec could take, so a
 reference (or a training record) made of it is refused. Not the generation guard's silence, which
-looks for long quiet stretches inside a take by windowed RMS (`generation_drama3.SILENCE_RMS`)."""
+looks for long quiet stretches inside a take by windowed RMS (its `SILENCE_RMS`)."""
 MAX_CHANNELS = 16
 """Largest channel count accepted; more almost always means a `[samples, channels]` array."""
 URL_TIMEOUT_SECONDS = 60.0
