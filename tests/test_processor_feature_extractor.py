@@ -101,6 +101,28 @@ def test_base64_data_uris_and_bytes_give_the_same_samples(extractor, tmp_path):
         assert np.array_equal(extractor.load(form), wave), type(form)
 
 
+def test_http_urls_are_fetched(extractor, tmp_path):
+    """A loopback server stands in for a remote file."""
+    import functools
+    import http.server
+    import threading
+
+    wave = voice(seed=11)
+    soundfile.write(tmp_path / "v.wav", wave, 44100, subtype="FLOAT")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"  # a failing URL is retried by load_audio for ~15 s: not here
+        assert np.array_equal(extractor.load(f"{url}/v.wav"), wave)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
 def test_a_file_and_an_array_at_another_rate_give_the_same_samples(extractor, tmp_path):
     """16 kHz -> 44.1 kHz is not a whole ratio: both paths keep transformers' load_audio length rule."""
     from transformers.audio_utils import load_audio

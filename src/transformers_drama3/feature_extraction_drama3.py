@@ -227,7 +227,8 @@ def read_audio(source: str | os.PathLike | bytes, sampling_rate: int, name: str 
     `source`: a local path, an http(s) or file:// URL, a base64 string or `data:` URI, or the
     bytes of an audio file. Decoded by transformers' `load_audio` with its soundfile backend
     (channels averaged, resampled as `resample` does); torchcodec, which `load_audio` would prefer
-    when installed, is not used, so every machine decodes alike. Anything unreadable is a
+    when installed, is not used, so every machine decodes alike. A URL that fails is retried by
+    `load_audio` with backoff (about 15 s in all) before it is refused. Anything unreadable is a
     ValueError naming `name`.
     """
     text = _source_text(source, name)
