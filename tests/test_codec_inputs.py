@@ -141,3 +141,23 @@ def test_decode_lengths_must_fit_the_codes(codec):
 def test_no_frames_decode_to_no_audio(codec):
     decoded = codec.decode(torch.zeros(2, codec.num_codebooks, 0, dtype=torch.long))
     assert decoded.audio_values.shape == (2, 0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64])
+def test_unsigned_codes_decode_like_signed_ones(codec, dtype):
+    codes = torch.randint(0, 50, (1, codec.num_codebooks, 3))
+    from_unsigned = codec.decode(codes.numpy().astype(dtype)).audio_values
+    assert torch.equal(from_unsigned, codec.decode(codes).audio_values)
+    assert torch.equal(codec.decode(codes.to(torch.uint16)).audio_values, codec.decode(codes).audio_values)
+
+
+def test_one_codes_check_serves_the_codec_and_the_prompt():
+    """With a codebook size (the prompt's range) codes past it are refused too; without, only negatives."""
+    from transformers_drama3.codec.audio import check_codes
+
+    codes = torch.tensor([[0, 4096]])
+    assert torch.equal(check_codes(codes, 1)[0], codes[None])
+    with pytest.raises(ValueError, match=r"ref: codes must lie in \[0, 4096\); got values from 0 to 4096"):
+        check_codes(codes, 1, name="ref", codebook_size=4096)
+    with pytest.raises(ValueError, match=r"ref: codes must lie in \[0, 4096\); got values from -2 to 0"):
+        check_codes(torch.tensor([[-2, 0]]), 1, name="ref", codebook_size=4096)

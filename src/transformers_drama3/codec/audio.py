@@ -170,19 +170,19 @@ def prepare_audio_batch(
     return batch, sample_lengths
 
 
-def check_codes(codes, num_codebooks: int, lengths=None, name: str = "codes") -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate codes for decoding -> (long `[batch, num_codebooks, frames]`, lengths `[batch]`).
+def check_codes(
+    codes, num_codebooks: int, lengths=None, name: str = "codes", codebook_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate codes -> (long `[batch, num_codebooks, frames]` on their device, lengths `[batch]`).
 
-    Accepts `[num_codebooks, frames]` (one item) or `[batch, num_codebooks, frames]`, numpy or
-    torch, any integer dtype. Negative codes are a ValueError; codes above a codebook's size are
-    left for the decoder to clamp.
+    The one check of codes in this package: the codecs' `decode` and streaming decoders, and the
+    processor's clips (`prompting.check_codes`, which adds the one-clip rules). Accepts
+    `[num_codebooks, frames]` (one item) or `[batch, num_codebooks, frames]`, numpy or torch, any
+    signed or unsigned integer dtype; floats and bools are refused. Negative codes are a
+    ValueError; with `codebook_size`, so are codes at or above it (the prompt's range), without it
+    codes above a codebook's size are left for the decoder to clamp.
     """
-    if isinstance(codes, np.ndarray):
-        codes = torch.from_numpy(codes)
-    if not isinstance(codes, torch.Tensor):
-        raise ValueError(f"{name} is a {type(codes).__name__}; expected an integer tensor or array")
-    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise ValueError(f"{name} has dtype {codes.dtype}; expected integer codes")
+    codes = _integer_tensor(codes, num_codebooks, name)
     if codes.dim() == 2:
         codes = codes[None]
     if codes.dim() != 3 or codes.shape[1] != num_codebooks:
@@ -190,10 +190,37 @@ def check_codes(codes, num_codebooks: int, lengths=None, name: str = "codes") ->
             f"{name} has shape {tuple(codes.shape)}; expected [batch, {num_codebooks}, frames] "
             f"or [{num_codebooks}, frames]"
         )
-    if codes.numel() and int(codes.min()) < 0:
-        raise ValueError(f"{name} has negative values (min {int(codes.min())}); expected codes >= 0")
+    if codes.numel():
+        low, high = int(codes.min()), int(codes.max())
+        if codebook_size is not None and (low < 0 or high >= codebook_size):
+            raise ValueError(f"{name}: codes must lie in [0, {codebook_size}); got values from {low} to {high}")
+        if low < 0:
+            raise ValueError(f"{name} has negative values (min {low}); expected codes >= 0")
     if lengths is None:
         lengths = torch.full((codes.shape[0],), codes.shape[-1], dtype=torch.long)
     else:
         lengths = _check_lengths(lengths, codes.shape[0], codes.shape[-1], "lengths", "frames")
     return codes.long(), lengths
+
+
+def _integer_tensor(codes, num_codebooks: int, name: str) -> torch.Tensor:
+    """numpy / torch integer codes -> a signed torch tensor (unsigned ones as int64)."""
+    if isinstance(codes, np.ndarray):
+        if codes.dtype.kind == "u":
+            codes = codes.astype(np.int64)  # values past int64 wrap to negatives and are refused as such
+        if codes.dtype.kind not in "ib":
+            raise ValueError(
+                f"{name} has dtype {codes.dtype}; expected integer codes "
+                f"(codes must be an integer tensor [{num_codebooks}, frames])"
+            )
+        codes = torch.from_numpy(codes)
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"{name} is a {type(codes).__name__}; expected an integer tensor or array")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise ValueError(
+            f"{name} has dtype {codes.dtype}; expected integer codes "
+            f"(codes must be an integer tensor [{num_codebooks}, frames])"
+        )
+    if codes.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no CPU min/max kernels for these: widen
+        codes = codes.to(torch.int64)
+    return codes

@@ -9,8 +9,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-# torch has these dtypes but no min/max/compare kernels for them on the CPU: widen first.
-_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+from ..codec.audio import check_codes as check_codec_codes
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: tensors have no single truth value
@@ -57,24 +56,13 @@ def as_clip(audio: AudioLike, location: str, sampling_rate: int | None = None) -
 
 
 def check_codes(codes: Any, num_codebooks: int, codebook_size: int, location: str) -> torch.Tensor:
-    """Codes as an int64 CPU tensor `[num_codebooks, frames]` with at least one frame.
+    """One clip's codes as an int64 CPU tensor `[num_codebooks, frames]` with at least one frame.
 
-    Any signed or unsigned integer dtype is accepted (numpy or torch); floats and bools are refused."""
-    if isinstance(codes, np.ndarray):
-        if codes.dtype.kind == "u":
-            # values past int64 would wrap to negatives below and be refused as out of range
-            codes = codes.astype(np.int64)
-        codes = torch.from_numpy(codes) if codes.dtype.kind in "iub" else codes
-    if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        kind = codes.dtype if isinstance(codes, (torch.Tensor, np.ndarray)) else type(codes).__name__
-        raise ValueError(f"{location}: codes must be an integer tensor [num_codebooks, frames]; got {kind}")
-    if codes.dtype in _WIDE_UNSIGNED:
-        codes = codes.to(torch.int64)
-    if codes.ndim != 2 or codes.shape[0] != num_codebooks or codes.shape[1] == 0:
-        raise ValueError(
-            f"{location}: codes must be [{num_codebooks}, frames] with at least one frame; "
-            f"got {tuple(codes.shape)}"
-        )
-    if int(codes.min()) < 0 or int(codes.max()) >= codebook_size:
-        raise ValueError(f"{location}: codes must lie in [0, {codebook_size})")
-    return codes.to(device="cpu", dtype=torch.long)
+    The codec's `check_codes` (any signed or unsigned integer dtype, numpy or torch; floats and
+    bools refused; values in [0, codebook_size)) plus the clip's rules: no batch, one frame at least."""
+    if isinstance(codes, (torch.Tensor, np.ndarray)) and codes.ndim != 2:
+        raise ValueError(f"{location}: codes must be [{num_codebooks}, frames]; got {tuple(codes.shape)}")
+    batch, _ = check_codec_codes(codes, num_codebooks, name=location, codebook_size=codebook_size)
+    if batch.shape[-1] == 0:
+        raise ValueError(f"{location}: codes must be [{num_codebooks}, frames] with at least one frame; got no frames")
+    return batch[0].to(device="cpu")
