@@ -30,6 +30,7 @@ E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -167,6 +168,7 @@ def resolve_settings(
         items = source if isinstance(source, dict) else source.to_dict()
         values.update({key: value for key, value in items.items() if value is not None})
     changes = {key: values[key] for key in _SAMPLING_KEYS if key in values}
+    _check_sampling_values(changes, values.get("max_new_tokens"))
     if "top_k" in changes and changes["top_k"] <= 0:
         changes["top_k"] = None
     settings = replace(settings, **changes)
@@ -175,6 +177,16 @@ def resolve_settings(
     if not 0 < settings.top_p <= 1:
         raise ValueError(f"top_p={settings.top_p}; expected a value in (0, 1]")
     return settings, values.get("max_new_tokens"), bool(values.get("return_dict_in_generate", False))
+
+
+def _check_sampling_values(changes: dict, max_new_tokens) -> None:
+    """Refuse sampling values that would silently sample something else (NaN temperature) or
+    generate anyway (a frame cap of 0). Temperature 0 means greedy; top_k <= 0 means no top-k."""
+    temperature = changes.get("temperature")
+    if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r}; expected a finite number >= 0 (0 is greedy)")
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}; expected a positive number of frames")
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -332,6 +344,20 @@ def expected_seconds_of_text(text: str) -> float:
     cjk = sum(is_cjk(character) for character in text)
     words = len("".join(" " if is_cjk(character) else character for character in text).split())
     return max(MIN_EXPECTED_SECONDS, cjk / CJK_CHARACTERS_PER_SECOND + words / WORDS_PER_SECOND)
+
+
+MIN_SPEECH_FRACTION = 0.2
+"""Audio shorter than this fraction of its transcript's expected duration cannot hold that
+transcript (it would be five times the assumed speaking rate): it is cut, or the wrong transcript."""
+
+
+def speech_shortfall(seconds: float, text: str, fraction: float = MIN_SPEECH_FRACTION) -> str | None:
+    """Why `seconds` of audio cannot be a recording of `text` (shorter than `fraction` of its
+    expected duration), or None."""
+    expected = expected_seconds_of_text(text)
+    if seconds >= fraction * expected:
+        return None
+    return f"{seconds:.3f} s of audio for a transcript of about {expected:.1f} s (at least {fraction * expected:.2f} s expected)"
 
 
 def target_text_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, is_semantic) -> torch.Tensor:
@@ -797,6 +823,7 @@ def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch
     batch, rows = input_ids.shape
     if rows < 2:
         raise ValueError(f"input_ids has {rows} row(s); a prompt needs at least 2")
+    _check_range(input_ids, "input_ids", model.config.text_config.vocab_size, "the text vocabulary")
     codebooks = model.config.num_codebooks
     if audio_codes is None:
         audio_codes = input_ids.new_zeros(batch, rows, codebooks)
@@ -806,6 +833,7 @@ def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch
             f"audio_codes has shape {tuple(audio_codes.shape)}; expected [batch, rows, num_codebooks] = "
             f"{(batch, rows, codebooks)} to match input_ids"
         )
+    _check_range(audio_codes, "audio_codes", model.config.codebook_size, "the codebook size")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     attention_mask = torch.as_tensor(attention_mask)
@@ -813,8 +841,22 @@ def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, rows)}")
     if not bool(attention_mask[:, -1].bool().all()):
         raise ValueError("attention_mask: the last row of every prompt must be real; pad prompts on the left")
+    real_rows = attention_mask.bool().sum(dim=1)
+    if bool((real_rows < 2).any()):
+        item = int((real_rows < 2).nonzero()[0])
+        raise ValueError(f"attention_mask: prompt {item} has {int(real_rows[item])} real row(s); a prompt needs at least 2")
     device = model.device
     return input_ids.long().to(device), audio_codes.long().to(device), attention_mask.long().to(device)
+
+
+def _check_range(values: torch.Tensor, name: str, size: int, what: str) -> None:
+    """Ids index embedding tables: refuse what would be clamped or raise a bare IndexError."""
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {values.dtype}; expected integer ids")
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
+        raise ValueError(
+            f"{name} holds values in [{int(values.min())}, {int(values.max())}]; expected [0, {size}) ({what})"
+        )
 
 
 def _split_kwargs(kwargs: dict) -> dict:
@@ -917,7 +959,7 @@ def _resolve_request(
         seconds = torch.as_tensor(expected_seconds, dtype=torch.float32).flatten().cpu()
         if seconds.numel() == 1:
             seconds = seconds.expand(input_ids.shape[0])
-        if seconds.numel() != input_ids.shape[0] or bool((seconds <= 0).any()):
+        if seconds.numel() != input_ids.shape[0] or not bool((seconds > 0).all() and seconds.isfinite().all()):
             raise ValueError(f"expected_seconds={expected_seconds!r}; expected one positive value or one per item")
     frame_rate = config.frame_rate
     return _Request(
@@ -1101,6 +1143,8 @@ def generate(
     prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
     if streamer is not None and prompt[0].shape[0] != 1:
         raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
+    if isinstance(regenerate_on_anomaly, bool) or not isinstance(regenerate_on_anomaly, int) or regenerate_on_anomaly < 0:
+        raise ValueError(f"regenerate_on_anomaly={regenerate_on_anomaly!r}; expected 0 (off) or a positive number of attempts")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
     separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
