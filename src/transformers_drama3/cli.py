@@ -17,12 +17,15 @@ Add `convert`, `table`, `eval`, `finetune`, `serve` the same way.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 
 DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2
+MAX_CHARS = 4096
+"""Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
 
 
 class CommandError(Exception):
@@ -44,13 +47,17 @@ def load_model_and_processor(source: str, device: str, dtype: str):
     looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
     if not os.path.isdir(source) and not looks_like_repo_id:
         raise CommandError(_missing_model_message(source, "no such folder"))
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    device = resolve_device(device)
+    dtypes = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+              "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
     try:
-        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=torch_dtype).to(device).eval()
+        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
         processor = Drama3Processor.from_pretrained(source)
     except (OSError, ValueError) as error:
+        if os.path.isdir(source):  # found the folder: what failed is its content, say that
+            raise CommandError(f"--model {source}: {error}") from None
         # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
         raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
     if processor.codec is None:
@@ -60,6 +67,29 @@ def load_model_and_processor(source: str, device: str, dtype: str):
         )
     processor.codec.to(device)
     return model, processor
+
+
+def resolve_device(device: str) -> str:
+    """`--device` as a torch device string ("auto": cuda when available, else cpu), or a
+    CommandError when it is malformed or names hardware this machine lacks."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise CommandError(f"--device {device}: not a device; expected cpu, cuda, cuda:N, mps or auto") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {device}: this machine has no CUDA GPU (torch sees none); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise CommandError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise CommandError(f"--device {device}: expected cpu, cuda, cuda:N, mps or auto")
+    return str(parsed)
 
 
 def _missing_model_message(source: str, reason: str) -> str:
@@ -75,7 +105,9 @@ def _missing_model_message(source: str, reason: str) -> str:
 
 
 class FileStreamer:
-    """Writes waveform chunks to a WAV/FLAC file as they arrive; reports the time to first audio."""
+    """Writes waveform chunks to a WAV/FLAC file as they arrive; reports the time to first audio.
+    `path` is a temporary file (see `files.atomic_output`): the user's file is replaced only
+    once the whole take is written."""
 
     def __init__(self, path: str, sampling_rate: int, started: float):
         import soundfile
@@ -131,6 +163,11 @@ def add_say(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
+    parser.add_argument(
+        "--max-chars", type=int, default=MAX_CHARS,
+        help=f"refuse texts longer than this many characters (default {MAX_CHARS}, like OpenAI's speech API; "
+             "at the default frame cap 100k characters would take hours on a CPU)",
+    )
     parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -139,61 +176,42 @@ def add_say(subparsers) -> None:
 
 
 def run_say(args) -> int:
+    import soundfile
+
+    from .files import atomic_output
     from .generation_drama3 import generate_long_form
 
-    extension = os.path.splitext(args.output)[1].lower()
-    if extension not in (".wav", ".flac"):
-        raise CommandError(f"-o {args.output}: write a .wav or .flac file")
-    if len(args.reference) != len(args.reference_text):
-        raise CommandError(
-            f"--reference given {len(args.reference)} time(s) but --reference-text {len(args.reference_text)}; "
-            f"each reference audio needs its transcript"
-        )
-    for path in args.reference:
-        if not os.path.isfile(path):
-            raise CommandError(f"--reference {path}: no such file")
-    if args.reference_speaker and len(args.reference_speaker) != len(args.reference):
-        raise CommandError(
-            f"--reference-speaker given {len(args.reference_speaker)} time(s) but --reference {len(args.reference)}; "
-            f"give one speaker per reference, or none for all speaker 0"
-        )
-    for speaker in args.reference_speaker:
-        if speaker < 0:
-            raise CommandError(f"--reference-speaker {speaker}: speakers are numbered from 0")
-    if args.stream and args.regenerate:
-        raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
+    sampling = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
     model, processor = load_model_and_processor(source, args.device, args.dtype)
-    sampling = {
-        key: value
-        for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
-        if value is not None
-    }
-    if args.max_frames is not None:
-        sampling["max_new_tokens"] = args.max_frames
-    if args.regenerate:
-        sampling["regenerate_on_anomaly"] = args.regenerate
     started = time.perf_counter()
-    streamer = FileStreamer(args.output, processor.sampling_rate, started) if args.stream else None
     try:
-        output = generate_long_form(
-            model,
-            processor,
-            args.text,
-            reference_audio=references or None,
-            reference_text=transcripts or None,
-            reference_speaker=speakers,
-            seed=args.seed,
-            streamer=streamer,
-            progress=not args.quiet,
-            preset=args.preset,
-            scene=None if args.scene == "auto" else args.scene,
-            **sampling,
-        )
+        with atomic_output(args.output) as temporary:
+            streamer = FileStreamer(temporary, processor.sampling_rate, started) if args.stream else None
+            try:
+                output = generate_long_form(
+                    model,
+                    processor,
+                    args.text,
+                    reference_audio=references or None,
+                    reference_text=transcripts or None,
+                    reference_speaker=speakers,
+                    seed=args.seed,
+                    streamer=streamer,
+                    progress=not args.quiet,
+                    preset=args.preset,
+                    scene=None if args.scene == "auto" else args.scene,
+                    **sampling,
+                )
+            finally:
+                if streamer is not None:
+                    streamer.end()
+            if streamer is None:
+                processor.save_audio(output.audio.cpu(), temporary)
     except ValueError as error:
         raise CommandError(str(error)) from None
-    if streamer is None:
-        processor.save_audio(output.audio.cpu(), args.output)
+    except (OSError, soundfile.SoundFileError) as error:  # disk full, folder removed meanwhile, ...
+        raise CommandError(f"-o {args.output}: could not write it ({error}); the file was left as it was") from None
     elapsed = time.perf_counter() - started
     seconds = output.audio_codes.shape[0] / processor.frame_rate
     report = f"wrote {args.output}: {seconds:.2f} s of audio in {elapsed:.2f} s, {len(output.chunks)} chunk(s)"
@@ -206,6 +224,69 @@ def run_say(args) -> int:
         if anomalies:
             print(f"warning: chunk {index}: {', '.join(anomalies)}", file=sys.stderr)
     return 0
+
+
+# (flag, its attribute, whether a value is usable, what is expected): the rules generate() applies,
+# checked here before the model is loaded.
+_SAY_NUMBERS = (
+    ("--max-chars", "max_chars", lambda v: v > 0, "a positive number of characters"),
+    ("--max-frames", "max_frames", lambda v: v > 0, "a positive number of frames"),
+    ("--temperature", "temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 is greedy)"),
+    ("--top-p", "top_p", lambda v: 0 < v <= 1, "a value in (0, 1]"),
+    ("--regenerate", "regenerate", lambda v: v >= 0, "0 (off) or a positive number of attempts"),
+)
+
+
+def _check_say_arguments(args) -> dict:
+    """Refuse what `say` cannot do before anything is loaded or written (bad numbers, an -o that
+    cannot be written or is a reference); returns generate()'s keyword arguments."""
+    from .files import check_output_path, same_file
+
+    extension = os.path.splitext(args.output)[1].lower()
+    if extension not in (".wav", ".flac"):
+        raise CommandError(f"-o {args.output}: write a .wav or .flac file")
+    for flag, name, valid, expected in _SAY_NUMBERS:
+        value = getattr(args, name)
+        if value is not None and not valid(value):
+            raise CommandError(f"{flag} {value}: expected {expected}")
+    if len(args.text) > args.max_chars:
+        raise CommandError(
+            f"text: {len(args.text)} characters, over the --max-chars limit of {args.max_chars}; "
+            f"split it, or raise --max-chars"
+        )
+    if len(args.reference) != len(args.reference_text):
+        raise CommandError(
+            f"--reference given {len(args.reference)} time(s) but --reference-text {len(args.reference_text)}; "
+            f"each reference audio needs its transcript"
+        )
+    for path in args.reference:
+        if not os.path.isfile(path):
+            raise CommandError(f"--reference {path}: no such file")
+        if same_file(path, args.output):
+            raise CommandError(f"-o {args.output} is the --reference {path}: writing the take would destroy the recording")
+    if args.reference_speaker and len(args.reference_speaker) != len(args.reference):
+        raise CommandError(
+            f"--reference-speaker given {len(args.reference_speaker)} time(s) but --reference {len(args.reference)}; "
+            f"give one speaker per reference, or none for all speaker 0"
+        )
+    for speaker in args.reference_speaker:
+        if speaker < 0:
+            raise CommandError(f"--reference-speaker {speaker}: speakers are numbered from 0")
+    if args.stream and args.regenerate:
+        raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
+    sampling = {
+        key: value
+        for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                           ("max_new_tokens", args.max_frames))
+        if value is not None
+    }
+    try:
+        check_output_path(args.output, "-o")
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    if args.regenerate:
+        sampling["regenerate_on_anomaly"] = args.regenerate
+    return sampling
 
 
 def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int] | None]:
@@ -265,7 +346,10 @@ def run_table(args) -> int:
     if args.config:
         if not os.path.isfile(args.config):
             raise CommandError(f"--config {args.config}: no such file")
-        config = Drama3Config.from_json_file(args.config)
+        try:
+            config = Drama3Config.from_json_file(args.config)
+        except (ValueError, TypeError) as error:  # broken JSON, no text_config, unknown or wrong sizes
+            raise CommandError(f"--config {args.config}: {error}") from None
     print(format_table(account(config)))
     return 0
 

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
 
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
+from .generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (
     AUDIO_SEPARATOR,
@@ -90,6 +91,8 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         sampling_rate: the feature extractor's rate when none is given and there is no codec (read
             from `processor_config.json` files written before the feature extractor existed).
         max_reference_seconds: references longer than this are refused.
+        min_reference_fraction: references shorter than this fraction of their transcript's
+            expected duration are refused (cut, or the wrong transcript); 0 turns the check off.
         chunk_bytes, chunk_speakers: the long-text chunking limits of `chunk`.
     """
 
@@ -104,6 +107,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         sampling_rate: int | None = None,
         frame_rate: float = SAMPLING_RATE / SAMPLES_PER_FRAME,
         max_reference_seconds: float = MAX_REFERENCE_SECONDS,
+        min_reference_fraction: float = MIN_SPEECH_FRACTION,
         chunk_bytes: int = CHUNK_BYTES,
         chunk_speakers: int = CHUNK_SPEAKERS,
     ):
@@ -120,6 +124,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         self.num_codebooks = num_codebooks
         self.frame_rate = frame_rate
         self.max_reference_seconds = max_reference_seconds
+        self.min_reference_fraction = min_reference_fraction
         self.chunk_bytes = chunk_bytes
         self.chunk_speakers = chunk_speakers
         self.token_ids = TokenIds.from_tokenizer(tokenizer, codebook_size)
@@ -131,6 +136,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         "num_codebooks",
         "frame_rate",
         "max_reference_seconds",
+        "min_reference_fraction",
         "chunk_bytes",
         "chunk_speakers",
     )
@@ -325,7 +331,27 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
 
     def rows(self, request: Request) -> PromptRows:
         """One request's rows (no padding)."""
-        return encode_layout(request.layout(self.layout_context()), self.tokenizer, self.token_ids, self.num_codebooks)
+        context = self.layout_context()
+        transcripts = {id(reference.audio): reference.transcript for reference in getattr(request, "references", ())}
+        if transcripts and self.min_reference_fraction > 0:
+            context = LayoutContext(self._reference_checker(transcripts), self.frame_rate)
+        return encode_layout(request.layout(context), self.tokenizer, self.token_ids, self.num_codebooks)
+
+    def _reference_checker(self, transcripts: dict[int, str]):
+        """`codes_of` that also refuses a reference far too short for its transcript (a 1 ms clip, a
+        file cut to a tenth; see `min_reference_fraction`): a voice learnt from audio that is not
+        those words. `transcripts`: id of each reference's clip -> its transcript."""
+
+        def codes_of(clip: Clip, location: str, is_reference: bool = False) -> torch.Tensor:
+            codes = self.codes_of(clip, location, is_reference)
+            if is_reference and id(clip) in transcripts:
+                seconds = codes.shape[1] / self.frame_rate
+                problem = speech_shortfall(seconds, transcripts[id(clip)], self.min_reference_fraction)
+                if problem is not None:
+                    raise ValueError(f"{location}: {problem}; give the whole recording of its transcript")
+            return codes
+
+        return codes_of
 
     def __call__(
         self,
@@ -547,8 +573,11 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         return self.batch_decode(codes, lengths)
 
     def save_audio(self, audio: torch.Tensor | np.ndarray, path: str | os.PathLike, sampling_rate: int | None = None) -> None:
-        """Write a 1-D waveform as WAV or FLAC (from the file extension), 16-bit PCM."""
+        """Write a 1-D waveform as WAV or FLAC (from the file extension), 16-bit PCM, through a
+        temporary file beside `path`: a failed write leaves an existing file as it was."""
         import soundfile
+
+        from .files import atomic_output
 
         extension = os.path.splitext(os.fspath(path))[1].lower()
         if extension not in AUDIO_FORMATS:
@@ -558,10 +587,11 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         samples = np.asarray(audio, dtype=np.float32).squeeze()
         if samples.ndim != 1:
             raise ValueError(f"audio: expected one waveform [samples]; got shape {samples.shape}")
-        soundfile.write(
-            os.fspath(path), np.clip(samples, -1.0, 1.0), sampling_rate or self.sampling_rate,
-            format=AUDIO_FORMATS[extension], subtype="PCM_16",
-        )
+        with atomic_output(path) as temporary:
+            soundfile.write(
+                temporary, np.clip(samples, -1.0, 1.0), sampling_rate or self.sampling_rate,
+                format=AUDIO_FORMATS[extension], subtype="PCM_16",
+            )
 
 
 # ---- conversations -> scripts -------------------------------------------------------------------------

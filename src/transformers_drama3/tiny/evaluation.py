@@ -389,6 +389,7 @@ def run_eval(args) -> int:
     import torch
 
     from ..cli import CommandError, load_model_and_processor
+    from ..files import check_output_path, write_text_atomic
     from . import shipped
 
     if args.threads:
@@ -396,6 +397,13 @@ def run_eval(args) -> int:
     source = args.model or shipped.TINY_MODEL_PATH
     if args.model is None and not shipped.is_available():
         raise CommandError("this installation carries no drama3-tiny; pass --model")
+    if args.corpus and not (Path(args.corpus) / "manifest.jsonl").is_file():
+        raise CommandError(f"--corpus {args.corpus}: no manifest.jsonl there; expected a corpus folder built by tiny.corpus")
+    if args.json:
+        try:
+            check_output_path(args.json, "--json")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
     model, processor = load_model_and_processor(source, "cpu", "float32")
     try:
         sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
@@ -407,7 +415,7 @@ def run_eval(args) -> int:
         raise CommandError(str(error)) from None
     print(result.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(args.json, json.dumps(asdict(result), indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
