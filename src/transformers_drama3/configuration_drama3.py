@@ -9,7 +9,9 @@ written next to it.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 
@@ -289,6 +291,30 @@ class Drama3Config(PretrainedConfig):
                 f"{SPEECH_TEMPLATE_VERSION!r} prompts"
             )
 
+    # A config FILE always states its backbone; only code may rely on the full-size default
+    # (Drama3Config() on the meta device). A file without text_config would silently build the 35B
+    # backbone and fail much later on a size mismatch.
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        _require_text_config(config_dict, f"{os.fspath(pretrained_model_name_or_path)}/config.json")
+        return config_dict, kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        _require_text_config(config_dict, "config")
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_json_file(cls, json_file):
+        with open(json_file, encoding="utf-8") as reader:
+            try:
+                config_dict = json.load(reader)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{json_file}: not valid JSON ({error})") from None
+        _require_text_config(config_dict, os.fspath(json_file))
+        return cls(**config_dict)
+
     # Names used throughout the package.
     @property
     def num_codebooks(self) -> int:
@@ -326,6 +352,14 @@ class Drama3Config(PretrainedConfig):
         if self.published_quantization_config is not None:
             output["quantization_config"] = dict(self.published_quantization_config)
         return output
+
+
+def _require_text_config(config_dict, source: str) -> None:
+    if not isinstance(config_dict, dict) or config_dict.get("text_config") is None:
+        raise ValueError(
+            f"{source}: no text_config (the backbone's sizes); a Drama 3 config.json holds them under "
+            f"\"text_config\" — the file is incomplete or is not a Drama 3 config"
+        )
 
 
 def _text_config_from(text_config) -> Drama3TextConfig:

@@ -318,6 +318,17 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
     _supports_sdpa = True
     _is_stateful = True
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, after refusing a misspelt `dtype` and, for a local
+        folder, an incomplete weight file (each named, with what to do)."""
+        from .loading import check_dtype, check_weight_files
+
+        check_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)) and os.path.isdir(pretrained_model_name_or_path):
+            check_weight_files(pretrained_model_name_or_path)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def _init_weights(self, module):
         # The tower is built from the same kinds of modules as the backbone (linears, embeddings,
         # zero-centred norms), so the backbone's initialisation covers both.

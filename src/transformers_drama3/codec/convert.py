@@ -18,6 +18,8 @@ Command line: `python -m transformers_drama3.codec.convert codec.pth OUT_DIR [--
 
 import argparse
 import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -33,11 +35,42 @@ _KEY_SUFFIXES = (
 )
 
 
+class CheckpointReadError(ValueError, pickle.UnpicklingError):
+    """A `codec.pth` that cannot be read safely: a ValueError (bad input, named) that is still the
+    UnpicklingError torch.load raises, for callers that catch that."""
+
+
+# torch.save's legacy format opens with a pickled magic number (LONG1 opcode, 10 bytes).
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _is_legacy_checkpoint(path: str) -> bool:
+    with open(path, "rb") as reader:
+        return _LEGACY_MAGIC in reader.read(32)
+
+
 def read_fish_speech_state_dict(path) -> dict[str, torch.Tensor]:
     """Read `codec.pth` without executing pickled code (`weights_only=True`); unwrap
     `{"state_dict": ...}` and keep only the `generator.` weights (prefix removed) when present.
-    Keys stay in fish-speech's spelling."""
-    state = torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)
+    Keys stay in fish-speech's spelling.
+
+    Zip-format files (torch.save's default since 1.6) are memory-mapped; legacy-format files
+    are read whole, still with `weights_only=True`. Anything else is a ValueError naming the file."""
+    path = os.fspath(path)
+    mapped = zipfile.is_zipfile(path)  # mmap works only on the zip format
+    if not mapped and not _is_legacy_checkpoint(path):
+        raise CheckpointReadError(f"{path}: not a PyTorch checkpoint (neither torch.save's zip nor its legacy format)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as error:
+        if "Unsupported global" in str(error):
+            raise CheckpointReadError(
+                f"{path}: the checkpoint holds Python objects other than tensors; they are never unpickled "
+                f"(that could run code), so it cannot be read as a codec state dict"
+            ) from None
+        raise CheckpointReadError(f"{path}: not a PyTorch checkpoint (torch.save file)") from None
+    except (RuntimeError, EOFError, IndexError) as error:  # a damaged file fails deep in the unpickler
+        raise CheckpointReadError(f"{path}: not a readable PyTorch checkpoint ({str(error).splitlines()[0]})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

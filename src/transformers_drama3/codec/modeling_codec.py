@@ -754,6 +754,11 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         `{"missing_keys": [], "unexpected_keys": []}` (any mismatch is a ValueError).
         """
         checkpoint = _fish_speech_checkpoint(pretrained_model_name_or_path)
+        if checkpoint is None and _looks_like_local_path(pretrained_model_name_or_path):
+            raise FileNotFoundError(
+                f"{os.fspath(pretrained_model_name_or_path)}: no such codec file or folder; expected fish-speech's "
+                f"codec.pth, a folder holding it, or a saved codec folder (config.json + model.safetensors)"
+            )
         if checkpoint is None:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         from .convert import load_fish_speech_codec
@@ -770,6 +775,15 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
 def _norm_except_dim0(weight: torch.Tensor) -> torch.Tensor:
     """||weight|| over every dim but 0, shaped `[dim0, 1, ..., 1]` (weight norm's g)."""
     return weight.flatten(1).norm(dim=1).view(-1, *([1] * (weight.dim() - 1)))
+
+
+def _looks_like_local_path(path) -> bool:
+    """A path that does not exist and cannot be a Hub repo id ("name" or "namespace/name"): it
+    names a missing file, which the Hub lookup would report as a repo-id rule instead."""
+    path = os.fspath(path)
+    if os.path.exists(path):
+        return False
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or path.endswith((".pth", ".pt"))
 
 
 def _fish_speech_checkpoint(path) -> str | None:
