@@ -55,11 +55,30 @@ def as_clip(audio: AudioLike, location: str, sampling_rate: int | None = None) -
     )
 
 
+def _refuse_pcm_as_codes(codes: Any, num_codebooks: int, codebook_size: int, location: str) -> None:
+    """Integer arrays are taken for codes, so int16 PCM (what soundfile and wave return for
+    dtype="int16") lands here; when it is not valid codes, say it is audio and how to pass it."""
+    if isinstance(codes, np.ndarray) and codes.dtype == np.int16:
+        codes = torch.from_numpy(codes)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.int16:
+        return
+    shaped = codes.ndim == 2 and codes.shape[0] == num_codebooks
+    if shaped and codes.numel() and 0 <= int(codes.min()) and int(codes.max()) < codebook_size:
+        return
+    raise ValueError(
+        f"{location}: an int16 array of shape {tuple(codes.shape)} looks like 16-bit PCM audio, not codes "
+        f"[{num_codebooks}, frames] in [0, {codebook_size}); pass audio as float samples in [-1, 1] "
+        f"(pcm / 32768) or as a file path"
+    )
+
+
 def check_codes(codes: Any, num_codebooks: int, codebook_size: int, location: str) -> torch.Tensor:
     """One clip's codes as an int64 CPU tensor `[num_codebooks, frames]` with at least one frame.
 
     The codec's `check_codes` (any signed or unsigned integer dtype, numpy or torch; floats and
-    bools refused; values in [0, codebook_size)) plus the clip's rules: no batch, one frame at least."""
+    bools refused; values in [0, codebook_size)) plus the clip's rules: no batch, one frame at least,
+    and int16 arrays that are not valid codes named as what they likely are (16-bit PCM audio)."""
+    _refuse_pcm_as_codes(codes, num_codebooks, codebook_size, location)
     if isinstance(codes, (torch.Tensor, np.ndarray)) and codes.ndim != 2:
         raise ValueError(f"{location}: codes must be [{num_codebooks}, frames]; got {tuple(codes.shape)}")
     batch, _ = check_codec_codes(codes, num_codebooks, name=location, codebook_size=codebook_size)
