@@ -30,6 +30,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--min-seconds", type=float, default=0.5)
+    parser.add_argument("--min-speech-fraction", type=float, default=0.2,
+                        help="skip recordings shorter than this fraction of their transcript's expected duration")
     parser.add_argument("--max-seconds", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true")
@@ -56,7 +58,7 @@ def main(argv=None):
     codec = Drama3CodecModel.from_pretrained(args.codec or os.path.join(args.model, "codec")).eval()
     dataset, report = prepare_dataset(
         load_speech_records(args.voice), codec, os.path.join(args.output, "codes"),
-        min_seconds=args.min_seconds, max_seconds=args.max_seconds,
+        min_seconds=args.min_seconds, max_seconds=args.max_seconds, min_speech_fraction=args.min_speech_fraction,
         report_path=os.path.join(args.output, "preparation.json"),
     )
     print(report.summary())

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..feature_extraction_drama3 import is_inaudible, read_audio
+from ..generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 TEXT_COLUMNS = ("text", "transcript", "transcription", "sentence")
@@ -34,6 +35,7 @@ AUDIO_COLUMNS = ("audio", "path", "file", "file_name", "audio_path")
 SPEAKER_COLUMNS = ("speaker", "speaker_id", "voice")
 MIN_SECONDS = 0.5
 MAX_SECONDS = 30.0
+UNDECODABLE = "\ufffd"  # what undecodable bytes of a transcript become
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -74,7 +76,9 @@ def _sidecar_folder(folder: Path):
     records = []
     for audio in sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES):
         transcript = audio.with_suffix(".txt")
-        text = transcript.read_text(encoding="utf-8").strip() if transcript.exists() else None
+        # errors="replace": one transcript in another encoding must not abort the whole load;
+        # check_record skips and reports the record (its text then holds U+FFFD)
+        text = transcript.read_text(encoding="utf-8", errors="replace").strip() if transcript.exists() else None
         speaker = audio.parent.name if audio.parent != folder else folder.name
         records.append({"audio": str(audio), "text": text, "speaker": speaker})
     if not records:
@@ -172,12 +176,17 @@ class PreparationReport:
 
 
 def check_record(
-    text: str | None, samples: np.ndarray, rate: int, min_seconds: float, max_seconds: float
+    text: str | None, samples: np.ndarray, rate: int, min_seconds: float, max_seconds: float,
+    min_speech_fraction: float = MIN_SPEECH_FRACTION,
 ) -> tuple[str, str] | None:
     """(reason, detail) when a record is unusable, else None. Reasons: "missing transcript",
-    "empty audio", "non-finite samples", "silent", "too short", "too long"."""
+    "unreadable transcript", "empty audio", "non-finite samples", "silent", "too short", "too long",
+    "transcript too long for the audio" (audio under `min_speech_fraction` of the transcript's
+    expected duration: 300 words in 1 s cannot be a recording of them; 0 turns this off)."""
     if text is None or not text.strip():
         return "missing transcript", ""
+    if UNDECODABLE in text:
+        return "unreadable transcript", "not UTF-8 (undecodable bytes became U+FFFD)"
     if samples.size == 0:
         return "empty audio", ""
     if not np.isfinite(samples).all():
@@ -189,6 +198,9 @@ def check_record(
         return "too short", f"{seconds:.2f} s < {min_seconds} s"
     if seconds > max_seconds:
         return "too long", f"{seconds:.2f} s > {max_seconds} s"
+    shortfall = speech_shortfall(seconds, text, min_speech_fraction)
+    if shortfall is not None:
+        return "transcript too long for the audio", shortfall
     return None
 
 
@@ -221,6 +233,20 @@ def _describe(audio_value: Any) -> str:
     return str(audio_value)
 
 
+def _cached_codes(path: Path, num_codebooks: int) -> np.ndarray | None:
+    """The codes cached at `path`, or None when there are none or the file is not readable codes
+    `[num_codebooks, frames]` (a corrupt entry is encoded again and overwritten)."""
+    if not path.exists():
+        return None
+    try:
+        codes = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if codes.ndim != 2 or codes.shape[0] != num_codebooks or codes.shape[1] == 0 or codes.dtype.kind not in "iu":
+        return None
+    return codes
+
+
 def prepare_dataset(
     records,
     codec,
@@ -230,6 +256,7 @@ def prepare_dataset(
     max_seconds: float = MAX_SECONDS,
     progress: bool = True,
     report_path: str | os.PathLike | None = None,
+    min_speech_fraction: float = MIN_SPEECH_FRACTION,
 ):
     """Validate, resample and encode every record once; returns (dataset, report).
 
@@ -237,10 +264,13 @@ def prepare_dataset(
     and `source`. Codes are cached per record under `cache_dir` (keyed by the audio and the codec's
     fingerprint), so a second call, or a call after an interruption, encodes only what is missing.
     Items are encoded `batch_size` at a time (the codec is causal: right padding leaves codes
-    unchanged). Skipped records are listed in the report (also written to `report_path` as JSON).
+    unchanged). Skipped records are listed in the report (also written to `report_path` as JSON);
+    see `check_record` for the reasons and `min_seconds`, `max_seconds`, `min_speech_fraction`.
     """
     import datasets
     from tqdm.auto import tqdm
+
+    from ..files import write_text_atomic
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -269,8 +299,8 @@ def prepare_dataset(
         except (OSError, TypeError) as error:
             report.skipped.append(Skipped(index, source, "unreadable", str(error)))
             continue
-        if path.exists() and text and text.strip():
-            codes = np.load(path)
+        codes = _cached_codes(path, codec.num_codebooks) if text and text.strip() else None
+        if codes is not None:
             kept[index] = {**row, "codes": codes.tolist(), "frames": int(codes.shape[1])}
             report.from_cache += 1
             continue
@@ -279,7 +309,7 @@ def prepare_dataset(
         except ValueError as error:  # read_audio turns every decoding failure into a ValueError
             report.skipped.append(Skipped(index, source, "unreadable", str(error)))
             continue
-        problem = check_record(text, samples, codec.sampling_rate, min_seconds, max_seconds)
+        problem = check_record(text, samples, codec.sampling_rate, min_seconds, max_seconds, min_speech_fraction)
         if problem is not None:
             report.skipped.append(Skipped(index, source, *problem))
             continue
@@ -303,5 +333,5 @@ def prepare_dataset(
         {name: [] for name in features}, features=features
     )
     if report_path is not None:
-        Path(report_path).write_text(json.dumps(report.to_json(), indent=2), encoding="utf-8")
+        write_text_atomic(report_path, json.dumps(report.to_json(), indent=2))
     return dataset, report
