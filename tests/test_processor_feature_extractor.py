@@ -216,7 +216,7 @@ def test_the_processor_reads_audio_through_its_feature_extractor(tmp_path):
     strict = Drama3Processor(tiny_tokenizer(), Drama3FeatureExtractor(silence_peak=0.01), codec=tiny_codec())
     with pytest.raises(ValueError, match=r"references\[0\]\.audio: the audio is silent \(peak below 0\.01\)"):
         strict("x", reference_audio=quiet, reference_text="r")
-    lenient = Drama3Processor(tiny_tokenizer(), codec=tiny_codec())
+    lenient = Drama3Processor(tiny_tokenizer(), codec=tiny_codec(), min_reference_fraction=0.0)  # 0.1 s placeholder
     assert lenient("x", reference_audio=quiet, reference_text="r")["input_ids"].shape[0] == 1
 
 
@@ -237,7 +237,7 @@ def test_save_writes_preprocessor_config_and_load_round_trips(tmp_path):
 
 
 def test_a_folder_saved_without_a_feature_extractor_loads_with_the_codec_rate(tmp_path):
-    processor = Drama3Processor(tiny_tokenizer(), codec=tiny_codec(sampling_rate=22050))
+    processor = Drama3Processor(tiny_tokenizer(), codec=tiny_codec(sampling_rate=22050), min_reference_fraction=0.0)
     processor.save_pretrained(tmp_path)
     (tmp_path / "preprocessor_config.json").unlink()
     config = json.loads((tmp_path / "processor_config.json").read_text())
