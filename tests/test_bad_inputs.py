@@ -717,3 +717,15 @@ def test_a_corrupt_cache_entry_is_encoded_again(tmp_path, codec):
     assert second["codes"] == first["codes"]
     third, report = prepare_dataset(records, codec, tmp_path / "cache", progress=False)
     assert report.from_cache == 2 and third["codes"] == first["codes"]
+
+
+def test_writing_through_a_symlink_replaces_the_file_it_names_and_keeps_the_link(tmp_path):
+    from transformers_drama3.files import atomic_output
+
+    target, link = tmp_path / "real.txt", tmp_path / "link.txt"
+    target.write_text("old")
+    link.symlink_to(target)
+    with atomic_output(link) as temporary:
+        Path(temporary).write_text("new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "real.txt"]

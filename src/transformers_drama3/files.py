@@ -22,8 +22,9 @@ from collections.abc import Iterator
 
 def check_output_path(path: str | os.PathLike, name: str) -> str:
     """The absolute path of an output file after checking it can be written, or a ValueError
-    naming `name`: the folder must exist and be writable, and `path` must not be a folder."""
-    path = os.path.abspath(os.fspath(path))
+    naming `name`: the folder must exist and be writable, and `path` must not be a folder.
+    A symlink is checked where it points, where `atomic_output` writes."""
+    path = os.path.realpath(os.fspath(path))
     folder = os.path.dirname(path)
     if os.path.isdir(path):
         raise ValueError(f"{name} {path}: is a folder; expected a file path")
@@ -55,8 +56,9 @@ def _file_mode(path: str) -> int:
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path beside `path` (same extension, so writers pick the same format);
-    on a normal exit it replaces `path`, on an exception it is removed and `path` is untouched."""
-    path = os.path.abspath(os.fspath(path))
+    on a normal exit it replaces `path`, on an exception it is removed and `path` is untouched.
+    A symlink is followed: the file it points to is replaced and the link kept."""
+    path = os.path.realpath(os.fspath(path))
     folder, base = os.path.split(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{base}.", suffix=os.path.splitext(base)[1], dir=folder)
     os.close(descriptor)
