@@ -83,7 +83,7 @@ def test_a_two_speaker_scene_is_three_turns_covering_every_frame(scene):
 
 @needs_resemblyzer
 def test_each_turn_has_its_speakers_voice(scene, tiny):
-    from transformers_drama3.tiny import instruments as I
+    from recipes.drama3_tiny import instruments as I
 
     _, processor = tiny
     centroids = {}

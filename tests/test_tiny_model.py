@@ -24,7 +24,7 @@ def tiny():
 
 
 def espeak_seconds(text: str, voice: str) -> float:
-    from transformers_drama3.tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
+    from recipes.drama3_tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
 
     return len(synthesize(text, VOICES_BY_NAME[voice])) / SAMPLING_RATE
 
@@ -81,7 +81,7 @@ def test_the_take_is_speech_of_plausible_length_that_stops_by_itself(take, tiny)
 
 
 def test_the_take_has_the_reference_voice(take, tiny):
-    from transformers_drama3.tiny import instruments as I
+    from recipes.drama3_tiny import instruments as I
 
     output, _ = take
     _, processor = tiny
@@ -89,7 +89,7 @@ def test_the_take_has_the_reference_voice(take, tiny):
     embedding = I.speaker_embedding(output.audio[0].numpy(), rate)
     centroids = {}
     for voice in shipped.voices():
-        from transformers_drama3.tiny.corpus import VOICES_BY_NAME, synthesize
+        from recipes.drama3_tiny.corpus import VOICES_BY_NAME, synthesize
 
         clips = [synthesize(text, VOICES_BY_NAME[voice]) for text in ("A small bird sang in the garden.", "We will meet at the station tomorrow.")]
         centroids[voice] = I.voice_centroid([I.speaker_embedding(clip, 22050) for clip in clips])
@@ -120,7 +120,7 @@ def test_unknown_bundled_voice_is_a_clear_error(tmp_path):
 
 def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
     """`drama3 eval` on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
-    from transformers_drama3.tiny.evaluation import evaluate
+    from recipes.drama3_tiny.evaluation import evaluate
 
     model, processor = tiny
     result = evaluate(model, processor, corpus=None, sentences=12, progress=False, direction_sentences=0)

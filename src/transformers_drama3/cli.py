@@ -11,7 +11,8 @@ voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 
 
 Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
 its parser and sets `handler` (a function of the parsed arguments returning an exit code).
-Add `convert`, `table`, `eval`, `finetune`, `serve` the same way.
+Add `convert`, `finetune`, `serve` the same way. drama3-tiny's evaluation is research code and
+runs from the source tree: `python -m recipes.drama3_tiny.evaluation` (see recipes/drama3_tiny).
 """
 
 from __future__ import annotations
@@ -270,13 +271,7 @@ def run_table(args) -> int:
     return 0
 
 
-def add_eval(subparsers) -> None:
-    from .tiny.evaluation import add_eval as add
-
-    add(subparsers)
-
-
-SUBCOMMANDS = [add_say, add_table, add_eval]
+SUBCOMMANDS = [add_say, add_table]
 
 
 def build_parser() -> argparse.ArgumentParser:
