@@ -119,7 +119,7 @@ def test_unknown_bundled_voice_is_a_clear_error(tmp_path):
 
 
 def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
-    """`drama3 eval` on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
+    """The recipe's evaluation on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
     from recipes.drama3_tiny.evaluation import evaluate
 
     model, processor = tiny
@@ -133,3 +133,12 @@ def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
     # content: the 80% bar is measured on 40 sentences (model_card.md: 82.5%); this sample of 12
     # scores 9 of 12; half of them is five times chance (10%) and leaves room for other CPUs
     assert result.dtw_outputs >= 0.5, result.dtw_outputs
+
+
+def test_the_evaluation_command_refuses_a_missing_model_in_one_line(tmp_path, capsys):
+    from recipes.drama3_tiny.evaluation import main
+
+    code = main(["--model", str(tmp_path / "nowhere"), "--direction-sentences", "0"])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert str(tmp_path / "nowhere") in error and "no Drama 3 model" in error and "Traceback" not in error

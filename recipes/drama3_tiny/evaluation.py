@@ -40,6 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+from transformers_drama3.loading import EXIT_USAGE, CommandError, load_model_and_processor
+from transformers_drama3.tiny import shipped
+
 ENROLMENT_UTTERANCES = 6
 """Train utterances per voice averaged into the voice's centroid (none is a reference used here)."""
 DURATION_BOUNDS = (0.6, 1.6)
@@ -390,9 +393,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_eval(args) -> int:
     import torch
 
-    from transformers_drama3.cli import CommandError, load_model_and_processor
-    from transformers_drama3.tiny import shipped
-
     if args.threads:
         torch.set_num_threads(args.threads)
     source = args.model or shipped.TINY_MODEL_PATH
@@ -416,8 +416,6 @@ def run_eval(args) -> int:
 
 def main(argv=None) -> int:
     """The command line; an error the user can fix is printed as one line (exit status 2)."""
-    from transformers_drama3.cli import EXIT_USAGE, CommandError
-
     try:
         return run_eval(parse_args(argv))
     except CommandError as error:

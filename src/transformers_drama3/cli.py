@@ -22,55 +22,14 @@ import os
 import sys
 import time
 
-DEFAULT_MODEL = "fishaudio/drama-3"
-EXIT_USAGE = 2
+import numpy as np
+import soundfile
 
-
-class CommandError(Exception):
-    """An error the user can fix; printed as one message, without a traceback."""
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_model_and_processor(source: str, device: str, dtype: str):
-    """The model and processor (with its codec) from a folder or a Hub repo id."""
-    import torch
-
-    from . import Drama3ForSpeechGeneration
-    from .processing_drama3 import Drama3Processor
-
-    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
-        raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
-    looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
-    if not os.path.isdir(source) and not looks_like_repo_id:
-        raise CommandError(_missing_model_message(source, "no such folder"))
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    try:
-        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=torch_dtype).to(device).eval()
-        processor = Drama3Processor.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
-        raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
-    if processor.codec is None:
-        raise CommandError(
-            f"--model {source}: found the model but no codec (looked for codec/ and codec.pth beside it); "
-            f"download the full checkpoint folder"
-        )
-    processor.codec.to(device)
-    return model, processor
-
-
-def _missing_model_message(source: str, reason: str) -> str:
-    return (
-        f"no Drama 3 model at {source!r} ({reason}).\n"
-        f"Looked for a local folder with config.json, then the Hugging Face Hub repo {source!r}.\n"
-        f"Get the published model with:  huggingface-cli download {DEFAULT_MODEL} --local-dir drama-3\n"
-        f"then run with --model drama-3 (or pass --model PATH to your own checkpoint folder)."
-    )
-
+from .accounting import account, format_table
+from .configuration_drama3 import Drama3Config
+from .generation_drama3 import generate_long_form
+from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor
+from .tiny import shipped
 
 # ----------------------------------------------------------------------------- say
 
@@ -79,14 +38,10 @@ class FileStreamer:
     """Writes waveform chunks to a WAV/FLAC file as they arrive; reports the time to first audio."""
 
     def __init__(self, path: str, sampling_rate: int, started: float):
-        import soundfile
-
         self.file = soundfile.SoundFile(path, mode="w", samplerate=sampling_rate, channels=1, subtype="PCM_16")
         self.started, self.first, self.samples = started, None, 0
 
     def put(self, value) -> None:
-        import numpy as np
-
         samples = value.detach().to("cpu").float().numpy().reshape(-1)
         if self.first is None and samples.size:
             self.first = time.perf_counter() - self.started
@@ -140,8 +95,6 @@ def add_say(subparsers) -> None:
 
 
 def run_say(args) -> int:
-    from .generation_drama3 import generate_long_form
-
     extension = os.path.splitext(args.output)[1].lower()
     if extension not in (".wav", ".flac"):
         raise CommandError(f"-o {args.output}: write a .wav or .flac file")
@@ -212,8 +165,6 @@ def run_say(args) -> int:
 def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int] | None]:
     """The model to load and the references to clone (audio, transcripts, speakers): `--model`, or
     the bundled drama3-tiny (said on stderr) with bundled voices when no `--reference` is given."""
-    from .tiny import shipped
-
     if args.model is not None:
         if args.voice is not None:
             raise CommandError("--voice picks a bundled drama3-tiny voice; with --model give --reference instead")
@@ -259,9 +210,6 @@ def add_table(subparsers) -> None:
 
 
 def run_table(args) -> int:
-    from .accounting import account, format_table
-    from .configuration_drama3 import Drama3Config
-
     config = None
     if args.config:
         if not os.path.isfile(args.config):

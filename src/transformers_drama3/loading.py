@@ -1,0 +1,59 @@
+"""Loading a Drama 3 model for a command, and the error a user can fix.
+
+    model, processor = load_model_and_processor("fishaudio/drama-3", device="auto", dtype="auto")
+
+Shared by the `drama3` command (cli.py) and the scripts beside the package (the drama3-tiny
+recipe's evaluation), so neither imports the other. A `CommandError` is printed as one message,
+without a traceback, and the command exits with `EXIT_USAGE`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .modeling_drama3 import Drama3ForSpeechGeneration
+from .processing_drama3 import Drama3Processor
+
+DEFAULT_MODEL = "fishaudio/drama-3"
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """An error the user can fix; printed as one message, without a traceback."""
+
+
+def load_model_and_processor(source: str, device: str, dtype: str):
+    """The model and processor (with its codec) from a folder or a Hub repo id; a CommandError
+    naming `source` when there is none."""
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
+    looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+    if not os.path.isdir(source) and not looks_like_repo_id:
+        raise CommandError(_missing_model_message(source, "no such folder"))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    try:
+        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=torch_dtype).to(device).eval()
+        processor = Drama3Processor.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
+        raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
+    if processor.codec is None:
+        raise CommandError(
+            f"--model {source}: found the model but no codec (looked for codec/ and codec.pth beside it); "
+            f"download the full checkpoint folder"
+        )
+    processor.codec.to(device)
+    return model, processor
+
+
+def _missing_model_message(source: str, reason: str) -> str:
+    return (
+        f"no Drama 3 model at {source!r} ({reason}).\n"
+        f"Looked for a local folder with config.json, then the Hugging Face Hub repo {source!r}.\n"
+        f"Get the published model with:  huggingface-cli download {DEFAULT_MODEL} --local-dir drama-3\n"
+        f"then run with --model drama-3 (or pass --model PATH to your own checkpoint folder)."
+    )
