@@ -14,7 +14,7 @@ from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tin
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
     "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
-    "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint", "RecordingStreamer", "load_bundled_tiny",
+    "script_main_tokens", "tiny_speech_bundle", "RecordingStreamer", "load_bundled_tiny",
 ]
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
@@ -193,14 +193,6 @@ def tiny_speech_bundle(seed: int = 0):
     return model, processor
 
 
-def save_tiny_checkpoint(directory, seed: int = 0):
-    """Write a tiny model + processor (tokenizer, codec/) into `directory`; returns (model, processor)."""
-    model, processor = tiny_speech_bundle(seed)
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return model, processor
-
-
 class RecordingStreamer:
     """A streamer that keeps every chunk `put` to it and counts the calls to `end`."""
 
@@ -214,13 +206,12 @@ class RecordingStreamer:
         self.ends += 1
 
 
-def load_bundled_tiny(threads: int):
-    """drama3-tiny, the model shipped inside the package, loaded through the Auto classes with
-    `threads` CPU threads. Returns (model, processor)."""
+def load_bundled_tiny():
+    """drama3-tiny, the model shipped inside the package, loaded through the Auto classes.
+    Returns (model, processor); conftest's `bundled_tiny` loads it once per test run."""
     from transformers import AutoModel, AutoProcessor
 
     from transformers_drama3.tiny import shipped
 
-    torch.set_num_threads(threads)
     model = AutoModel.from_pretrained(shipped.TINY_MODEL_PATH).eval()
     return model, AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)

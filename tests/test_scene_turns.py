@@ -7,7 +7,7 @@ import pytest
 import soundfile
 import torch
 
-from generation_helpers import RecordingStreamer, load_bundled_tiny
+from generation_helpers import RecordingStreamer
 from transformers_drama3.generation_drama3 import generate_long_form, resolve_scene_mode
 from transformers_drama3.prompting import Line, Reference, Script, speaker_turns
 from transformers_drama3.tiny import shipped
@@ -32,8 +32,12 @@ SCENE_REFERENCES = tuple(bundled_reference(voice, speaker) for speaker, voice in
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_bundled_tiny(threads=1)
+def tiny(bundled_tiny):
+    """drama3-tiny, on 1 CPU thread for this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield bundled_tiny
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from generation_helpers import load_bundled_tiny
 from transformers_drama3.tiny import shipped
 
 pytestmark = pytest.mark.skipif(not shipped.is_available(), reason="this checkout carries no drama3-tiny weights")
@@ -19,8 +18,12 @@ VOICE_BAR = 0.8  # the issue's bar: the reference voice is identified for at lea
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_bundled_tiny(threads=2)
+def tiny(bundled_tiny):
+    """drama3-tiny, on 2 CPU threads for this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield bundled_tiny
+    torch.set_num_threads(threads)
 
 
 def espeak_seconds(text: str, voice: str) -> float:
