@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model
+from codec_helpers import tiny_codec
+from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model, tokenizer_config
+from transformers_drama3 import Drama3ForSpeechGeneration
+from transformers_drama3.processing_drama3 import Drama3Processor
+from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
@@ -165,29 +169,15 @@ def script_main_tokens(model, scripts: list[list[int]]):
 
 # ---- a tiny model that matches a real tokenizer and codec (pipelines, CLI, long-form) -------------
 
-BUNDLE_CODEBOOK_SIZE = 32
+BUNDLE_CODEBOOK_SIZE = CODEBOOK_SIZE  # the tiny models' semantic band, here a real tokenizer's
 
 
 def tiny_speech_bundle(seed: int = 0):
     """(model, processor): a tiny model whose token ids match a tiny Drama 3 tokenizer (32 semantic
     tokens) and a tiny codec (4 codebooks), float32, random weights."""
-    from codec_helpers import tiny_codec
-    from model_helpers import tiny_config_dict
-    from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
-    from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
-
     tokenizer = build_drama3_tokenizer(vocab_size=300, codebook_size=BUNDLE_CODEBOOK_SIZE)
-    vocab = tokenizer.get_vocab()
-    semantic_start = vocab["<|semantic:0|>"]
-    config = tiny_config_dict(
-        text={"vocab_size": len(tokenizer)},
-        semantic_start_token_id=semantic_start,
-        semantic_end_token_id=semantic_start + BUNDLE_CODEBOOK_SIZE - 1,
-        eos_token_id=vocab["<|im_end|>"],
-    )
     torch.manual_seed(seed)
-    model = Drama3ForSpeechGeneration(Drama3Config(**config)).float().eval()
+    model = Drama3ForSpeechGeneration(tokenizer_config(tokenizer, BUNDLE_CODEBOOK_SIZE)).float().eval()
     codec = tiny_codec(seed, semantic_codebook_size=BUNDLE_CODEBOOK_SIZE)
     processor = Drama3Processor(tokenizer, codec=codec, codebook_size=BUNDLE_CODEBOOK_SIZE)
     return model, processor
