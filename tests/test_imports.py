@@ -263,6 +263,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_each_module_imports_alone():
     """Each module is the first of the package to be imported in a clean interpreter state (the
     package's modules removed from `sys.modules` before each; torch and transformers stay loaded,

@@ -37,6 +37,7 @@ def run_training(corpus, codec_dir, out, *extra):
           "--warmup-steps", "1", "--save-steps", "2", "--logging-steps", "1", "--threads", "1", *extra])
 
 
+@pytest.mark.slow
 def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tmp_path):
     from transformers import AutoModel, AutoProcessor
 

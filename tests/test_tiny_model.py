@@ -99,6 +99,7 @@ def test_the_take_has_the_reference_voice(take, tiny):
     assert I.identify_voice(embedding, centroids) == "B"
 
 
+@pytest.mark.slow
 def test_drama3_say_uses_the_bundled_model_and_says_so(tmp_path):
     if shutil.which("drama3") is None:
         pytest.skip("the drama3 command is not installed")
@@ -121,6 +122,7 @@ def test_unknown_bundled_voice_is_a_clear_error(tmp_path):
     assert code == 2
 
 
+@pytest.mark.slow
 def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
     """The recipe's evaluation on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
     from recipes.drama3_tiny.evaluation import evaluate
