@@ -208,7 +208,7 @@ def test_longest_pause_measures_silence_between_sounds_only():
 @needs_espeak
 @pytest.mark.parametrize("voice", ["A", "B", "D", "F"])
 def test_espeak_renderings_follow_every_direction_by_the_evaluation_margins(voice):
-    """The instruments behind `drama3 eval`'s directions part read what espeak does to a sentence."""
+    """The instruments behind the evaluation's directions part read what espeak does to a sentence."""
     from recipes.drama3_tiny.evaluation import DIRECTION_MARGINS, direction_effect, direction_pairs
 
     for name, texts in direction_pairs(SENTENCES[0]).items():
