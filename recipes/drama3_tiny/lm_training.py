@@ -33,7 +33,7 @@ CLONING_SPLIT = "train"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.lm_training", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", required=True, help="corpus folder (manifest.jsonl + wavs/)")
     parser.add_argument("--codec", required=True, help="codec folder")
     parser.add_argument("--out", required=True, help="run folder")

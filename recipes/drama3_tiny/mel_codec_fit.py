@@ -48,7 +48,7 @@ def fit_codec(corpus: str | Path, num_codebooks: int = 4, codebook_size: int = 2
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.mel_codec_fit", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--codebooks", type=int, default=4)
