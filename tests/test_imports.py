@@ -201,11 +201,6 @@ KNOWN_FUNCTION_IMPORTS = {
     ("modeling_drama3", "generation_drama3"),
     ("generation_drama3", "prompting"),
     ("generation_drama3", "codec.streaming"),
-    # point 3: Auto registration from one function, the codec sub-folder through the Auto registry
-    ("processing_drama3", "codec"),
-    ("processing_drama3", "configuration_drama3"),
-    ("processing_drama3", "feature_extraction_drama3"),
-    ("feature_extraction_drama3", "configuration_drama3"),
     # the codec's streaming and fish-speech loading
     ("codec.modeling_codec", "codec.streaming"),
     ("codec.modeling_codec", "codec.convert"),
