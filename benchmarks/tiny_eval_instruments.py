@@ -1,6 +1,6 @@
 """Validate the drama3-tiny instruments on espeak-ng originals (no model involved).
 
-    PYTHONPATH=src python benchmarks/tiny_eval_instruments.py [--sentences 40] [--voices A,B,D,F]
+    python -m benchmarks.tiny_eval_instruments [--sentences 40] [--voices A,B,D,F]   # from the repository root
 
 Builds a small corpus (held-out sentences spoken by every voice, plus plain enrolment utterances
 per voice) and prints:
@@ -23,8 +23,8 @@ from itertools import combinations
 
 import numpy as np
 
-from transformers_drama3.tiny import instruments as I
-from transformers_drama3.tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, build_corpus, read_wav, synthesize
+from recipes.drama3_tiny import instruments as I
+from recipes.drama3_tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, build_corpus, read_wav, synthesize
 
 
 def noisy(samples: np.ndarray, snr_db: float, seed: int = 1) -> np.ndarray:

@@ -10,6 +10,11 @@ import torch
 from transformers_drama3.codec import Drama3CodecConfig, Drama3CodecModel
 
 
+SEMANTIC_CODEBOOK_SIZE = 64
+RESIDUAL_CODEBOOK_SIZE = 16
+NUM_CODEBOOKS = 4  # 1 semantic + 3 residual, as many as the tiny models' towers have
+
+
 def tiny_codec_config(**overrides) -> Drama3CodecConfig:
     """A codec with the published structure at toy sizes: 44.1 kHz, 32 samples per frame
     (encoder 2 x 4, quantizer 2 x 2), 1 semantic codebook of 64 + 3 residual codebooks of 16,
@@ -27,9 +32,9 @@ def tiny_codec_config(**overrides) -> Drama3CodecConfig:
         quantizer_transformer_heads=2,
         quantizer_transformer_intermediate_size=64,
         quantizer_transformer_window=4,
-        semantic_codebook_size=64,
-        num_residual_codebooks=3,
-        residual_codebook_size=16,
+        semantic_codebook_size=SEMANTIC_CODEBOOK_SIZE,
+        num_residual_codebooks=NUM_CODEBOOKS - 1,
+        residual_codebook_size=RESIDUAL_CODEBOOK_SIZE,
         codebook_dim=4,
         decoder_dim=32,
         decoder_rates=[4, 2],

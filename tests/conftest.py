@@ -1,8 +1,20 @@
+"""Fixtures shared by the whole test run.
+
+The models every module needs are built once per run (session scope), not once per module:
+the bundled drama3-tiny, the tiny speech bundle (model + processor with a real tokenizer and
+codec) and its saved checkpoint, the random tiny model and the tiny codecs. Tests must not change
+them: a test that edits weights or replaces a method builds its own (`tiny_model()`, ...).
+"""
+
 import random
 
 import numpy as np
 import pytest
 import torch
+
+from codec_helpers import tiny_codec
+from generation_helpers import load_bundled_tiny, tiny_speech_bundle
+from model_helpers import tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +25,48 @@ def seeded_random_state():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def bundled_tiny():
+    """(model, processor) of drama3-tiny as shipped, loaded through the Auto classes."""
+    from transformers_drama3.tiny import shipped
+
+    if not shipped.is_available():
+        pytest.skip("this checkout carries no drama3-tiny weights")
+    return load_bundled_tiny()
+
+
+@pytest.fixture(scope="session")
+def speech_bundle():
+    """(model, processor): `tiny_speech_bundle(seed=0)`."""
+    return tiny_speech_bundle(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, speech_bundle):
+    """(folder, model, processor): the speech bundle saved as a checkpoint folder (model, tokenizer, codec/)."""
+    directory = tmp_path_factory.mktemp("tiny_drama3")
+    model, processor = speech_bundle
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory), model, processor
+
+
+@pytest.fixture(scope="session")
+def random_tiny_model():
+    """`tiny_model(seed=0)`: random float32 weights, published layout, no tokenizer."""
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def codec32():
+    """`tiny_codec()` in float32."""
+    return tiny_codec()
+
+
+@pytest.fixture(scope="session")
+def codec64():
+    """`tiny_codec()` in float64: equivalence tests compare to 1e-9, free of the float32 rounding
+    that the random tiny codec amplifies (~1e-4 after its decoder)."""
+    return tiny_codec().double()

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model
+from codec_helpers import tiny_codec
+from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model, tokenizer_config
+from transformers_drama3 import Drama3ForSpeechGeneration
+from transformers_drama3.processing_drama3 import Drama3Processor
+from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
     "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
-    "script_main_tokens", "tiny_speech_bundle", "save_tiny_checkpoint", "RecordingStreamer", "load_bundled_tiny",
+    "script_main_tokens", "tiny_speech_bundle", "RecordingStreamer", "load_bundled_tiny",
 ]
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
@@ -165,40 +169,18 @@ def script_main_tokens(model, scripts: list[list[int]]):
 
 # ---- a tiny model that matches a real tokenizer and codec (pipelines, CLI, long-form) -------------
 
-BUNDLE_CODEBOOK_SIZE = 32
+BUNDLE_CODEBOOK_SIZE = CODEBOOK_SIZE  # the tiny models' semantic band, here a real tokenizer's
 
 
 def tiny_speech_bundle(seed: int = 0):
     """(model, processor): a tiny model whose token ids match a tiny Drama 3 tokenizer (32 semantic
     tokens) and a tiny codec (4 codebooks), float32, random weights."""
-    from codec_helpers import tiny_codec
-    from model_helpers import tiny_config_dict
-    from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
-    from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
-
     tokenizer = build_drama3_tokenizer(vocab_size=300, codebook_size=BUNDLE_CODEBOOK_SIZE)
-    vocab = tokenizer.get_vocab()
-    semantic_start = vocab["<|semantic:0|>"]
-    config = tiny_config_dict(
-        text={"vocab_size": len(tokenizer)},
-        semantic_start_token_id=semantic_start,
-        semantic_end_token_id=semantic_start + BUNDLE_CODEBOOK_SIZE - 1,
-        eos_token_id=vocab["<|im_end|>"],
-    )
     torch.manual_seed(seed)
-    model = Drama3ForSpeechGeneration(Drama3Config(**config)).float().eval()
+    model = Drama3ForSpeechGeneration(tokenizer_config(tokenizer, BUNDLE_CODEBOOK_SIZE)).float().eval()
     codec = tiny_codec(seed, semantic_codebook_size=BUNDLE_CODEBOOK_SIZE)
     # the tiny codec makes ~1400 frames a second, so its references last milliseconds: no length check
     processor = Drama3Processor(tokenizer, codec=codec, codebook_size=BUNDLE_CODEBOOK_SIZE, min_reference_fraction=0.0)
-    return model, processor
-
-
-def save_tiny_checkpoint(directory, seed: int = 0):
-    """Write a tiny model + processor (tokenizer, codec/) into `directory`; returns (model, processor)."""
-    model, processor = tiny_speech_bundle(seed)
-    model.save_pretrained(directory)
-    processor.save_pretrained(directory)
     return model, processor
 
 
@@ -215,13 +197,12 @@ class RecordingStreamer:
         self.ends += 1
 
 
-def load_bundled_tiny(threads: int):
-    """drama3-tiny, the model shipped inside the package, loaded through the Auto classes with
-    `threads` CPU threads. Returns (model, processor)."""
+def load_bundled_tiny():
+    """drama3-tiny, the model shipped inside the package, loaded through the Auto classes.
+    Returns (model, processor); conftest's `bundled_tiny` loads it once per test run."""
     from transformers import AutoModel, AutoProcessor
 
     from transformers_drama3.tiny import shipped
 
-    torch.set_num_threads(threads)
     model = AutoModel.from_pretrained(shipped.TINY_MODEL_PATH).eval()
     return model, AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)

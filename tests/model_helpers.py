@@ -10,7 +10,7 @@ from transformers_drama3.configuration_drama3 import FIXED_TEXT_SETTINGS
 SEMANTIC_START = 64
 CODEBOOK_SIZE = 32
 EOS = 2
-NUM_CODEBOOKS = 4
+NUM_CODEBOOKS = 4  # the tiny codec's count (codec_helpers.NUM_CODEBOOKS), so models and codec pair
 
 
 def tiny_text_config(**overrides) -> dict:
@@ -86,6 +86,21 @@ def tiny_config_dict(text=None, tower=None, **top) -> dict:
 
 def tiny_config(text=None, tower=None, **top) -> Drama3Config:
     return Drama3Config(**tiny_config_dict(text, tower, **top))
+
+
+def tokenizer_config(tokenizer, codebook_size: int, text=None, tower=None, **top) -> Drama3Config:
+    """A tiny config whose ids match a real Drama 3 `tokenizer`: its vocabulary, its
+    `<|semantic:0|>` band of `codebook_size` tokens (the tower's codebook size too) and
+    `<|im_end|>` as eos. `text`, `tower` and `top` override as in `tiny_config_dict`."""
+    start = tokenizer.convert_tokens_to_ids("<|semantic:0|>")
+    return tiny_config(
+        text={"vocab_size": len(tokenizer), **(text or {})},
+        tower={"vocab_size": codebook_size, **(tower or {})},
+        semantic_start_token_id=start,
+        semantic_end_token_id=start + codebook_size - 1,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        **top,
+    )
 
 
 def tiny_model(seed: int = 0, **config_overrides) -> Drama3ForSpeechGeneration:

@@ -26,7 +26,7 @@ import soundfile
 import torch
 
 from codec_helpers import tiny_codec_config
-from generation_helpers import prompt, save_tiny_checkpoint
+from generation_helpers import prompt
 from model_helpers import CODEBOOK_SIZE, tiny_model
 from processor_helpers import random_codes, tiny_processor
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
@@ -34,7 +34,8 @@ from transformers_drama3.cli import main
 from transformers_drama3.codec import Drama3CodecModel
 from transformers_drama3.codec.convert import to_fish_speech_state_dict
 from transformers_drama3.prompting import Reference, Script
-from transformers_drama3.tiny import shipped
+from recipes.drama3_tiny import evaluation
+from recipes.drama3_tiny import export as recipe_export
 
 CLI = "cli"  # the case is a `drama3` command: exit code 2, message on stderr
 RATE = 44100
@@ -42,10 +43,8 @@ FULL_TRANSCRIPT = "This is the whole sentence that the speaker reads out loud in
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bad_inputs_checkpoint")
-    save_tiny_checkpoint(folder)
-    return folder
+def checkpoint(tiny_checkpoint):
+    return Path(tiny_checkpoint[0])
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +78,13 @@ class Workspace:
         return folder
 
 
-def cli(argv: list[str]) -> tuple[int, str]:
-    """Exit code and stderr of `drama3 ARGV` (argparse's own errors included)."""
+def cli(argv: list[str], command=main) -> tuple[int, str]:
+    """Exit code and stderr of `drama3 ARGV` (argparse's own errors included), or of another
+    command line's `main`."""
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
-            code = main(argv)
+            code = command(argv)
         except SystemExit as exit:
             code = exit.code
     return code, stderr.getvalue()
@@ -336,7 +336,7 @@ def table_missing_config(ws):
 
 @case(CLI, "--corpus", "no manifest.jsonl")
 def eval_missing_corpus(ws):
-    return lambda: cli(["eval", "--model", str(ws.checkpoint), "--corpus", str(ws.root / "no-corpus")])
+    return lambda: cli(["--model", str(ws.checkpoint), "--corpus", str(ws.root / "no-corpus")], evaluation.main)
 
 
 @case(CLI, "--json", "does not exist")
@@ -344,7 +344,8 @@ def eval_json_in_a_missing_folder(ws):
     corpus = ws.root / "corpus"
     corpus.mkdir()
     (corpus / "manifest.jsonl").write_text("")
-    return lambda: cli(["eval", "--model", str(ws.checkpoint), "--corpus", str(corpus), "--json", str(ws.root / "x" / "e.json")])
+    return lambda: cli(["--model", str(ws.checkpoint), "--corpus", str(corpus), "--json", str(ws.root / "x" / "e.json")],
+                       evaluation.main)
 
 
 # the processor
@@ -522,18 +523,11 @@ def export_from_a_missing_run(ws):
     destination = ws.root / "package"
     destination.mkdir()
     (destination / "model.safetensors").write_bytes(b"the user's model")
-    return lambda: shipped.export(ws.root / "no-run", ws.root, destination)
+    return lambda: recipe_export.export(ws.root / "no-run", ws.root, destination)
 
 
 def cli_export(argv):
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            shipped.main(argv)
-            code = 0
-        except SystemExit as exit:
-            code = exit.code
-    return code, stderr.getvalue()
+    return cli(argv, lambda argv: recipe_export.main(argv) or 0)
 
 
 def test_the_table_covers_every_entry_point_with_at_least_forty_cases():
@@ -612,17 +606,17 @@ def test_export_checks_its_source_before_touching_the_destination(workspace):
     (destination / "model.safetensors").write_bytes(b"the bundled model")
     before = snapshot(workspace.root)
     with pytest.raises(ValueError, match="no config.json"):
-        shipped.export(workspace.root / "typo-run" / "model", workspace.root, destination)
+        recipe_export.export(workspace.root / "typo-run" / "model", workspace.root, destination)
     assert snapshot(workspace.root) == before
 
 
 def test_export_refuses_the_installed_model_folder_without_force(workspace, monkeypatch):
     package = workspace.copy_checkpoint("installed")  # stands in for the installed package's folder
-    monkeypatch.setattr(shipped, "TINY_MODEL_PATH", str(package))
+    monkeypatch.setattr(recipe_export, "TINY_MODEL_PATH", str(package))
     before = snapshot(workspace.root)
     with pytest.raises(ValueError, match="installed with the package"):
-        shipped.export(workspace.checkpoint, workspace.root, package)
-    code, message = cli_export(["export", str(workspace.root / "typo"), "--corpus", str(workspace.root)])
+        recipe_export.export(workspace.checkpoint, workspace.root, package)
+    code, message = cli_export([str(workspace.root / "typo"), "--corpus", str(workspace.root)])
     assert code == 2 and "--to" in message
     assert snapshot(workspace.root) == before
 

@@ -7,15 +7,12 @@ import numpy as np
 import pytest
 import soundfile
 
-from generation_helpers import save_tiny_checkpoint
 from transformers_drama3.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_drama3_cli")
-    save_tiny_checkpoint(directory)
-    return str(directory)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint[0]
 
 
 def say(checkpoint, output, *extra):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from codec_helpers import one_thread, tiny_codec  # noqa: F401 (fixture)
+from codec_helpers import one_thread  # noqa: F401 (fixture)
 
 from transformers_drama3.codec import check_audio, is_inaudible
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def codec():
-    return tiny_codec()
+def codec(codec32):
+    return codec32
 
 
 def test_empty_audio_is_rejected(codec):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import soxr
 import torch
-from codec_helpers import one_thread, tiny_codec  # noqa: F401 (fixture)
+from codec_helpers import one_thread  # noqa: F401 (fixture)
 
 from transformers_drama3.codec.modeling_codec import WindowLimitedTransformer, rotary_cos_sin, window_mask
 
@@ -13,15 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def codec():
-    return tiny_codec()
-
-
-@pytest.fixture(scope="module")
-def codec64():
-    """float64 copy: equivalence tests compare to 1e-9, free of float32 rounding that the
-    random tiny codec amplifies (~1e-4 after its decoder)."""
-    return tiny_codec().double()
+def codec(codec32):
+    return codec32
 
 
 def noise(samples: int, seed: int = 0, batch: int = 1) -> torch.Tensor:

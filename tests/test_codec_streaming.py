@@ -13,9 +13,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def codec():
+def codec(codec64):
     """float64, so streamed and offline results can be compared to 1e-9."""
-    return tiny_codec().double()
+    return codec64
 
 
 def noise(samples: int, batch: int = 1, seed: int = 0) -> torch.Tensor:

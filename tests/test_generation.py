@@ -14,8 +14,8 @@ from transformers_drama3.generation_drama3 import (
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model(seed=0)
+def model(random_tiny_model):
+    return random_tiny_model
 
 
 def test_greedy_generate_equals_full_forward_reference(model):

@@ -4,7 +4,7 @@ and the previous take as history, into one waveform or one stream."""
 import pytest
 import torch
 
-from generation_helpers import RecordingStreamer, tiny_speech_bundle
+from generation_helpers import RecordingStreamer
 from transformers_drama3.generation_drama3 import decode_audio, generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
@@ -26,8 +26,8 @@ class RecordingProcessor:
 
 
 @pytest.fixture(scope="module")
-def bundle():
-    return tiny_speech_bundle(seed=0)
+def bundle(speech_bundle):
+    return speech_bundle
 
 
 def test_each_chunk_sees_the_first_and_the_previous_take(bundle):

@@ -4,19 +4,18 @@ the same codes, follow the click rule, and report the time to first audio."""
 import pytest
 import torch
 
-from codec_helpers import tiny_codec
 from generation_helpers import SEMANTIC_START, prompt, script_main_tokens, tiny_model
 from transformers_drama3.generation_drama3 import AudioChunk, default_stream_windows
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model(seed=0)
+def model(random_tiny_model):
+    return random_tiny_model
 
 
 @pytest.fixture(scope="module")
-def codec():
-    return tiny_codec(seed=0).double()  # float64: streaming == offline up to 1e-9, not float32 rounding
+def codec(codec64):
+    return codec64  # float64: streaming == offline up to 1e-9, not float32 rounding
 
 
 class Collector:

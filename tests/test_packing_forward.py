@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_oracle import document_losses, row_losses
 from model_helpers import NUM_CODEBOOKS, make_rows, random_frames, tiny_model
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
@@ -16,7 +17,6 @@ import transformers_drama3  # noqa: F401  (installs the routing)
 from transformers_drama3.kernels.device_dispatch import document_index
 from transformers_drama3.modeling_drama3 import document_offsets, positions_in_documents
 from transformers_drama3.prompting import IGNORE_INDEX
-from transformers_drama3.training import document_losses, row_losses
 
 FRAMES = (4, 9, 2)  # three documents of different lengths
 WIDTH = 24

@@ -5,17 +5,14 @@ import numpy as np
 import pytest
 from transformers import pipeline
 
-from generation_helpers import save_tiny_checkpoint
 from transformers_drama3.pipeline_drama3 import text_to_speech_pipeline
 
 GENERATE = {"max_new_tokens": 4, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_drama3")
-    model, processor = save_tiny_checkpoint(directory)
-    return str(directory), model, processor
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def assert_audio(result, processor):

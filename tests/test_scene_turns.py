@@ -7,7 +7,7 @@ import pytest
 import soundfile
 import torch
 
-from generation_helpers import RecordingStreamer, load_bundled_tiny
+from generation_helpers import RecordingStreamer
 from transformers_drama3.generation_drama3 import generate_long_form, resolve_scene_mode
 from transformers_drama3.prompting import Line, Reference, Script, speaker_turns
 from transformers_drama3.tiny import shipped
@@ -32,8 +32,12 @@ SCENE_REFERENCES = tuple(bundled_reference(voice, speaker) for speaker, voice in
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_bundled_tiny(threads=1)
+def tiny(bundled_tiny):
+    """drama3-tiny, on 1 CPU thread for this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield bundled_tiny
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,7 @@ def test_the_tiny_models_generation_config_chooses_turns(tiny):
         resolve_scene_mode(model, "both")
 
 
+@pytest.mark.slow
 def test_one_speaker_in_turns_mode_gives_the_joint_take(tiny):
     model, processor = tiny
     text = "Good morning to you. The boats are ready."
@@ -81,9 +86,10 @@ def test_a_two_speaker_scene_is_three_turns_covering_every_frame(scene):
     assert all(turn.finish_reasons == ["eos"] for turn in scene.turns)
 
 
+@pytest.mark.slow
 @needs_resemblyzer
 def test_each_turn_has_its_speakers_voice(scene, tiny):
-    from transformers_drama3.tiny import instruments as I
+    from recipes.drama3_tiny import instruments as I
 
     _, processor = tiny
     centroids = {}
@@ -98,6 +104,7 @@ def test_each_turn_has_its_speakers_voice(scene, tiny):
     assert heard == [SCENE_VOICES[turn.speaker] for turn in scene.turns]
 
 
+@pytest.mark.slow
 def test_a_streamed_scene_equals_the_offline_scene(tiny, scene):
     model, processor = tiny
     streamer = RecordingStreamer()
@@ -122,6 +129,7 @@ def test_a_multi_speaker_script_without_references_is_refused(tiny):
         generate_long_form(model, processor, SCENE, progress=False, scene="turns")
 
 
+@pytest.mark.slow
 def test_drama3_say_speaks_a_scene_with_one_bundled_voice_per_speaker(tmp_path, capsys):
     from transformers_drama3.cli import main
 
@@ -143,6 +151,7 @@ def test_drama3_say_names_an_unknown_voice_in_the_list(tmp_path, capsys):
     assert "--voice Z" in error and "'Z' is not bundled" in error and "Traceback" not in error
 
 
+@pytest.mark.slow
 def test_drama3_say_binds_each_reference_to_its_reference_speaker(tmp_path, capsys):
     from transformers_drama3.cli import main
 

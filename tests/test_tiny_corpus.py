@@ -7,7 +7,7 @@ import wave
 import numpy as np
 import pytest
 
-from transformers_drama3.tiny.corpus import (
+from recipes.drama3_tiny.corpus import (
     PAUSE,
     PAUSE_MS,
     SAMPLING_RATE,
@@ -22,7 +22,7 @@ from transformers_drama3.tiny.corpus import (
     render_record,
     synthesize,
 )
-from transformers_drama3.tiny.sentences import english_content_words, english_sentence, number_to_words, year_to_words
+from recipes.drama3_tiny.sentences import english_content_words, english_sentence, number_to_words, year_to_words
 
 needs_espeak = pytest.mark.skipif(
     not espeak_available(), reason="espeak-ng binary not on PATH (CI installs it: apt-get install -y espeak-ng)"

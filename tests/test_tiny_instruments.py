@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from transformers_drama3.tiny import instruments as I
-from transformers_drama3.tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, espeak_available, synthesize
+from recipes.drama3_tiny import instruments as I
+from recipes.drama3_tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, espeak_available, synthesize
 
 needs_espeak = pytest.mark.skipif(
     not espeak_available(), reason="espeak-ng binary not on PATH (CI installs it: apt-get install -y espeak-ng)"
@@ -208,8 +208,8 @@ def test_longest_pause_measures_silence_between_sounds_only():
 @needs_espeak
 @pytest.mark.parametrize("voice", ["A", "B", "D", "F"])
 def test_espeak_renderings_follow_every_direction_by_the_evaluation_margins(voice):
-    """The instruments behind `drama3 eval`'s directions part read what espeak does to a sentence."""
-    from transformers_drama3.tiny.evaluation import DIRECTION_MARGINS, direction_effect, direction_pairs
+    """The instruments behind the evaluation's directions part read what espeak does to a sentence."""
+    from recipes.drama3_tiny.evaluation import DIRECTION_MARGINS, direction_effect, direction_pairs
 
     for name, texts in direction_pairs(SENTENCES[0]).items():
         more, less = (synthesize(text, VOICES_BY_NAME[voice]) for text in texts)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from transformers_drama3.tiny.corpus import build_corpus, espeak_available, VOICES_BY_NAME
-from transformers_drama3.tiny.lm_recipe import TINY_TEMPERATURE
+from recipes.drama3_tiny.corpus import build_corpus, espeak_available, VOICES_BY_NAME
+from recipes.drama3_tiny.lm_recipe import TINY_TEMPERATURE
 
 pytestmark = pytest.mark.skipif(not espeak_available(), reason="espeak-ng binary not on PATH")
 
@@ -23,7 +23,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def codec_dir(corpus, tmp_path_factory):
-    from transformers_drama3.tiny.mel_codec_fit import fit_codec
+    from recipes.drama3_tiny.mel_codec_fit import fit_codec
 
     folder = tmp_path_factory.mktemp("codec")
     fit_codec(corpus, num_codebooks=2, codebook_size=16, iterations=3, progress=False).save_pretrained(folder)
@@ -31,12 +31,13 @@ def codec_dir(corpus, tmp_path_factory):
 
 
 def run_training(corpus, codec_dir, out, *extra):
-    from transformers_drama3.tiny.lm_training import main
+    from recipes.drama3_tiny.lm_training import main
 
     main(["--corpus", str(corpus), "--codec", str(codec_dir), "--out", str(out), "--batch-size", "2",
           "--warmup-steps", "1", "--save-steps", "2", "--logging-steps", "1", "--threads", "1", *extra])
 
 
+@pytest.mark.slow
 def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tmp_path):
     from transformers import AutoModel, AutoProcessor
 
@@ -76,11 +77,11 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
 
 
 def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir, tmp_path):
-    from transformers_drama3.tiny.lm_training import assemble_model_folder, load_codec
-    from transformers_drama3.tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
-    from transformers_drama3.tiny.shipped import export
+    from recipes.drama3_tiny.lm_training import assemble_model_folder, load_codec
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from recipes.drama3_tiny.export import export
     from transformers_drama3 import Drama3ForSpeechGeneration
-    from transformers_drama3.tiny.corpus import read_manifest
+    from recipes.drama3_tiny.corpus import read_manifest
 
     codec = load_codec(codec_dir)
     tokenizer = build_tiny_tokenizer(["some corpus words here"] * 4, 16)

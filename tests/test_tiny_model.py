@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from generation_helpers import load_bundled_tiny
 from transformers_drama3.tiny import shipped
 
 pytestmark = pytest.mark.skipif(not shipped.is_available(), reason="this checkout carries no drama3-tiny weights")
@@ -19,12 +18,16 @@ VOICE_BAR = 0.8  # the issue's bar: the reference voice is identified for at lea
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_bundled_tiny(threads=2)
+def tiny(bundled_tiny):
+    """drama3-tiny, on 2 CPU threads for this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield bundled_tiny
+    torch.set_num_threads(threads)
 
 
 def espeak_seconds(text: str, voice: str) -> float:
-    from transformers_drama3.tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
+    from recipes.drama3_tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, synthesize
 
     return len(synthesize(text, VOICES_BY_NAME[voice])) / SAMPLING_RATE
 
@@ -81,7 +84,7 @@ def test_the_take_is_speech_of_plausible_length_that_stops_by_itself(take, tiny)
 
 
 def test_the_take_has_the_reference_voice(take, tiny):
-    from transformers_drama3.tiny import instruments as I
+    from recipes.drama3_tiny import instruments as I
 
     output, _ = take
     _, processor = tiny
@@ -89,13 +92,14 @@ def test_the_take_has_the_reference_voice(take, tiny):
     embedding = I.speaker_embedding(output.audio[0].numpy(), rate)
     centroids = {}
     for voice in shipped.voices():
-        from transformers_drama3.tiny.corpus import VOICES_BY_NAME, synthesize
+        from recipes.drama3_tiny.corpus import VOICES_BY_NAME, synthesize
 
         clips = [synthesize(text, VOICES_BY_NAME[voice]) for text in ("A small bird sang in the garden.", "We will meet at the station tomorrow.")]
         centroids[voice] = I.voice_centroid([I.speaker_embedding(clip, 22050) for clip in clips])
     assert I.identify_voice(embedding, centroids) == "B"
 
 
+@pytest.mark.slow
 def test_drama3_say_uses_the_bundled_model_and_says_so(tmp_path):
     if shutil.which("drama3") is None:
         pytest.skip("the drama3 command is not installed")
@@ -118,9 +122,10 @@ def test_unknown_bundled_voice_is_a_clear_error(tmp_path):
     assert code == 2
 
 
+@pytest.mark.slow
 def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
-    """`drama3 eval` on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
-    from transformers_drama3.tiny.evaluation import evaluate
+    """The recipe's evaluation on 12 held-out sentences (3 per voice), rendered now by espeak-ng."""
+    from recipes.drama3_tiny.evaluation import evaluate
 
     model, processor = tiny
     result = evaluate(model, processor, corpus=None, sentences=12, progress=False, direction_sentences=0)
@@ -133,3 +138,12 @@ def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
     # content: the 80% bar is measured on 40 sentences (model_card.md: 82.5%); this sample of 12
     # scores 9 of 12; half of them is five times chance (10%) and leaves room for other CPUs
     assert result.dtw_outputs >= 0.5, result.dtw_outputs
+
+
+def test_the_evaluation_command_refuses_a_missing_model_in_one_line(tmp_path, capsys):
+    from recipes.drama3_tiny.evaluation import main
+
+    code = main(["--model", str(tmp_path / "nowhere"), "--direction-sentences", "0"])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert str(tmp_path / "nowhere") in error and "no Drama 3 model" in error and "Traceback" not in error

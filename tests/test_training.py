@@ -14,6 +14,7 @@ import soundfile
 import torch
 from transformers import Trainer, TrainingArguments
 
+from loss_oracle import document_losses, row_losses, weighted_speech_loss
 from training_helpers import codec, processor, stack_model, tone, voice_examples, write_voice_folder
 from transformers_drama3.modeling_drama3 import Drama3Output
 from transformers_drama3.prompting import IGNORE_INDEX
@@ -28,14 +29,11 @@ from transformers_drama3.training import (
     ReferencePool,
     TTSCollator,
     build_optimizer,
-    document_losses,
     load_speech_records,
     pack_greedy,
     prepare_dataset,
-    row_losses,
     split_parameters,
     unpack,
-    weighted_speech_loss,
 )
 from transformers_drama3.training.trainer import drama3_loss
 

@@ -9,15 +9,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codec_helpers import tiny_codec
-from model_helpers import tiny_config_dict
+from codec_helpers import NUM_CODEBOOKS, RESIDUAL_CODEBOOK_SIZE, SEMANTIC_CODEBOOK_SIZE, tiny_codec
+from model_helpers import tokenizer_config
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
-CODEBOOK_SIZE = 64  # the tiny codec's semantic codebook; residual codes < 16
-NUM_CODEBOOKS = 4
-RESIDUAL_SIZE = 16
+CODEBOOK_SIZE = SEMANTIC_CODEBOOK_SIZE  # the tiny codec's semantic codebook; residual codes < 16
+RESIDUAL_SIZE = RESIDUAL_CODEBOOK_SIZE
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,17 +31,8 @@ def processor(codec=None) -> Drama3Processor:
 
 
 def stack_config(hidden: int = 64, **text) -> Drama3Config:
-    tok = tokenizer()
-    start = tok.convert_tokens_to_ids("<|semantic:0|>")
-    return Drama3Config(
-        **tiny_config_dict(
-            text={"vocab_size": len(tok), "hidden_size": hidden, **text},
-            tower={"vocab_size": CODEBOOK_SIZE, "num_codebooks": NUM_CODEBOOKS, "max_seq_len": NUM_CODEBOOKS + 1,
-                   "dim": hidden, "text_dim": hidden},
-            semantic_start_token_id=start,
-            semantic_end_token_id=start + CODEBOOK_SIZE - 1,
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        )
+    return tokenizer_config(
+        tokenizer(), CODEBOOK_SIZE, text={"hidden_size": hidden, **text}, tower={"dim": hidden, "text_dim": hidden}
     )
 
 

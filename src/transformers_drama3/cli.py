@@ -11,7 +11,8 @@ voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 
 
 Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
 its parser and sets `handler` (a function of the parsed arguments returning an exit code).
-Add `convert`, `table`, `eval`, `finetune`, `serve` the same way.
+Add `convert`, `finetune`, `serve` the same way. drama3-tiny's evaluation is research code and
+runs from the source tree: `python -m recipes.drama3_tiny.evaluation` (see recipes/drama3_tiny).
 """
 
 from __future__ import annotations
@@ -22,84 +23,19 @@ import os
 import sys
 import time
 
-DEFAULT_MODEL = "fishaudio/drama-3"
-EXIT_USAGE = 2
+import numpy as np
+import soundfile
+
+
+from .accounting import account, format_table
+from .configuration_drama3 import Drama3Config
+from .files import atomic_output, check_output_path, same_file
+from .generation_drama3 import generate_long_form
+from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor
+from .tiny import shipped
+
 MAX_CHARS = 4096
 """Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
-
-
-class CommandError(Exception):
-    """An error the user can fix; printed as one message, without a traceback."""
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_model_and_processor(source: str, device: str, dtype: str):
-    """The model and processor (with its codec) from a folder or a Hub repo id."""
-    import torch
-
-    from . import Drama3ForSpeechGeneration
-    from .processing_drama3 import Drama3Processor
-
-    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
-        raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
-    looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
-    if not os.path.isdir(source) and not looks_like_repo_id:
-        raise CommandError(_missing_model_message(source, "no such folder"))
-    device = resolve_device(device)
-    dtypes = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
-              "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
-    try:
-        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
-        processor = Drama3Processor.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        if os.path.isdir(source):  # found the folder: what failed is its content, say that
-            raise CommandError(f"--model {source}: {error}") from None
-        # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
-        raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
-    if processor.codec is None:
-        raise CommandError(
-            f"--model {source}: found the model but no codec (looked for codec/ and codec.pth beside it); "
-            f"download the full checkpoint folder"
-        )
-    processor.codec.to(device)
-    return model, processor
-
-
-def resolve_device(device: str) -> str:
-    """`--device` as a torch device string ("auto": cuda when available, else cpu), or a
-    CommandError when it is malformed or names hardware this machine lacks."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise CommandError(f"--device {device}: not a device; expected cpu, cuda, cuda:N, mps or auto") from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise CommandError(f"--device {device}: this machine has no CUDA GPU (torch sees none); use --device cpu")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise CommandError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA device(s)")
-    elif parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise CommandError(f"--device {device}: MPS is not available on this machine; use --device cpu")
-    elif parsed.type not in ("cpu", "cuda", "mps"):
-        raise CommandError(f"--device {device}: expected cpu, cuda, cuda:N, mps or auto")
-    return str(parsed)
-
-
-def _missing_model_message(source: str, reason: str) -> str:
-    return (
-        f"no Drama 3 model at {source!r} ({reason}).\n"
-        f"Looked for a local folder with config.json, then the Hugging Face Hub repo {source!r}.\n"
-        f"Get the published model with:  huggingface-cli download {DEFAULT_MODEL} --local-dir drama-3\n"
-        f"then run with --model drama-3 (or pass --model PATH to your own checkpoint folder)."
-    )
-
 
 # ----------------------------------------------------------------------------- say
 
@@ -110,14 +46,10 @@ class FileStreamer:
     once the whole take is written."""
 
     def __init__(self, path: str, sampling_rate: int, started: float):
-        import soundfile
-
         self.file = soundfile.SoundFile(path, mode="w", samplerate=sampling_rate, channels=1, subtype="PCM_16")
         self.started, self.first, self.samples = started, None, 0
 
     def put(self, value) -> None:
-        import numpy as np
-
         samples = value.detach().to("cpu").float().numpy().reshape(-1)
         if self.first is None and samples.size:
             self.first = time.perf_counter() - self.started
@@ -176,11 +108,6 @@ def add_say(subparsers) -> None:
 
 
 def run_say(args) -> int:
-    import soundfile
-
-    from .files import atomic_output
-    from .generation_drama3 import generate_long_form
-
     sampling = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
     model, processor = load_model_and_processor(source, args.device, args.dtype)
@@ -240,8 +167,6 @@ _SAY_NUMBERS = (
 def _check_say_arguments(args) -> dict:
     """Refuse what `say` cannot do before anything is loaded or written (bad numbers, an -o that
     cannot be written or is a reference); returns generate()'s keyword arguments."""
-    from .files import check_output_path, same_file
-
     extension = os.path.splitext(args.output)[1].lower()
     if extension not in (".wav", ".flac"):
         raise CommandError(f"-o {args.output}: write a .wav or .flac file")
@@ -292,8 +217,6 @@ def _check_say_arguments(args) -> dict:
 def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int] | None]:
     """The model to load and the references to clone (audio, transcripts, speakers): `--model`, or
     the bundled drama3-tiny (said on stderr) with bundled voices when no `--reference` is given."""
-    from .tiny import shipped
-
     if args.model is not None:
         if args.voice is not None:
             raise CommandError("--voice picks a bundled drama3-tiny voice; with --model give --reference instead")
@@ -339,9 +262,6 @@ def add_table(subparsers) -> None:
 
 
 def run_table(args) -> int:
-    from .accounting import account, format_table
-    from .configuration_drama3 import Drama3Config
-
     config = None
     if args.config:
         if not os.path.isfile(args.config):
@@ -354,13 +274,7 @@ def run_table(args) -> int:
     return 0
 
 
-def add_eval(subparsers) -> None:
-    from .tiny.evaluation import add_eval as add
-
-    add(subparsers)
-
-
-SUBCOMMANDS = [add_say, add_table, add_eval]
+SUBCOMMANDS = [add_say, add_table]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,60 +1,84 @@
-"""Checks of what a checkpoint folder holds, made before transformers reads it, so that a broken
-download is reported as one line naming the file and what to do, not a deserialisation traceback.
+"""Loading a Drama 3 model for a command, and the error a user can fix.
+
+    model, processor = load_model_and_processor("fishaudio/drama-3", device="auto", dtype="auto")
+
+Shared by the `drama3` command (cli.py) and the scripts beside the package (the drama3-tiny
+recipe's evaluation), so neither imports the other. A `CommandError` is printed as one message,
+without a traceback, and the command exits with `EXIT_USAGE`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-from pathlib import Path
 
 import torch
 
-_HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64 header length, the JSON header, the data
+from .modeling_drama3 import Drama3ForSpeechGeneration
+from .processing_drama3 import Drama3Processor
+
+DEFAULT_MODEL = "fishaudio/drama-3"
+EXIT_USAGE = 2
 
 
-def check_safetensors_file(path: str | os.PathLike) -> None:
-    """Raise ValueError naming `path` when the file is shorter than its own header says (an
-    interrupted download or copy) or its header is not safetensors."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as reader:
-        prefix = reader.read(_HEADER_LENGTH_BYTES)
-        if len(prefix) < _HEADER_LENGTH_BYTES:
-            raise ValueError(_incomplete(path, size, "the header"))
-        (header_length,) = struct.unpack("<Q", prefix)
-        if _HEADER_LENGTH_BYTES + header_length > size:
-            raise ValueError(_incomplete(path, size, f"a header of {header_length} bytes"))
-        try:
-            header = json.loads(reader.read(header_length))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(f"{path}: not a safetensors file (its header is not JSON)") from None
-    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-    needed = _HEADER_LENGTH_BYTES + header_length + max(ends, default=0)
-    if needed > size:
-        raise ValueError(_incomplete(path, size, f"{needed} bytes"))
+class CommandError(Exception):
+    """An error the user can fix; printed as one message, without a traceback."""
 
 
-def _incomplete(path: Path, size: int, promised: str) -> str:
+def load_model_and_processor(source: str, device: str, dtype: str):
+    """The model and processor (with its codec) from a folder or a Hub repo id; a CommandError
+    naming `source` (or `--device` / `--dtype`) when there is none or it cannot be used."""
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
+    looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+    if not os.path.isdir(source) and not looks_like_repo_id:
+        raise CommandError(_missing_model_message(source, "no such folder"))
+    device = resolve_device(device)
+    dtypes = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+              "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
+    try:
+        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
+        processor = Drama3Processor.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        if os.path.isdir(source):  # found the folder: what failed is its content, say that
+            raise CommandError(f"--model {source}: {error}") from None
+        # OSError: not found locally nor on the Hub (or offline); ValueError: not a valid repo id
+        raise CommandError(_missing_model_message(source, str(error).splitlines()[0])) from None
+    if processor.codec is None:
+        raise CommandError(
+            f"--model {source}: found the model but no codec (looked for codec/ and codec.pth beside it); "
+            f"download the full checkpoint folder"
+        )
+    processor.codec.to(device)
+    return model, processor
+
+
+def resolve_device(device: str) -> str:
+    """`--device` as a torch device string ("auto": cuda when available, else cpu), or a
+    CommandError when it is malformed or names hardware this machine lacks."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise CommandError(f"--device {device}: not a device; expected cpu, cuda, cuda:N, mps or auto") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {device}: this machine has no CUDA GPU (torch sees none); use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise CommandError(f"--device {device}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise CommandError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise CommandError(f"--device {device}: expected cpu, cuda, cuda:N, mps or auto")
+    return str(parsed)
+
+
+def _missing_model_message(source: str, reason: str) -> str:
     return (
-        f"{path}: the file is incomplete ({size} bytes; it needs {promised}), probably an interrupted "
-        f"download or copy; download it again"
+        f"no Drama 3 model at {source!r} ({reason}).\n"
+        f"Looked for a local folder with config.json, then the Hugging Face Hub repo {source!r}.\n"
+        f"Get the published model with:  huggingface-cli download {DEFAULT_MODEL} --local-dir drama-3\n"
+        f"then run with --model drama-3 (or pass --model PATH to your own checkpoint folder)."
     )
-
-
-def check_weight_files(folder: str | os.PathLike) -> None:
-    """`check_safetensors_file` for every weight file of a local checkpoint folder."""
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        check_safetensors_file(path)
-
-
-def check_dtype(dtype) -> None:
-    """Refuse a dtype string that is neither "auto" nor a torch dtype name, naming it."""
-    if not isinstance(dtype, str) or dtype == "auto":
-        return
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"dtype={dtype!r}: not a torch dtype; expected 'auto', 'float32', 'bfloat16' or 'float16'")
-
-
-__all__ = ["check_dtype", "check_safetensors_file", "check_weight_files"]

@@ -32,6 +32,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from transformers.utils import ModelOutput
 from transformers.utils.generic import is_flash_attention_requested
 
+from .checkpoint_files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
@@ -322,8 +323,6 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, after refusing a misspelt `dtype` and, for a local
         folder, an incomplete weight file (each named, with what to do)."""
-        from .loading import check_dtype, check_weight_files
-
         check_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)) and os.path.isdir(pretrained_model_name_or_path):
             check_weight_files(pretrained_model_name_or_path)

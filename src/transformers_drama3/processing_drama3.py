@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import soundfile
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
 
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
+from .files import atomic_output
 from .generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (
@@ -575,10 +577,6 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
     def save_audio(self, audio: torch.Tensor | np.ndarray, path: str | os.PathLike, sampling_rate: int | None = None) -> None:
         """Write a 1-D waveform as WAV or FLAC (from the file extension), 16-bit PCM, through a
         temporary file beside `path`: a failed write leaves an existing file as it was."""
-        import soundfile
-
-        from .files import atomic_output
-
         extension = os.path.splitext(os.fspath(path))[1].lower()
         if extension not in AUDIO_FORMATS:
             raise ValueError(f"path: write .wav or .flac; got {os.fspath(path)!r}")

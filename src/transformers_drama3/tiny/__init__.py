@@ -1,6 +1,5 @@
-"""drama3-tiny groundwork: a synthetic directed-speech corpus (espeak-ng) and the instruments that
-judge speech offline (pocketsphinx WER, resemblyzer speaker similarity, MFCC + DTW content test).
+"""drama3-tiny as the package ships it: the bundled model's folder and reference voices (`shipped`).
 
-Submodules import their optional dependencies lazily: `corpus` needs the `espeak-ng` binary,
-`instruments.transcribe` needs pocketsphinx and `instruments.speaker_embedding` resemblyzer.
+How it is made (espeak-ng corpus, codec fit, LM training, evaluation) is research code kept out of
+the package, in `recipes/drama3_tiny/` of the source tree.
 """

@@ -7,16 +7,13 @@
 
 The folder holds `config.json` + `model.safetensors` (published layout), the tokenizer files,
 `codec/` and `voices/` (one espeak-ng clip per voice, `X.wav` + `X.txt`, never a held-out
-sentence). `python -m transformers_drama3.tiny.shipped export RUN --corpus CORPUS --to FOLDER` copies a
-finished training run (`lm_training`'s RUN/model) to FOLDER; replacing the installed package's own
-folder needs `--force`.
+sentence). The recipe that makes it (`recipes/drama3_tiny/` in the source tree, not installed)
+writes it there: `python -m recipes.drama3_tiny.export RUN/model --corpus CORPUS --to FOLDER` (replacing the
+installed package's own folder needs `--force`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 from pathlib import Path
 
 TINY_MODEL_PATH = str(Path(__file__).resolve().parent.parent / "assets" / "drama3-tiny")
@@ -39,77 +36,3 @@ def reference_voice(name: str = DEFAULT_VOICE) -> tuple[str, str]:
     if not (folder / f"{name}.wav").is_file():
         raise ValueError(f"voice {name!r} is not bundled with drama3-tiny; choose one of {voices()}")
     return str(folder / f"{name}.wav"), (folder / f"{name}.txt").read_text(encoding="utf-8").strip()
-
-
-_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "processor_config.json", "preprocessor_config.json")
-
-
-def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
-           voice_names: tuple[str, ...] = ("A", "B", "D", "F"), force: bool = False) -> None:
-    """Copy a trained model folder (config, weights, tokenizer, codec) to `destination` and add one
-    plain English train clip per voice from `corpus` as its bundled reference.
-
-    The source is checked before `destination` is touched, the new folder is built beside it and
-    swapped in whole, and the installed package's own model folder is replaced only with `force`."""
-    from ..files import atomic_folder
-
-    run_model, corpus, destination = Path(run_model), Path(corpus), Path(destination)
-    if destination.resolve() == Path(TINY_MODEL_PATH).resolve() and not force:
-        raise ValueError(f"{destination}: this is the drama3-tiny installed with the package; pass force=True (--force) to replace it")
-    clips = _check_export_source(run_model, corpus, voice_names)
-    with atomic_folder(destination) as building:
-        building = Path(building)
-        for name in _MODEL_FILES:
-            if (run_model / name).is_file():
-                shutil.copy(run_model / name, building / name)
-        shutil.copytree(run_model / "codec", building / "codec")
-        (building / "voices").mkdir()
-        for voice, clip in clips.items():
-            shutil.copy(corpus / clip.wav, building / "voices" / f"{voice}.wav")
-            (building / "voices" / f"{voice}.txt").write_text(clip.transcript + "\n", encoding="utf-8")
-        (building / "voices" / "voices.json").write_text(
-            json.dumps({voice: clip.voice_spec for voice, clip in clips.items()}, indent=2) + "\n", encoding="utf-8",
-        )
-
-
-def _check_export_source(run_model: Path, corpus: Path, voice_names) -> dict:
-    """voice -> the corpus record of its reference clip, after checking that the run folder and the
-    corpus hold everything `export` copies (ValueError naming what is missing)."""
-    from .corpus import read_manifest
-
-    for needed in ("config.json", "model.safetensors", "codec/config.json"):
-        if not (run_model / needed).is_file():
-            raise ValueError(f"{run_model}: no {needed}; expected lm_training's RUN/model folder")
-    if not (corpus / "manifest.jsonl").is_file():
-        raise ValueError(f"{corpus}: no manifest.jsonl; expected the corpus the run trained on")
-    records = read_manifest(corpus / "manifest.jsonl")
-    clips = {}
-    for voice in voice_names:
-        clean = [r for r in records if r.voice == voice and r.split == "train" and not r.directions and r.language == "en"]
-        if not clean:
-            raise ValueError(f"{corpus}: no plain English train clip of voice {voice} to bundle as its reference")
-        clips[voice] = min(clean, key=lambda r: abs(r.duration - 3.0))
-        if not (corpus / clips[voice].wav).is_file():
-            raise ValueError(f"{corpus / clips[voice].wav}: the manifest lists it but the file is missing")
-    return clips
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="copy a trained drama3-tiny into the package")
-    commands = parser.add_subparsers(dest="command", required=True)
-    command = commands.add_parser("export")
-    command.add_argument("run_model", help="lm_training's RUN/model folder")
-    command.add_argument("--corpus", required=True, help="the corpus the run trained on (for the reference clips)")
-    command.add_argument("--to", required=True, help="the folder to write (replaced whole once the copy is complete)")
-    command.add_argument("--force", action="store_true", help="allow --to to be the installed package's own drama3-tiny")
-    args = parser.parse_args(argv)
-    try:
-        export(args.run_model, args.corpus, args.to, force=args.force)
-    except ValueError as error:
-        parser.exit(2, f"export: {error}\n")
-    print(f"drama3-tiny exported to {args.to}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Training: datasets -> codes, collators, packing, losses, Muon, LoRA presets, reward model, GRPO.
+"""Training: datasets -> codes, collators, packing, Muon, LoRA presets, reward model, GRPO.
 
 See docs/training.md.
 """
@@ -13,7 +13,6 @@ from .collators import (
     TTSCollator,
 )
 from .data import PreparationReport, load_speech_records, prepare_dataset
-from .losses import document_losses, row_losses, weighted_speech_loss
 from .optim import MuonWithAdamW, build_optimizer, split_parameters
 from .packing import PackingCollator, pack_greedy, unpack
 from .trainer import Drama3Trainer, drama3_loss

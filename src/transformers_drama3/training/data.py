@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..feature_extraction_drama3 import is_inaudible, read_audio
+from ..files import write_text_atomic
 from ..generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
@@ -269,8 +270,6 @@ def prepare_dataset(
     """
     import datasets
     from tqdm.auto import tqdm
-
-    from ..files import write_text_atomic
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from ..modeling_drama3 import (
     Drama3PreTrainedModel,
     positions_from_mask,
 )
-from ..prompting import Script
+from ..prompting import Reference, Script
 from .collators import as_codes
 
 SCORE_REGULARISER = 1e-3
@@ -129,8 +129,6 @@ class PreferenceCollator:
         self.processor = processor
 
     def take_rows(self, example: dict, take) -> tuple:
-        from ..prompting import Reference
-
         references = [
             Reference(r["text"], as_codes(r["codes"]), speaker=int(r.get("speaker", 0)))
             for r in example.get("references") or ()

@@ -1,6 +1,6 @@
 """Evaluate drama3-tiny on held-out sentences: content, voice, codec and behaviour.
 
-    drama3 eval [--model PATH] [--corpus CORPUS] [--sentences 40] [--voices A,B,D,F] [--json out.json]
+    python -m recipes.drama3_tiny.evaluation [--model PATH] [--corpus CORPUS] [--sentences 40] [--voices A,B,D,F] [--json out.json]
 
 The held-out set is the corpus's `heldout` split (sentences that no train utterance contains,
 each rendered by espeak-ng in every voice); without `--corpus` the default corpus plan (seed 0)
@@ -33,11 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from transformers_drama3.files import check_output_path, write_text_atomic
+from transformers_drama3.loading import EXIT_USAGE, CommandError, load_model_and_processor
+from transformers_drama3.tiny import shipped
 
 ENROLMENT_UTTERANCES = 6
 """Train utterances per voice averaged into the voice's centroid (none is a reference used here)."""
@@ -50,7 +55,7 @@ DIRECTION_UNITS = {"rate": "x duration", "pitch": "semitones", "whisper": "voice
 
 @dataclass
 class TinyEvaluation:
-    """The numbers `drama3 eval` reports (see the module docstring)."""
+    """The numbers the evaluation reports (see the module docstring)."""
 
     outputs: int = 0
     voices: list[str] = field(default_factory=list)
@@ -155,7 +160,7 @@ def text_reliance(model, processor, text: str, other_text: str, reference_text: 
     (same reference, same target audio): a model that reads the text scores the first lower."""
     import torch
 
-    from ..prompting import Reference, Script
+    from transformers_drama3.prompting import Reference, Script
 
     losses = []
     for lines in (text, other_text):
@@ -369,8 +374,9 @@ def evaluate(model, processor, corpus: Path | None = None, sentences: int = 40, 
         return result
 
 
-def add_eval(subparsers) -> None:
-    parser = subparsers.add_parser("eval", help="evaluate drama3-tiny (or --model) on held-out espeak sentences")
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.evaluation",
+                                     description="evaluate drama3-tiny (or --model) on held-out espeak sentences")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the bundled drama3-tiny)")
     parser.add_argument("--corpus", default=None, help="a built corpus folder (default: render the held-out set now)")
     parser.add_argument("--sentences", type=int, default=40)
@@ -382,15 +388,11 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", default=None, help="also write the numbers (and per-output rows) here")
-    parser.set_defaults(handler=run_eval)
+    return parser.parse_args(argv)
 
 
 def run_eval(args) -> int:
     import torch
-
-    from ..cli import CommandError, load_model_and_processor
-    from ..files import check_output_path, write_text_atomic
-    from . import shipped
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -398,7 +400,7 @@ def run_eval(args) -> int:
     if args.model is None and not shipped.is_available():
         raise CommandError("this installation carries no drama3-tiny; pass --model")
     if args.corpus and not (Path(args.corpus) / "manifest.jsonl").is_file():
-        raise CommandError(f"--corpus {args.corpus}: no manifest.jsonl there; expected a corpus folder built by tiny.corpus")
+        raise CommandError(f"--corpus {args.corpus}: no manifest.jsonl there; expected a corpus folder built by recipes.drama3_tiny.corpus")
     if args.json:
         try:
             check_output_path(args.json, "--json")
@@ -420,4 +422,17 @@ def run_eval(args) -> int:
     return 0
 
 
-__all__ = ["TinyEvaluation", "evaluate", "add_eval", "run_eval"]
+def main(argv=None) -> int:
+    """The command line; an error the user can fix is printed as one line (exit status 2)."""
+    try:
+        return run_eval(parse_args(argv))
+    except CommandError as error:
+        print(f"drama3-tiny evaluation: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+__all__ = ["TinyEvaluation", "evaluate", "parse_args", "run_eval", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The drama3-tiny corpus: directed speech synthesised with espeak-ng, reproducible from a seed.
 
-    python -m transformers_drama3.tiny.corpus build OUT_DIR --seed 0 --utterances-per-voice 400
+    python -m recipes.drama3_tiny.corpus build OUT_DIR --seed 0 --utterances-per-voice 400
 
 writes `OUT_DIR/wavs/*.wav` (espeak's native 22.05 kHz, mono, 16-bit) and `OUT_DIR/manifest.jsonl`,
 one record per utterance (see `build_corpus`). The same seed and options give byte-identical files.
@@ -11,7 +11,7 @@ Directions are written the way the model will read them and mapped onto what esp
     <whisper>...</whisper>         -> the span is spoken by the voice's whisper variant
     <spanish>...</spanish>         -> the span is spoken by espeak's Spanish voice, same variant
 Spans with different voices are synthesised by separate espeak calls and concatenated. No dither
-is added here: the instruments (`tiny.instruments`) add it to whatever they score.
+is added here: the instruments (`instruments`) add it to whatever they score.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def read_manifest(path: str | Path) -> list[Record]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m transformers_drama3.tiny.corpus", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.corpus", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="synthesise a corpus into OUT_DIR")
     build.add_argument("out_dir")

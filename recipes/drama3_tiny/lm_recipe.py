@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
-from ..prompting import IM_END, TEMPLATE_VERSION, semantic_token
+from transformers_drama3.configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
+from transformers_drama3.prompting import IM_END, TEMPLATE_VERSION, semantic_token
 
 TINY_CORPUS_PLAN = {
     "seed": 0,
@@ -20,8 +20,8 @@ TINY_CORPUS_PLAN = {
     "direction_rate": 0.35,
     "spanish_rate": 0.05,
 }
-"""The corpus drama3-tiny is trained on (`python -m transformers_drama3.tiny.corpus build DIR
---utterances-per-voice 6000 --voices A,B,D,F --spanish-rate 0.05`); `drama3 eval` re-plans it to
+"""The corpus drama3-tiny is trained on (`python -m recipes.drama3_tiny.corpus build DIR
+--utterances-per-voice 6000 --voices A,B,D,F --spanish-rate 0.05`); the evaluation re-plans it to
 render the held-out set."""
 
 HIDDEN_SIZE = 256
@@ -33,14 +33,14 @@ TEXT_VOCABULARY = 1024
 one token each, and any other text still encodes byte by byte."""
 TINY_TEMPERATURE = 0.5
 """drama3-tiny's sampling temperature (its generation config; top-p stays 0.9). Measured with
-`drama3 eval` on the held-out set, it gets more outputs' words right than the published 1.0
+the evaluation on the held-out set, it gets more outputs' words right than the published 1.0
 (model_card.md)."""
 
 
 def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
     """The ChatML tokenizer of drama3-tiny: a byte-level BPE trained on the corpus text plus every
     Drama 3 special token (see `tokenizer_build.build_drama3_tokenizer`)."""
-    from ..tokenizer_build import build_drama3_tokenizer
+    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
     return build_drama3_tokenizer(
         texts=list(texts), vocab_size=TEXT_VOCABULARY, codebook_size=codebook_size, save_directory=save_directory

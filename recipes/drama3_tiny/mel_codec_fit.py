@@ -1,6 +1,6 @@
 """Fit drama3-tiny's log-mel residual-VQ codec on a corpus (minutes on a CPU, no gradient training).
 
-    python -m transformers_drama3.tiny.mel_codec_fit --corpus CORPUS --out CODEC [--codebooks 4]
+    python -m recipes.drama3_tiny.mel_codec_fit --corpus CORPUS --out CODEC [--codebooks 4]
 
 Every other train utterance of CORPUS (manifest order) is cut into codec frames (4 log-mel frames
 of 80 bands each), the frame vectors are standardised per dimension, and each residual codebook
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 def fit_codec(corpus: str | Path, num_codebooks: int = 4, codebook_size: int = 256, iterations: int = 15,
               seed: int = 0, init: str = "sample", every: int = 2, progress: bool = True):
     """A fitted `Drama3MelCodecModel` for `corpus` (see the module docstring)."""
-    from ..codec.mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
+    from transformers_drama3.codec.mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
     from .corpus import read_manifest, read_wav
 
     corpus = Path(corpus)
@@ -48,7 +48,7 @@ def fit_codec(corpus: str | Path, num_codebooks: int = 4, codebook_size: int = 2
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.mel_codec_fit", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--codebooks", type=int, default=4)

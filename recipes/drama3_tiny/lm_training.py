@@ -1,9 +1,9 @@
 """Train drama3-tiny with `Trainer` on the espeak corpus: resumable, time-boxed, with a loss log.
 
-    python -m transformers_drama3.tiny.lm_training --corpus CORPUS --codec CODEC --out RUN \
+    python -m recipes.drama3_tiny.lm_training --corpus CORPUS --codec CODEC --out RUN \
         [--minutes 60] [--resume] [--threads 2]
 
-CORPUS is a folder built by `python -m transformers_drama3.tiny.corpus build`; CODEC a codec
+CORPUS is a folder built by `python -m recipes.drama3_tiny.corpus build`; CODEC a codec
 folder (`Drama3MelCodecModel` or `Drama3CodecModel`). The run:
 
 1. encodes the corpus's train split once with the codec (`training.prepare_dataset`: cached under
@@ -33,7 +33,7 @@ CLONING_SPLIT = "train"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.lm_training", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", required=True, help="corpus folder (manifest.jsonl + wavs/)")
     parser.add_argument("--codec", required=True, help="codec folder")
     parser.add_argument("--out", required=True, help="run folder")
@@ -70,7 +70,7 @@ def load_codec(path: str | os.PathLike):
     """A codec folder of either codec class (chosen by its config's model_type)."""
     from transformers import AutoConfig, AutoModel
 
-    from .. import codec as _codec_classes  # noqa: F401  (registers both codec types)
+    from transformers_drama3 import codec as _codec_classes  # noqa: F401  (registers both codec types)
 
     config = AutoConfig.from_pretrained(path)
     return AutoModel.from_pretrained(path, config=config).eval()
@@ -108,9 +108,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, TrainingArguments
 
-    from ..modeling_drama3 import Drama3ForSpeechGeneration
-    from ..processing_drama3 import Drama3Processor
-    from ..training import CloningCollator, Drama3Trainer, ReferencePool, prepare_dataset
+    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from transformers_drama3.training import CloningCollator, Drama3Trainer, ReferencePool, prepare_dataset
     from .lm_recipe import build_tiny_tokenizer, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
@@ -210,9 +210,9 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
     """Write what `from_pretrained` of the model and of `Drama3Processor` read: the model (a
     model, or a checkpoint folder), the processor (tokenizer files, processor and feature-extractor
     configs) and the codec under codec/."""
-    from ..modeling_drama3 import Drama3ForSpeechGeneration
-    from ..processing_drama3 import Drama3Processor
-    from ..tokenizer_build import save_drama3_tokenizer
+    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from transformers_drama3.tokenizer_build import save_drama3_tokenizer
     from .lm_recipe import TINY_TEMPERATURE
 
     if isinstance(model, (str, Path)):

@@ -1,9 +1,10 @@
-"""The training objective per row, so that rows can be weighted or grouped outside the model.
+"""The tests' oracle for the training objective: the model's loss recomputed per row from its logits.
 
 `Drama3ForSpeechGeneration.forward(labels=...)` returns the paper's loss
 `L_text + 0.5 L_sem + 0.5 L_cb`, each term a mean over its own bucket of rows. These helpers
-compute the same terms from the model's logits with a weight per row (infilling seams) or per
-document (packed rows), and reduce to the model's loss exactly when every weight is 1.
+compute the same terms independently, from the model's full-vocabulary logits, with a weight per
+row or per document (packed rows): with every weight 1 they must give the model's loss, and the
+loss of each document of a packed row must be the loss of that document alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from transformers_drama3.prompting import IGNORE_INDEX
 
 
 @dataclass
