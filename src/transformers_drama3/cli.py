@@ -139,7 +139,7 @@ def add_say(subparsers) -> None:
 
 
 def run_say(args) -> int:
-    from .generation_drama3 import generate_long_form
+    from .long_form import generate_long_form
 
     extension = os.path.splitext(args.output)[1].lower()
     if extension not in (".wav", ".flac"):
