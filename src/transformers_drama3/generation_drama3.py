@@ -38,7 +38,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from .modeling_drama3 import Drama3Cache, positions_from_mask, tower_attention_mask
+from .modeling_drama3 import Drama3Cache
 from .prompting.text import is_cjk
 
 # ----------------------------------------------------------------------------- published constants
@@ -484,18 +484,6 @@ def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) 
     return torch.cat((logits, separator), dim=-1)
 
 
-def tower_frames(model, hidden, input_ids, audio_codes, semantic_code, attention_mask, cache, sample, is_audio):
-    """`model.tower_step` with a per-item `is_audio` [batch]. Where it is False (a line boundary)
-    no code is embedded, yet the tower's layers still take the row into their cache, as the
-    teacher-forced forward does for a row whose next row is text: later frames attend to exactly
-    what training showed them. Returns [batch, 1, num_codebooks]."""
-    positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-    return model.sample_acoustic_codes(
-        hidden, input_ids, audio_codes, semantic_code, is_audio[:, None], positions,
-        tower_attention_mask(attention_mask, 1), cache.tower, sample,
-    )
-
-
 def decode_steps(
     model,
     input_ids: torch.Tensor,
@@ -537,7 +525,7 @@ def decode_steps(
             def sample(logits, codebook_index, drawing=speaking):
                 return sampler.codebook(logits, codebook_index, drawing)
 
-            frames = tower_frames(model, hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
+            frames = model.tower_step(hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
             frames = frames.masked_fill(boundary[:, None, None], 0)
         else:
             frames = current_codes.new_zeros(batch, 1, config.num_codebooks)

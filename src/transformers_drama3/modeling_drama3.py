@@ -593,15 +593,21 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor,
         cache: Drama3Cache,
         sample,
+        is_audio: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Draw codes 1..9 of the next frame at the current row, given its semantic code.
+        """Draw codes 1..9 of the next frame at the current row, given its semantic code: the one
+        decode step of the tower.
 
         hidden: [batch, 1, dim] backbone output of the current row (input_ids [batch, 1],
         audio_codes [batch, 1, num_codebooks]); semantic_code: [batch, 1]; attention_mask:
-        [batch, rows so far] ending with the current row. Returns [batch, 1, num_codebooks].
+        [batch, rows so far] ending with the current row; is_audio: [batch] whether the next row
+        is a frame (default: all). Where it is False (a line boundary) no code is embedded, yet
+        the tower's layers still take the row into their cache, as the teacher-forced forward does
+        for a row whose next row is text: later frames attend to exactly what training showed
+        them (the codes drawn there are meaningless). Returns [batch, 1, num_codebooks].
         """
         positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-        is_audio = torch.ones_like(semantic_code, dtype=torch.bool)
+        is_audio = torch.ones_like(semantic_code, dtype=torch.bool) if is_audio is None else is_audio[:, None]
         return self.sample_acoustic_codes(
             hidden, input_ids, audio_codes, semantic_code, is_audio, positions,
             tower_attention_mask(attention_mask, 1), cache.tower, sample,
