@@ -35,10 +35,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
+from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
-from .modeling_drama3 import Drama3Cache
+from .configuration_drama3 import Drama3Config
 from .prompting.text import is_cjk
 
 # ----------------------------------------------------------------------------- published constants
@@ -414,6 +415,22 @@ def detect_anomalies(
 
 
 # ----------------------------------------------------------------------------- the decode loop
+
+
+@dataclass
+class Drama3Cache:
+    """Decode state: the backbone's hybrid cache (conv + recurrent states for Gated DeltaNet layers,
+    keys/values for attention layers) and one key/value cache per tower layer."""
+
+    backbone: DynamicCache
+    tower: DynamicCache
+
+    @classmethod
+    def empty(cls, config: Drama3Config) -> Drama3Cache:
+        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
+
+    def get_seq_length(self) -> int:
+        return self.backbone.get_seq_length()
 
 
 @dataclass
@@ -1146,3 +1163,21 @@ def stream(
     for step in steps:
         yield from waveform_streamer.step(clicks, step)
     yield from waveform_streamer.finish()
+
+
+# ----------------------------------------------------------------------------- the model's methods
+
+
+class Drama3GenerationMixin(GenerationMixin):
+    """`generate` and `stream` as methods of `Drama3ForSpeechGeneration`, which inherits them (as
+    transformers' CSM model inherits its generation mixin): modeling imports generation, never the
+    reverse. The model provides `prefill`, `decode_row`, `tower_step`, `speech_logits`,
+    `speech_token_ids` and `is_semantic`."""
+
+    def generate(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+        """Speak: one prefill, then one decode step per frame. See `generation_drama3.generate`."""
+        return generate(self, input_ids, audio_codes, attention_mask, generation_config, streamer, **kwargs)
+
+    def stream(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, **kwargs):
+        """Speak one prompt, yielding audio chunks as frames are produced. See `generation_drama3.stream`."""
+        return stream(self, input_ids, audio_codes, attention_mask, generation_config, **kwargs)
