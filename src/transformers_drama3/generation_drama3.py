@@ -930,15 +930,53 @@ def _resolve_request(
     )
 
 
+@dataclass
+class _Call:
+    """One generate() or stream() call, checked and resolved: the prompt (input_ids, audio_codes,
+    attention_mask), its request, and whether the caller asked for a `Drama3GenerationOutput`."""
+
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    request: _Request
+    return_dict: bool
+
+
+def _set_up(
+    model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+    audio_separator_token_id, layout: dict, kwargs: dict, streaming: str | None,
+) -> _Call:
+    """Read the arguments of a call in one place: the sampling settings, the prompt, its frame
+    budgets and line separators (`layout`: the processor's `speak_span` / `boundaries_left`).
+    `streaming` names what streams ("streamer", "stream()"), or None: streaming needs a batch of
+    1 prompt."""
+    overrides = _split_kwargs(kwargs)
+    settings, max_new_tokens, return_dict = resolve_settings(
+        getattr(model, "generation_config", None), preset, generation_config, overrides
+    )
+    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
+    if streaming is not None and prompt[0].shape[0] != 1:
+        raise ValueError(f"{streaming}: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
+    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    request = _resolve_request(
+        model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
+    )
+    return _Call(prompt, request, return_dict)
+
+
+def _start(model, input_ids, audio_codes, attention_mask, request: _Request, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
+    """The sampler of one decode run and its steps (not started until iterated)."""
+    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+    return sampler, steps
+
+
 def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed, codec, streamer=None):
     """One decode run over a batch: the takes, their waveforms and what the guards found."""
     started = time.perf_counter()
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    sampler, steps = _start(model, input_ids, audio_codes, attention_mask, request, seed)
     collector = TakeCollector(input_ids.shape[0])
     waveform_streamer = clicks = None
     if streamer is not None:
         waveform_streamer, clicks = WaveformStreamer(codec, started), ClickFilter()
-    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
     for step in steps:
         collector.add(step)
         if waveform_streamer is not None:
@@ -1095,22 +1133,17 @@ def generate(
         `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms
         (a list, when `codec` is given) or `audio_codes` `[batch, frames, num_codebooks]`.
     """
-    overrides = _split_kwargs(kwargs)
-    settings, max_new_tokens, return_dict = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, overrides
-    )
-    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
-    if streamer is not None and prompt[0].shape[0] != 1:
-        raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
-    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
-    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout)
-    output = _run(model, *prompt, request, seed, codec, streamer)
+    call = _set_up(
+        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
+        None if streamer is None else "streamer",
+    )
+    output = _run(model, *call.prompt, call.request, seed, codec, streamer)
     if regenerate_on_anomaly:
-        output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
-    if return_dict:
+        output = _regenerate(model, call.prompt, call.request, seed, codec, output, regenerate_on_anomaly)
+    if call.return_dict:
         return output
     return output.audio if codec is not None else output.audio_codes
 
@@ -1142,24 +1175,15 @@ def stream(
     its line boundaries in `chunk.line_boundaries`; together they are `generate`'s. Arguments as
     in `generate`.
     """
-    overrides = _split_kwargs(kwargs)
-    overrides.pop("return_dict_in_generate", None)
-    settings, max_new_tokens, _ = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, overrides
-    )
-    input_ids, audio_codes, attention_mask = prepare_prompt(model, input_ids, audio_codes, attention_mask)
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
-    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
-    request = _resolve_request(
-        model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id, layout
+    call = _set_up(
+        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
+        "stream()",
     )
     started = time.perf_counter()
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    _, steps = _start(model, *call.prompt, call.request, seed)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
-    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
     for step in steps:
         yield from waveform_streamer.step(clicks, step)
     yield from waveform_streamer.finish()
