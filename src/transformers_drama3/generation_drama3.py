@@ -39,6 +39,7 @@ from transformers import GenerationConfig, GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
+from .codec.streaming import stream_decode_windows
 from .configuration_drama3 import Drama3Config
 from .prompting.text import is_cjk
 
@@ -630,19 +631,9 @@ class ClickFilter:
 
 
 def default_stream_windows() -> Iterator[int]:
-    """Frames per streamed waveform chunk: 10, 10, 12, 32, then 64 for ever (the serving schedule)."""
-    yield from (10, 10, 12, 32)
-    while True:
-        yield 64
-
-
-def stream_windows(codec) -> Iterator[int]:
-    """The codec's window schedule when it publishes one, else `default_stream_windows()`."""
-    try:
-        from .codec.streaming import stream_decode_windows
-    except ImportError:
-        return default_stream_windows()
-    return iter(stream_decode_windows())
+    """Frames per streamed waveform chunk: 10, 10, 12, 32, then 64 for ever (the codec's serving
+    schedule, `codec.streaming.stream_decode_windows`)."""
+    return stream_decode_windows()
 
 
 @dataclass
@@ -674,7 +665,7 @@ class WaveformStreamer:
     def __init__(self, codec, started: float, windows: Iterator[int] | None = None):
         self.codec = codec
         self.decoder = codec.streaming_decoder(batch_size=1) if codec is not None else None
-        self.windows = windows if windows is not None else (stream_windows(codec) if codec is not None else None)
+        self.windows = windows if windows is not None else (default_stream_windows() if codec is not None else None)
         self.window = next(self.windows) if self.windows is not None else 1
         self.pending: list[torch.Tensor] = []
         self.emitted_frames = 0
