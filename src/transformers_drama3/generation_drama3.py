@@ -310,11 +310,21 @@ def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
     return torch.nn.functional.pad(window, (missing, 0), value=EMPTY_WINDOW_SLOT)
 
 
+SEED_STRIDE = 1_000_003
+"""Seeds of two seeded runs that must not share draws lie this far apart (attempt n of a request
+draws with seed + n * SEED_STRIDE, GRPO step n with n * SEED_STRIDE): a prime above any batch."""
+
+
+def item_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """The seed of each item of a batch: an int gives item b the seed `seed + b`, a list one each."""
+    return [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+
+
 def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
-    """One generator per item: `seed` (an int gives item b the seed `seed + b`, a list one seed each)."""
+    """One generator per item, seeded with `item_seeds(seed, batch)`; None without a seed."""
     if seed is None:
         return None
-    seeds = [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+    seeds = item_seeds(seed, batch)
     if len(seeds) != batch:
         raise ValueError(f"seed has {len(seeds)} values for a batch of {batch}; expected one per item or an int")
     return [torch.Generator(device=device).manual_seed(int(value)) for value in seeds]
@@ -1021,16 +1031,12 @@ def decode_audio(codec, codes: torch.Tensor, lengths: torch.Tensor) -> list[torc
     return [decoded.audio_values[item, : int(decoded.lengths[item])] for item in range(codes.shape[0])]
 
 
-REGENERATION_SEED_STRIDE = 1_000_003
-"""Attempt n of a seeded request draws with seed + n * this, so retries differ yet reproduce."""
-
-
 def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3GenerationOutput, attempts: int):
     """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
     one when it has no more anomalies. Every attempt is recorded in `output.regenerations`."""
     input_ids, audio_codes, attention_mask = prompt
     batch = input_ids.shape[0]
-    seeds = None if seed is None else ([seed + item for item in range(batch)] if isinstance(seed, int) else list(seed))
+    seeds = None if seed is None else item_seeds(seed, batch)
     takes = [
         [output.audio_codes[item, : int(output.lengths[item])], None if output.audio is None else output.audio[item]]
         for item in range(batch)
@@ -1041,7 +1047,8 @@ def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3Gen
             break
         index = torch.tensor(items, device=input_ids.device)
         sub_request = request.select(index)
-        sub_seed = None if seeds is None else [seeds[item] + attempt * REGENERATION_SEED_STRIDE for item in items]
+        # attempt n draws with seed + n * SEED_STRIDE: retries differ from the first take yet reproduce
+        sub_seed = None if seeds is None else [seeds[item] + attempt * SEED_STRIDE for item in items]
         retry = _run(model, input_ids[index], audio_codes[index], attention_mask[index], sub_request, sub_seed, codec)
         for position, item in enumerate(items):
             kept = len(retry.anomalies[position]) <= len(output.anomalies[item])

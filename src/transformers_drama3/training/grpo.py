@@ -22,6 +22,7 @@ import torch
 from ..generation_drama3 import (
     BUDGET_FACTOR,
     MAX_FRAMES,
+    SEED_STRIDE,
     Drama3Sampler,
     SamplingSettings,
     decode_steps,
@@ -205,7 +206,7 @@ class GRPOTrainer:
         for index, prompt in enumerate(prompts):
             model.eval()
             takes = rollout(model, prompt.input_ids, prompt.audio_codes, config.group_size, prompt.expected_seconds,
-                            config, seed=seed * 1_000_003 + index * config.group_size)
+                            config, seed=seed * SEED_STRIDE + index * config.group_size)
             scores = torch.as_tensor(self.reward_fn(prompt, takes), dtype=torch.float32)
             stats["mean_reward"] += float(scores.mean()) / len(prompts)
             stats["mean_length"] += float(takes.lengths.float().mean()) / len(prompts)
