@@ -373,9 +373,16 @@ def expected_seconds_of_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens.float() / TOKENS_PER_SECOND).clamp(min=MIN_EXPECTED_SECONDS)
 
 
-def frame_budgets(expected_seconds: torch.Tensor, frame_rate: float, max_new_tokens: int | None = None) -> torch.Tensor:
-    """Frames each take may use: 2.5x its expected duration, never above 4096 nor `max_new_tokens`."""
-    budgets = (expected_seconds.double() * BUDGET_FACTOR * frame_rate).ceil().long().clamp(max=MAX_FRAMES)
+def frame_budgets(
+    expected_seconds: torch.Tensor,
+    frame_rate: float,
+    max_new_tokens: int | None = None,
+    budget_factor: float = BUDGET_FACTOR,
+    max_frames: int = MAX_FRAMES,
+) -> torch.Tensor:
+    """Frames each take may use: `budget_factor` (2.5) x its expected duration, never above
+    `max_frames` (4096) nor `max_new_tokens`, at least 1. expected_seconds: [batch] -> [batch]."""
+    budgets = (expected_seconds.double() * budget_factor * frame_rate).ceil().long().clamp(max=max_frames)
     if max_new_tokens is not None:
         budgets = budgets.clamp(max=int(max_new_tokens))
     return budgets.clamp(min=1)
@@ -594,6 +601,13 @@ class TakeCollector:
                 self.last_was_frame[item] = False
         for item in step.ended.nonzero().flatten().tolist():
             self.finish_reasons[item] = "eos" if bool(step.eos[item]) else "length"
+
+    def takes(self, num_codebooks: int) -> list[torch.Tensor]:
+        """Every item's frames as drawn, click frames included: per item [frames, num_codebooks]."""
+        return [
+            torch.stack(frames) if frames else torch.zeros(0, num_codebooks, dtype=torch.long)
+            for frames in self.frames
+        ]
 
     def finish(self, num_codebooks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """codes [batch, frames, num_codebooks] (0 after each item's length), lengths [batch], and
