@@ -35,12 +35,12 @@ from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 # Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
 from .generation_drama3 import Drama3Cache, Drama3GenerationMixin, drama3_generation_config
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
+# The label of an unsupervised row: defined once, by the rows that carry it.
+from .prompting import IGNORE_INDEX
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
 from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
 from .saving import save_published
 from .rope import apply_interleaved_rope, rope_cos_sin
-
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------- outputs
