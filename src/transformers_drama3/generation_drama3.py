@@ -26,6 +26,11 @@ always run, so the random stream of a request does not depend on its RAS window.
 Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so an item draws the
 same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
 E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
+
+Place among the modules: the model (`modeling_drama3`) imports this module and inherits
+`generate`/`stream` from `Drama3GenerationMixin`; this module imports nothing from the model and
+drives it through its incremental methods (`prefill`, `tower_step`, `decode_row`) on a
+`Drama3Cache`. Long texts and scenes, which need the processor, are spoken by `long_form`.
 """
 
 from __future__ import annotations
