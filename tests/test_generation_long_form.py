@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from generation_helpers import RecordingStreamer
-from transformers_drama3.generation_drama3 import decode_audio, generate_long_form
+from transformers_drama3.generation_drama3 import decode_audio
+from transformers_drama3.long_form import generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
 TEXT = SENTENCE * 8  # ~660 bytes: three chunks of at most 300

@@ -30,8 +30,8 @@ import soundfile
 from .accounting import account, format_table
 from .configuration_drama3 import Drama3Config
 from .files import atomic_output, check_output_path, same_file
-from .generation_drama3 import generate_long_form
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor
+from .long_form import generate_long_form
 from .tiny import shipped
 
 MAX_CHARS = 4096

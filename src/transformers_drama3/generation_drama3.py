@@ -1,4 +1,4 @@
-"""Generation for Drama 3: the published sampler, the decode loop, guards, streaming and long-form.
+"""Generation for Drama 3: the published sampler, the decode loop, guards and streaming.
 
 One `generate()` call runs one prefill of the prompt rows, then one decode step per frame:
 
@@ -26,6 +26,11 @@ always run, so the random stream of a request does not depend on its RAS window.
 Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so an item draws the
 same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
 E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
+
+Place among the modules: the model (`modeling_drama3`) imports this module and inherits
+`generate`/`stream` from `Drama3GenerationMixin`; this module imports nothing from the model and
+drives it through its incremental methods (`prefill`, `tower_step`, `decode_row`) on a
+`Drama3Cache`. Long texts and scenes, which need the processor, are spoken by `long_form`.
 """
 
 from __future__ import annotations
@@ -34,17 +39,15 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
+from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
-from .modeling_drama3 import Drama3Cache, positions_from_mask, tower_attention_mask
+from .codec.streaming import stream_decode_windows
+from .configuration_drama3 import Drama3Config
 from .prompting.text import is_cjk
-
-if TYPE_CHECKING:
-    from .prompting import Script
 
 # ----------------------------------------------------------------------------- published constants
 
@@ -324,11 +327,21 @@ def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
     return torch.nn.functional.pad(window, (missing, 0), value=EMPTY_WINDOW_SLOT)
 
 
+SEED_STRIDE = 1_000_003
+"""Seeds of two seeded runs that must not share draws lie this far apart (attempt n of a request
+draws with seed + n * SEED_STRIDE, GRPO step n with n * SEED_STRIDE): a prime above any batch."""
+
+
+def item_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """The seed of each item of a batch: an int gives item b the seed `seed + b`, a list one each."""
+    return [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+
+
 def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
-    """One generator per item: `seed` (an int gives item b the seed `seed + b`, a list one seed each)."""
+    """One generator per item, seeded with `item_seeds(seed, batch)`; None without a seed."""
     if seed is None:
         return None
-    seeds = [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+    seeds = item_seeds(seed, batch)
     if len(seeds) != batch:
         raise ValueError(f"seed has {len(seeds)} values for a batch of {batch}; expected one per item or an int")
     return [torch.Generator(device=device).manual_seed(int(value)) for value in seeds]
@@ -391,9 +404,16 @@ def expected_seconds_of_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens.float() / TOKENS_PER_SECOND).clamp(min=MIN_EXPECTED_SECONDS)
 
 
-def frame_budgets(expected_seconds: torch.Tensor, frame_rate: float, max_new_tokens: int | None = None) -> torch.Tensor:
-    """Frames each take may use: 2.5x its expected duration, never above 4096 nor `max_new_tokens`."""
-    budgets = (expected_seconds.double() * BUDGET_FACTOR * frame_rate).ceil().long().clamp(max=MAX_FRAMES)
+def frame_budgets(
+    expected_seconds: torch.Tensor,
+    frame_rate: float,
+    max_new_tokens: int | None = None,
+    budget_factor: float = BUDGET_FACTOR,
+    max_frames: int = MAX_FRAMES,
+) -> torch.Tensor:
+    """Frames each take may use: `budget_factor` (2.5) x its expected duration, never above
+    `max_frames` (4096) nor `max_new_tokens`, at least 1. expected_seconds: [batch] -> [batch]."""
+    budgets = (expected_seconds.double() * budget_factor * frame_rate).ceil().long().clamp(max=max_frames)
     if max_new_tokens is not None:
         budgets = budgets.clamp(max=int(max_new_tokens))
     return budgets.clamp(min=1)
@@ -444,6 +464,22 @@ def detect_anomalies(
 
 
 # ----------------------------------------------------------------------------- the decode loop
+
+
+@dataclass
+class Drama3Cache:
+    """Decode state: the backbone's hybrid cache (conv + recurrent states for Gated DeltaNet layers,
+    keys/values for attention layers) and one key/value cache per tower layer."""
+
+    backbone: DynamicCache
+    tower: DynamicCache
+
+    @classmethod
+    def empty(cls, config: Drama3Config) -> Drama3Cache:
+        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
+
+    def get_seq_length(self) -> int:
+        return self.backbone.get_seq_length()
 
 
 @dataclass
@@ -514,18 +550,6 @@ def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) 
     return torch.cat((logits, separator), dim=-1)
 
 
-def tower_frames(model, hidden, input_ids, audio_codes, semantic_code, attention_mask, cache, sample, is_audio):
-    """`model.tower_step` with a per-item `is_audio` [batch]. Where it is False (a line boundary)
-    no code is embedded, yet the tower's layers still take the row into their cache, as the
-    teacher-forced forward does for a row whose next row is text: later frames attend to exactly
-    what training showed them. Returns [batch, 1, num_codebooks]."""
-    positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-    return model.sample_acoustic_codes(
-        hidden, input_ids, audio_codes, semantic_code, is_audio[:, None], positions,
-        tower_attention_mask(attention_mask, 1), cache.tower, sample,
-    )
-
-
 def decode_steps(
     model,
     input_ids: torch.Tensor,
@@ -567,7 +591,7 @@ def decode_steps(
             def sample(logits, codebook_index, drawing=speaking):
                 return sampler.codebook(logits, codebook_index, drawing)
 
-            frames = tower_frames(model, hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
+            frames = model.tower_step(hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
             frames = frames.masked_fill(boundary[:, None, None], 0)
         else:
             frames = current_codes.new_zeros(batch, 1, config.num_codebooks)
@@ -608,6 +632,13 @@ class TakeCollector:
                 self.last_was_frame[item] = False
         for item in step.ended.nonzero().flatten().tolist():
             self.finish_reasons[item] = "eos" if bool(step.eos[item]) else "length"
+
+    def takes(self, num_codebooks: int) -> list[torch.Tensor]:
+        """Every item's frames as drawn, click frames included: per item [frames, num_codebooks]."""
+        return [
+            torch.stack(frames) if frames else torch.zeros(0, num_codebooks, dtype=torch.long)
+            for frames in self.frames
+        ]
 
     def finish(self, num_codebooks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """codes [batch, frames, num_codebooks] (0 after each item's length), lengths [batch], and
@@ -655,19 +686,9 @@ class ClickFilter:
 
 
 def default_stream_windows() -> Iterator[int]:
-    """Frames per streamed waveform chunk: 10, 10, 12, 32, then 64 for ever (the serving schedule)."""
-    yield from (10, 10, 12, 32)
-    while True:
-        yield 64
-
-
-def stream_windows(codec) -> Iterator[int]:
-    """The codec's window schedule when it publishes one, else `default_stream_windows()`."""
-    try:
-        from .codec.streaming import stream_decode_windows
-    except ImportError:
-        return default_stream_windows()
-    return iter(stream_decode_windows())
+    """Frames per streamed waveform chunk: 10, 10, 12, 32, then 64 for ever (the codec's serving
+    schedule, `codec.streaming.stream_decode_windows`)."""
+    return stream_decode_windows()
 
 
 @dataclass
@@ -699,7 +720,7 @@ class WaveformStreamer:
     def __init__(self, codec, started: float, windows: Iterator[int] | None = None):
         self.codec = codec
         self.decoder = codec.streaming_decoder(batch_size=1) if codec is not None else None
-        self.windows = windows if windows is not None else (stream_windows(codec) if codec is not None else None)
+        self.windows = windows if windows is not None else (default_stream_windows() if codec is not None else None)
         self.window = next(self.windows) if self.windows is not None else 1
         self.pending: list[torch.Tensor] = []
         self.emitted_frames = 0
@@ -971,24 +992,62 @@ def _resolve_request(
     )
 
 
+@dataclass
+class _Call:
+    """One generate() or stream() call, checked and resolved: the prompt (input_ids, audio_codes,
+    attention_mask), its request, and whether the caller asked for a `Drama3GenerationOutput`."""
+
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    request: _Request
+    return_dict: bool
+
+
+def _set_up(
+    model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+    audio_separator_token_id, layout: dict, kwargs: dict, streaming: str | None,
+) -> _Call:
+    """Read the arguments of a call in one place: the sampling settings, the prompt, its frame
+    budgets and line separators (`layout`: the processor's `speak_span` / `boundaries_left`).
+    `streaming` names what streams ("streamer", "stream()"), or None: streaming needs a batch of
+    1 prompt."""
+    overrides = _split_kwargs(kwargs)
+    settings, max_new_tokens, return_dict = resolve_settings(
+        getattr(model, "generation_config", None), preset, generation_config, overrides
+    )
+    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
+    if streaming is not None and prompt[0].shape[0] != 1:
+        raise ValueError(f"{streaming}: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
+    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    request = _resolve_request(
+        model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
+    )
+    return _Call(prompt, request, return_dict)
+
+
+def _start(model, input_ids, audio_codes, attention_mask, request: _Request, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
+    """The sampler of one decode run and its steps (not started until iterated)."""
+    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+    return sampler, steps
+
+
 def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed, codec, streamer=None):
     """One decode run over a batch: the takes, their waveforms and what the guards found."""
     started = time.perf_counter()
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    sampler, steps = _start(model, input_ids, audio_codes, attention_mask, request, seed)
     collector = TakeCollector(input_ids.shape[0])
     waveform_streamer = clicks = None
     if streamer is not None:
         waveform_streamer, clicks = WaveformStreamer(codec, started), ClickFilter()
-    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
     for step in steps:
         collector.add(step)
         if waveform_streamer is not None:
             for chunk in waveform_streamer.step(clicks, step):
-                _put(streamer, chunk)
+                put_chunk(streamer, chunk)
     if waveform_streamer is not None:
         for chunk in waveform_streamer.finish():
             if chunk.codes.numel():
-                _put(streamer, chunk)
+                put_chunk(streamer, chunk)
         streamer.end()
     codes, lengths, clicks_dropped = collector.finish(model.config.num_codebooks, input_ids.device)
     audio = decode_audio(codec, codes, lengths) if codec is not None else None
@@ -1020,7 +1079,7 @@ def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed,
     )
 
 
-def _put(streamer, chunk: AudioChunk) -> None:
+def put_chunk(streamer, chunk: AudioChunk) -> None:
     """A streamer receives waveform chunks [samples], or frames [1, frames, num_codebooks] without a codec."""
     streamer.put(chunk.audio if chunk.audio is not None else chunk.codes[None])
 
@@ -1033,16 +1092,12 @@ def decode_audio(codec, codes: torch.Tensor, lengths: torch.Tensor) -> list[torc
     return [decoded.audio_values[item, : int(decoded.lengths[item])] for item in range(codes.shape[0])]
 
 
-REGENERATION_SEED_STRIDE = 1_000_003
-"""Attempt n of a seeded request draws with seed + n * this, so retries differ yet reproduce."""
-
-
 def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3GenerationOutput, attempts: int):
     """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
     one when it has no more anomalies. Every attempt is recorded in `output.regenerations`."""
     input_ids, audio_codes, attention_mask = prompt
     batch = input_ids.shape[0]
-    seeds = None if seed is None else ([seed + item for item in range(batch)] if isinstance(seed, int) else list(seed))
+    seeds = None if seed is None else item_seeds(seed, batch)
     takes = [
         [output.audio_codes[item, : int(output.lengths[item])], None if output.audio is None else output.audio[item]]
         for item in range(batch)
@@ -1053,7 +1108,8 @@ def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3Gen
             break
         index = torch.tensor(items, device=input_ids.device)
         sub_request = request.select(index)
-        sub_seed = None if seeds is None else [seeds[item] + attempt * REGENERATION_SEED_STRIDE for item in items]
+        # attempt n draws with seed + n * SEED_STRIDE: retries differ from the first take yet reproduce
+        sub_seed = None if seeds is None else [seeds[item] + attempt * SEED_STRIDE for item in items]
         retry = _run(model, input_ids[index], audio_codes[index], attention_mask[index], sub_request, sub_seed, codec)
         for position, item in enumerate(items):
             kept = len(retry.anomalies[position]) <= len(output.anomalies[item])
@@ -1136,24 +1192,19 @@ def generate(
         `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms
         (a list, when `codec` is given) or `audio_codes` `[batch, frames, num_codebooks]`.
     """
-    overrides = _split_kwargs(kwargs)
-    settings, max_new_tokens, return_dict = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, overrides
-    )
-    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
-    if streamer is not None and prompt[0].shape[0] != 1:
-        raise ValueError(f"streamer: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
     if isinstance(regenerate_on_anomaly, bool) or not isinstance(regenerate_on_anomaly, int) or regenerate_on_anomaly < 0:
         raise ValueError(f"regenerate_on_anomaly={regenerate_on_anomaly!r}; expected 0 (off) or a positive number of attempts")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
-    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
-    request = _resolve_request(model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout)
-    output = _run(model, *prompt, request, seed, codec, streamer)
+    call = _set_up(
+        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
+        None if streamer is None else "streamer",
+    )
+    output = _run(model, *call.prompt, call.request, seed, codec, streamer)
     if regenerate_on_anomaly:
-        output = _regenerate(model, prompt, request, seed, codec, output, regenerate_on_anomaly)
-    if return_dict:
+        output = _regenerate(model, call.prompt, call.request, seed, codec, output, regenerate_on_anomaly)
+    if call.return_dict:
         return output
     return output.audio if codec is not None else output.audio_codes
 
@@ -1185,309 +1236,33 @@ def stream(
     its line boundaries in `chunk.line_boundaries`; together they are `generate`'s. Arguments as
     in `generate`.
     """
-    overrides = _split_kwargs(kwargs)
-    overrides.pop("return_dict_in_generate", None)
-    settings, max_new_tokens, _ = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, overrides
-    )
-    input_ids, audio_codes, attention_mask = prepare_prompt(model, input_ids, audio_codes, attention_mask)
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"stream() speaks one prompt at a time; got a batch of {input_ids.shape[0]}")
-    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    layout = {"speak_span": speak_span, "boundaries_left": boundaries_left}
-    request = _resolve_request(
-        model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id, layout
+    call = _set_up(
+        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
+        "stream()",
     )
     started = time.perf_counter()
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    _, steps = _start(model, *call.prompt, call.request, seed)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
-    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
     for step in steps:
         yield from waveform_streamer.step(clicks, step)
     yield from waveform_streamer.finish()
 
 
-# ----------------------------------------------------------------------------- long-form
+# ----------------------------------------------------------------------------- the model's methods
 
 
-LONG_FORM_FRAMES_PER_CHUNK = 1024
-"""Default cap on the frames of one chunk of a long text (as the MLX port)."""
+class Drama3GenerationMixin(GenerationMixin):
+    """`generate` and `stream` as methods of `Drama3ForSpeechGeneration`, which inherits them (as
+    transformers' CSM model inherits its generation mixin): modeling imports generation, never the
+    reverse. The model provides `prefill`, `decode_row`, `tower_step`, `speech_logits`,
+    `speech_token_ids` and `is_semantic`."""
 
+    def generate(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+        """Speak: one prefill, then one decode step per frame. See `generation_drama3.generate`."""
+        return generate(self, input_ids, audio_codes, attention_mask, generation_config, streamer, **kwargs)
 
-SCENE_MODES = ("joint", "turns")
-"""How `generate_long_form` speaks a script with several speakers. "joint": each chunk in one take,
-every speaker in it (the published model's way). "turns": one single-speaker cloning request per
-speaker turn (`generate_scene_turns`), for a model trained only on single-speaker rows, such as
-drama3-tiny. A model's generation config may choose the default (`scene_mode`)."""
-
-
-@dataclass
-class SpeakerTurn:
-    """One speaker turn of a scene spoken turn by turn: frames [start, end) of the scene's codes.
-
-    speaker: the script's speaker; request: the single-speaker request it was spoken as (speaker 0);
-    finish_reasons / anomalies: per chunk of the turn."""
-
-    speaker: int
-    request: Script
-    start: int
-    end: int
-    finish_reasons: list[str]
-    anomalies: list[list[str]]
-
-
-@dataclass
-class LongFormOutput:
-    """A long text spoken chunk by chunk.
-
-    audio: [samples] the whole waveform (when the processor has a codec), decoded in one pass;
-    audio_codes: [frames, num_codebooks] every chunk's take, in order; chunk_lengths: frames per
-    chunk; chunks: the chunk scripts; finish_reasons / anomalies: per chunk; time_to_first_audio:
-    seconds to the first streamed chunk (with a streamer); turns: the speaker turns, when the
-    script was spoken turn by turn (else None).
-    """
-
-    audio: torch.Tensor | None
-    audio_codes: torch.Tensor
-    chunk_lengths: list[int]
-    chunks: list
-    finish_reasons: list[str]
-    anomalies: list[list[str]]
-    sampling_rate: int | None = None
-    time_to_first_audio: float | None = None
-    turns: list[SpeakerTurn] | None = None
-
-
-class _FramesToWaveform:
-    """A streamer for `generate` (frames in, no end per chunk) that feeds one `WaveformStreamer`
-    across every chunk, so the codec's decoder state runs on over the chunk seams."""
-
-    def __init__(self, target, waveform_streamer: WaveformStreamer):
-        self.target, self.waveform_streamer = target, waveform_streamer
-
-    def put(self, frames: torch.Tensor) -> None:
-        for chunk in self.waveform_streamer.push(list(frames[0])):
-            _put(self.target, chunk)
-
-    def end(self) -> None:
-        """A chunk ended; the stream goes on."""
-
-    def close(self) -> None:
-        for chunk in self.waveform_streamer.finish():
-            if chunk.codes.numel():
-                _put(self.target, chunk)
-        self.target.end()
-
-
-@dataclass
-class _SpokenChunks:
-    """The takes of chunks spoken in order: codes [frames, num_codebooks] and the outcome of each."""
-
-    chunks: list = field(default_factory=list)
-    codes: list[torch.Tensor] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    anomalies: list[list[str]] = field(default_factory=list)
-
-    def extend(self, other: _SpokenChunks) -> None:
-        self.chunks += other.chunks
-        self.codes += other.codes
-        self.finish_reasons += other.finish_reasons
-        self.anomalies += other.anomalies
-
-    @property
-    def frames(self) -> int:
-        return sum(codes.shape[0] for codes in self.codes)
-
-
-def _long_form_script(processor, text, references, strict_speakers: bool = True):
-    """The script of a long-form call: a `Script`, or raw text read with `references`."""
-    from .prompting import Script, parse_text
-
-    if isinstance(text, str):
-        parse_text(text, "text")  # refused here with its location; one chunk is spoken as given
-        return Script(text, tuple(references), strict_speakers=strict_speakers)
-    script = processor.as_request(text, tuple(references), "text")
-    if type(script) is not Script:
-        raise ValueError(f"text: long-form generation takes raw text or a Script; got {type(script).__name__}")
-    return script
-
-
-def _waveform_relay(streamer, codec) -> _FramesToWaveform | None:
-    if streamer is None:
-        return None
-    return _FramesToWaveform(streamer, WaveformStreamer(codec, time.perf_counter()))
-
-
-def _speak_chunks(model, processor, script, seed, relay, progress, max_new_tokens, generate_kwargs) -> _SpokenChunks:
-    """Speak `script` chunk by chunk; chunk k draws with seed + k and has the history of the first
-    and the previous take (after the script's own history)."""
-    from tqdm.auto import tqdm
-
-    from .prompting import Take, long_text_history
-
-    spoken = _SpokenChunks(chunks=processor.chunk(script))
-    takes = []
-    for index, chunk in enumerate(tqdm(spoken.chunks, desc="chunks", unit="chunk", disable=not progress)):
-        request = chunk.with_history((*script.history, *long_text_history(takes)))
-        inputs = processor(request)
-        output = generate(
-            model,
-            inputs["input_ids"],
-            inputs["audio_codes"],
-            inputs["attention_mask"],
-            speak_span=inputs["speak_span"],
-            boundaries_left=inputs["boundaries_left"],
-            streamer=relay,
-            seed=None if seed is None else seed + index,
-            max_new_tokens=max_new_tokens,
-            return_dict_in_generate=True,
-            **generate_kwargs,
-        )
-        codes = output.audio_codes[0, : int(output.lengths[0])]
-        spoken.codes.append(codes)
-        spoken.finish_reasons.append(output.finish_reasons[0])
-        spoken.anomalies.append(output.anomalies[0])
-        if codes.shape[0]:
-            takes.append(Take(lines=chunk.lines, audio=codes.T.cpu()))
-    return spoken
-
-
-def _long_form_output(model, codec, spoken: _SpokenChunks, relay, turns=None) -> LongFormOutput:
-    """Every take's codes in order, decoded in one pass; ends the stream."""
-    if relay is not None:
-        relay.close()
-    if spoken.codes:
-        audio_codes = torch.cat(spoken.codes)
-    else:
-        audio_codes = torch.zeros(0, model.config.num_codebooks, dtype=torch.long)
-    audio = None
-    if codec is not None:
-        audio = decode_audio(codec, audio_codes[None], torch.tensor([audio_codes.shape[0]]))[0]
-    return LongFormOutput(
-        audio=audio,
-        audio_codes=audio_codes,
-        chunk_lengths=[codes.shape[0] for codes in spoken.codes],
-        chunks=spoken.chunks,
-        finish_reasons=spoken.finish_reasons,
-        anomalies=spoken.anomalies,
-        sampling_rate=None if codec is None else codec.sampling_rate,
-        time_to_first_audio=None if relay is None else relay.waveform_streamer.time_to_first_audio,
-        turns=turns,
-    )
-
-
-def resolve_scene_mode(model, scene: str | None) -> str:
-    """`scene`, else the `scene_mode` of the model's generation config, else "joint"."""
-    if scene is not None:
-        location, mode = "scene", scene
-    else:
-        configured = getattr(getattr(model, "generation_config", None), "scene_mode", None)
-        location, mode = "generation_config.scene_mode", configured or "joint"
-    if mode not in SCENE_MODES:
-        raise ValueError(f"{location}={mode!r}; expected one of {list(SCENE_MODES)}")
-    return mode
-
-
-@torch.no_grad()
-def generate_long_form(
-    model,
-    processor,
-    text,
-    *,
-    references=None,
-    reference_audio=None,
-    reference_text=None,
-    reference_speaker=None,
-    seed: int | None = None,
-    streamer=None,
-    progress: bool = True,
-    max_new_tokens: int = LONG_FORM_FRAMES_PER_CHUNK,
-    scene: str | None = None,
-    **generate_kwargs,
-) -> LongFormOutput:
-    """Speak a script of any length, one chunk at a time, keeping the voice across chunks.
-
-    The processor cuts the script into chunks (~300 UTF-8 bytes, at most 3 speakers each; spec
-    §4). Chunk k is generated with the history of the first chunk's take and the previous
-    chunk's take (`prompting.long_text_history`), after any history the script already has, so
-    the voice carries over. A tqdm bar counts the chunks.
-
-    Args:
-        text: raw text (speaker tags allowed) or a `prompting.Script`.
-        references / reference_audio + reference_text (+ reference_speaker, 0 by default): voice
-            references for raw text.
-        seed: chunk k draws with seed + k.
-        streamer: receives waveform chunks across the whole script (batch 1), `end()` once.
-        max_new_tokens: frames cap of one chunk (also bounded by its own budget).
-        scene: "joint" (as above) or "turns" (`generate_scene_turns`: one single-speaker request per
-            speaker turn); default: the model generation config's `scene_mode`, else "joint".
-        **generate_kwargs: passed to `generate` (sampling settings, preset, ...).
-    """
-    arguments = dict(
-        references=references,
-        reference_audio=reference_audio,
-        reference_text=reference_text,
-        reference_speaker=reference_speaker,
-        seed=seed,
-        streamer=streamer,
-        progress=progress,
-        max_new_tokens=max_new_tokens,
-    )
-    if resolve_scene_mode(model, scene) == "turns":
-        return generate_scene_turns(model, processor, text, **arguments, **generate_kwargs)
-    if references is None:
-        references = processor.references_from(reference_audio, reference_text, reference_speaker)
-    script = _long_form_script(processor, text, references)
-    relay = _waveform_relay(streamer, processor.codec)
-    spoken = _speak_chunks(model, processor, script, seed, relay, progress, max_new_tokens, generate_kwargs)
-    return _long_form_output(model, processor.codec, spoken, relay)
-
-
-@torch.no_grad()
-def generate_scene_turns(
-    model,
-    processor,
-    text,
-    *,
-    references=None,
-    reference_audio=None,
-    reference_text=None,
-    reference_speaker=None,
-    seed: int | None = None,
-    streamer=None,
-    progress: bool = True,
-    max_new_tokens: int = LONG_FORM_FRAMES_PER_CHUNK,
-    **generate_kwargs,
-) -> LongFormOutput:
-    """Speak a scene one speaker turn at a time, each turn as a single-speaker cloning request.
-
-    The script is cut into speaker turns (maximal runs of consecutive lines of one speaker;
-    `prompting.speaker_turns`): each is spoken from that speaker's references alone, renumbered to
-    speaker 0, as a long text of its own (it chunks when long; its chunks share history, turns do
-    not). The turns' codes are concatenated in order and decoded once. Chunk k of the whole scene
-    draws with seed + k, so a one-speaker script gives `generate_long_form`'s joint take. A tqdm
-    bar counts the turns. Arguments as in `generate_long_form`; every speaker needs a reference.
-
-    Returns:
-        `LongFormOutput` whose `turns` say where each speaker turn starts and ends (frames), who
-        spoke it, and how its chunks finished; the per-chunk fields cover every turn's chunks.
-    """
-    from tqdm.auto import tqdm
-
-    from .prompting import speaker_turns
-
-    if references is None:
-        references = processor.references_from(reference_audio, reference_text, reference_speaker)
-    # speaker_turns names a speaker without a reference in this mode's words
-    script = _long_form_script(processor, text, references, strict_speakers=False)
-    requests = speaker_turns(script)
-    relay = _waveform_relay(streamer, processor.codec)
-    spoken, turns = _SpokenChunks(), []
-    for speaker, request in tqdm(requests, desc="turns", unit="turn", disable=not progress):
-        turn_seed = None if seed is None else seed + len(spoken.chunks)
-        part = _speak_chunks(model, processor, request, turn_seed, relay, False, max_new_tokens, generate_kwargs)
-        start = spoken.frames
-        spoken.extend(part)
-        turns.append(SpeakerTurn(speaker, request, start, spoken.frames, part.finish_reasons, part.anomalies))
-    return _long_form_output(model, processor.codec, spoken, relay, turns)
+    def stream(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, **kwargs):
+        """Speak one prompt, yielding audio chunks as frames are produced. See `generation_drama3.stream`."""
+        return stream(self, input_ids, audio_codes, attention_mask, generation_config, **kwargs)

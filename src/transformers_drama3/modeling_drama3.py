@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import (
     create_causal_mask,
@@ -34,32 +33,18 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .checkpoint_files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
+# Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
+from .generation_drama3 import Drama3Cache, Drama3GenerationMixin, drama3_generation_config
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
+# The label of an unsupervised row: defined once, by the rows that carry it.
+from .prompting import IGNORE_INDEX
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
 from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
 from .saving import save_published
 from .rope import apply_interleaved_rope, rope_cos_sin
 
-IGNORE_INDEX = -100
 
-
-# ----------------------------------------------------------------------------- outputs and cache
-
-
-@dataclass
-class Drama3Cache:
-    """Decode state: the backbone's hybrid cache (conv + recurrent states for Gated DeltaNet layers,
-    keys/values for attention layers) and one key/value cache per tower layer."""
-
-    backbone: DynamicCache
-    tower: DynamicCache
-
-    @classmethod
-    def empty(cls, config: Drama3Config) -> "Drama3Cache":
-        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
-
-    def get_seq_length(self) -> int:
-        return self.backbone.get_seq_length()
+# ----------------------------------------------------------------------------- outputs
 
 
 @dataclass
@@ -334,7 +319,7 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
         self.model.language_model._init_weights(module)
 
 
-class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
+class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
     """Drama 3 with its speech heads: lm_head for text and semantic tokens, the Codebook-MTP tower for
     the acoustic codes.
 
@@ -357,8 +342,6 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         self.num_codebooks = tower.num_codebooks
         self.post_init()
         # The published serving defaults, so pipelines and saved checkpoints carry them.
-        from .generation_drama3 import drama3_generation_config
-
         self.generation_config = drama3_generation_config(config)
         # What the weights were loaded from, so that `save_pretrained` writes it back unchanged
         # (`loaded_checkpoint.py`); None for a model built from a config. Set it to None to free
@@ -603,15 +586,21 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor,
         cache: Drama3Cache,
         sample,
+        is_audio: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Draw codes 1..9 of the next frame at the current row, given its semantic code.
+        """Draw codes 1..9 of the next frame at the current row, given its semantic code: the one
+        decode step of the tower.
 
         hidden: [batch, 1, dim] backbone output of the current row (input_ids [batch, 1],
         audio_codes [batch, 1, num_codebooks]); semantic_code: [batch, 1]; attention_mask:
-        [batch, rows so far] ending with the current row. Returns [batch, 1, num_codebooks].
+        [batch, rows so far] ending with the current row; is_audio: [batch] whether the next row
+        is a frame (default: all). Where it is False (a line boundary) no code is embedded, yet
+        the tower's layers still take the row into their cache, as the teacher-forced forward does
+        for a row whose next row is text: later frames attend to exactly what training showed
+        them (the codes drawn there are meaningless). Returns [batch, 1, num_codebooks].
         """
         positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-        is_audio = torch.ones_like(semantic_code, dtype=torch.bool)
+        is_audio = torch.ones_like(semantic_code, dtype=torch.bool) if is_audio is None else is_audio[:, None]
         return self.sample_acoustic_codes(
             hidden, input_ids, audio_codes, semantic_code, is_audio, positions,
             tower_attention_mask(attention_mask, 1), cache.tower, sample,
@@ -762,20 +751,6 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, GenerationMixin):
             )
             loss = loss + text_config.router_aux_loss_coef * output.aux_loss
         output.loss = loss
-
-    # -- generation (generation_drama3.py) ---------------------------------------------------------
-
-    def generate(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
-        """Speak: one prefill, then one decode step per frame. See `generation_drama3.generate`."""
-        from .generation_drama3 import generate
-
-        return generate(self, input_ids, audio_codes, attention_mask, generation_config, streamer, **kwargs)
-
-    def stream(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, **kwargs):
-        """Speak one prompt, yielding audio chunks as frames are produced. See `generation_drama3.stream`."""
-        from .generation_drama3 import stream
-
-        return stream(self, input_ids, audio_codes, attention_mask, generation_config, **kwargs)
 
 
 def _published_layout_to_modules(module, state_dict, prefix, *args) -> None:

@@ -21,7 +21,7 @@ Generation parameters go in `generate_kwargs` (e.g. `{"seed": 0, "preset": "pape
 pipeline adds `max_new_tokens=256` (frames, ~12 s) unless the model's generation config sets it;
 each take is also held to its own budget (2.5x the expected duration of its text).
 The pipeline speaks each text as one prompt (the model's `generate`), so it has no `scene` mode: to
-speak a scene one speaker turn at a time, use `generation_drama3.generate_long_form(..., scene="turns")`.
+speak a scene one speaker turn at a time, use `long_form.generate_long_form(..., scene="turns")`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..generation_drama3 import SEED_STRIDE
 from ..prompting import Infill, Line, LineByLineScript, PromptRows, Reference, Script, Take
 
 DEFAULT_SEAM_FRAMES = 4
@@ -77,7 +78,7 @@ class RowCollator:
         raise NotImplementedError
 
     def rng(self, example: dict, position: int) -> random.Random:
-        return random.Random(self.seed * 1_000_003 + int(example.get("index", position)))
+        return random.Random(self.seed * SEED_STRIDE + int(example.get("index", position)))
 
     def row_weights(self, example: dict, rows: PromptRows) -> torch.Tensor | None:
         """Per-row loss weights of one example, aligned with its rows; None means all 1."""

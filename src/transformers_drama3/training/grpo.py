@@ -22,8 +22,10 @@ import torch
 from ..generation_drama3 import (
     BUDGET_FACTOR,
     MAX_FRAMES,
+    SEED_STRIDE,
     Drama3Sampler,
     SamplingSettings,
+    TakeCollector,
     decode_steps,
     frame_budgets,
     item_generators,
@@ -90,34 +92,29 @@ def rollout(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, group_siz
     codes = audio_codes[None].expand(group_size, -1, -1).to(model.device)
     mask = torch.ones_like(ids)
     seconds = torch.full((group_size,), float(expected_seconds))
-    budgets = (seconds.double() * config.budget_factor * model.config.frame_rate).ceil().long()
-    budgets = budgets.clamp(1, config.max_frames)
+    budgets = frame_budgets(
+        seconds, model.config.frame_rate, budget_factor=config.budget_factor, max_frames=config.max_frames
+    )
     sampler = Drama3Sampler(
         ROLLOUT_SETTINGS, model.speech_token_ids(ids.device), prompt_window(ids, mask),
         item_generators(seed, group_size, ids.device),
     )
-    main_ids: list[list[int]] = [[] for _ in range(group_size)]
-    frames: list[list[torch.Tensor]] = [[] for _ in range(group_size)]
-    eos = torch.zeros(group_size, dtype=torch.bool)
-    active = torch.ones(group_size, dtype=torch.bool)
+    collector = TakeCollector(group_size)
     for step in decode_steps(model, ids, codes, mask, sampler, budgets):
-        for item in range(group_size):
-            if not active[item]:
-                continue
-            if bool(step.produced[item]):
-                main_ids[item].append(int(step.main_ids[item]))
-                frames[item].append(step.frames[item].cpu())
-            if bool(step.eos[item]):
-                main_ids[item].append(int(step.main_ids[item]))
-                eos[item] = True
-            if bool(step.ended[item]):
-                active[item] = False
-    num_codebooks = model.config.num_codebooks
-    return Takes(
-        main_ids=[torch.tensor(m, dtype=torch.long) for m in main_ids],
-        frames=[torch.stack(f) if f else torch.zeros(0, num_codebooks, dtype=torch.long) for f in frames],
-        eos=eos,
-    )
+        collector.add(step)
+    # The policy's tokens are kept as drawn: no click frame is dropped before eos.
+    frames = [take.cpu() for take in collector.takes(model.config.num_codebooks)]
+    eos = torch.tensor([reason == "eos" for reason in collector.finish_reasons], dtype=torch.bool)
+    return Takes(main_ids=[main_tokens(model.config, take, ended) for take, ended in zip(frames, eos.tolist())],
+                 frames=frames, eos=eos)
+
+
+def main_tokens(config, frames: torch.Tensor, ended_with_eos: bool) -> torch.Tensor:
+    """The main tokens a take drew: `<|semantic:c0|>` of each frame [frames, C], then eos if it
+    ended so. [tokens]."""
+    semantic = frames[:, 0] + config.semantic_start_token_id
+    eos = torch.tensor([config.eos_token_id] if ended_with_eos else [], dtype=torch.long)
+    return torch.cat((semantic, eos))
 
 
 def policy_log_probs(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, takes: Takes) -> list[torch.Tensor]:
@@ -205,7 +202,7 @@ class GRPOTrainer:
         for index, prompt in enumerate(prompts):
             model.eval()
             takes = rollout(model, prompt.input_ids, prompt.audio_codes, config.group_size, prompt.expected_seconds,
-                            config, seed=seed * 1_000_003 + index * config.group_size)
+                            config, seed=seed * SEED_STRIDE + index * config.group_size)
             scores = torch.as_tensor(self.reward_fn(prompt, takes), dtype=torch.float32)
             stats["mean_reward"] += float(scores.mean()) / len(prompts)
             stats["mean_length"] += float(takes.lengths.float().mean()) / len(prompts)

@@ -1,0 +1,291 @@
+"""Long texts and scenes: a script of any length spoken chunk by chunk (`generate_long_form`), or
+a scene spoken one speaker turn at a time (`generate_scene_turns`).
+
+This module sits above the processor: it cuts the script with `Drama3Processor.chunk`, builds each
+chunk's prompt with the processor (the first and the previous take as history,
+`prompting.long_text_history`), and speaks each prompt with `generation_drama3.generate`. The takes'
+codes are concatenated and decoded once; a streamer gets one waveform stream across every chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .generation_drama3 import WaveformStreamer, decode_audio, generate, put_chunk
+from .processing_drama3 import Drama3Processor
+from .prompting import Script, Take, long_text_history, parse_text, speaker_turns
+
+LONG_FORM_FRAMES_PER_CHUNK = 1024
+"""Default cap on the frames of one chunk of a long text (as the MLX port)."""
+
+
+SCENE_MODES = ("joint", "turns")
+"""How `generate_long_form` speaks a script with several speakers. "joint": each chunk in one take,
+every speaker in it (the published model's way). "turns": one single-speaker cloning request per
+speaker turn (`generate_scene_turns`), for a model trained only on single-speaker rows, such as
+drama3-tiny. A model's generation config may choose the default (`scene_mode`)."""
+
+
+@dataclass
+class SpeakerTurn:
+    """One speaker turn of a scene spoken turn by turn: frames [start, end) of the scene's codes.
+
+    speaker: the script's speaker; request: the single-speaker request it was spoken as (speaker 0);
+    finish_reasons / anomalies: per chunk of the turn."""
+
+    speaker: int
+    request: Script
+    start: int
+    end: int
+    finish_reasons: list[str]
+    anomalies: list[list[str]]
+
+
+@dataclass
+class LongFormOutput:
+    """A long text spoken chunk by chunk.
+
+    audio: [samples] the whole waveform (when the processor has a codec), decoded in one pass;
+    audio_codes: [frames, num_codebooks] every chunk's take, in order; chunk_lengths: frames per
+    chunk; chunks: the chunk scripts; finish_reasons / anomalies: per chunk; time_to_first_audio:
+    seconds to the first streamed chunk (with a streamer); turns: the speaker turns, when the
+    script was spoken turn by turn (else None).
+    """
+
+    audio: torch.Tensor | None
+    audio_codes: torch.Tensor
+    chunk_lengths: list[int]
+    chunks: list
+    finish_reasons: list[str]
+    anomalies: list[list[str]]
+    sampling_rate: int | None = None
+    time_to_first_audio: float | None = None
+    turns: list[SpeakerTurn] | None = None
+
+
+class _FramesToWaveform:
+    """A streamer for `generate` (frames in, no end per chunk) that feeds one `WaveformStreamer`
+    across every chunk, so the codec's decoder state runs on over the chunk seams."""
+
+    def __init__(self, target, waveform_streamer: WaveformStreamer):
+        self.target, self.waveform_streamer = target, waveform_streamer
+
+    def put(self, frames: torch.Tensor) -> None:
+        for chunk in self.waveform_streamer.push(list(frames[0])):
+            put_chunk(self.target, chunk)
+
+    def end(self) -> None:
+        """A chunk ended; the stream goes on."""
+
+    def close(self) -> None:
+        for chunk in self.waveform_streamer.finish():
+            if chunk.codes.numel():
+                put_chunk(self.target, chunk)
+        self.target.end()
+
+
+@dataclass
+class _SpokenChunks:
+    """The takes of chunks spoken in order: codes [frames, num_codebooks] and the outcome of each."""
+
+    chunks: list = field(default_factory=list)
+    codes: list[torch.Tensor] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    anomalies: list[list[str]] = field(default_factory=list)
+
+    def extend(self, other: _SpokenChunks) -> None:
+        self.chunks += other.chunks
+        self.codes += other.codes
+        self.finish_reasons += other.finish_reasons
+        self.anomalies += other.anomalies
+
+    @property
+    def frames(self) -> int:
+        return sum(codes.shape[0] for codes in self.codes)
+
+
+def _long_form_script(processor: Drama3Processor, text, references, strict_speakers: bool = True):
+    """The script of a long-form call: a `Script`, or raw text read with `references`."""
+    if isinstance(text, str):
+        parse_text(text, "text")  # refused here with its location; one chunk is spoken as given
+        return Script(text, tuple(references), strict_speakers=strict_speakers)
+    script = processor.as_request(text, tuple(references), "text")
+    if type(script) is not Script:
+        raise ValueError(f"text: long-form generation takes raw text or a Script; got {type(script).__name__}")
+    return script
+
+
+def _waveform_relay(streamer, codec) -> _FramesToWaveform | None:
+    if streamer is None:
+        return None
+    return _FramesToWaveform(streamer, WaveformStreamer(codec, time.perf_counter()))
+
+
+def _speak_chunks(model, processor: Drama3Processor, script, seed, relay, progress, max_new_tokens, generate_kwargs) -> _SpokenChunks:
+    """Speak `script` chunk by chunk; chunk k draws with seed + k and has the history of the first
+    and the previous take (after the script's own history)."""
+    spoken = _SpokenChunks(chunks=processor.chunk(script))
+    takes = []
+    for index, chunk in enumerate(tqdm(spoken.chunks, desc="chunks", unit="chunk", disable=not progress)):
+        request = chunk.with_history((*script.history, *long_text_history(takes)))
+        inputs = processor(request)
+        output = generate(
+            model,
+            inputs["input_ids"],
+            inputs["audio_codes"],
+            inputs["attention_mask"],
+            speak_span=inputs["speak_span"],
+            boundaries_left=inputs["boundaries_left"],
+            streamer=relay,
+            seed=None if seed is None else seed + index,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+        codes = output.audio_codes[0, : int(output.lengths[0])]
+        spoken.codes.append(codes)
+        spoken.finish_reasons.append(output.finish_reasons[0])
+        spoken.anomalies.append(output.anomalies[0])
+        if codes.shape[0]:
+            takes.append(Take(lines=chunk.lines, audio=codes.T.cpu()))
+    return spoken
+
+
+def _long_form_output(model, codec, spoken: _SpokenChunks, relay, turns=None) -> LongFormOutput:
+    """Every take's codes in order, decoded in one pass; ends the stream."""
+    if relay is not None:
+        relay.close()
+    if spoken.codes:
+        audio_codes = torch.cat(spoken.codes)
+    else:
+        audio_codes = torch.zeros(0, model.config.num_codebooks, dtype=torch.long)
+    audio = None
+    if codec is not None:
+        audio = decode_audio(codec, audio_codes[None], torch.tensor([audio_codes.shape[0]]))[0]
+    return LongFormOutput(
+        audio=audio,
+        audio_codes=audio_codes,
+        chunk_lengths=[codes.shape[0] for codes in spoken.codes],
+        chunks=spoken.chunks,
+        finish_reasons=spoken.finish_reasons,
+        anomalies=spoken.anomalies,
+        sampling_rate=None if codec is None else codec.sampling_rate,
+        time_to_first_audio=None if relay is None else relay.waveform_streamer.time_to_first_audio,
+        turns=turns,
+    )
+
+
+def resolve_scene_mode(model, scene: str | None) -> str:
+    """`scene`, else the `scene_mode` of the model's generation config, else "joint"."""
+    if scene is not None:
+        location, mode = "scene", scene
+    else:
+        configured = getattr(getattr(model, "generation_config", None), "scene_mode", None)
+        location, mode = "generation_config.scene_mode", configured or "joint"
+    if mode not in SCENE_MODES:
+        raise ValueError(f"{location}={mode!r}; expected one of {list(SCENE_MODES)}")
+    return mode
+
+
+@torch.no_grad()
+def generate_long_form(
+    model,
+    processor: Drama3Processor,
+    text,
+    *,
+    references=None,
+    reference_audio=None,
+    reference_text=None,
+    reference_speaker=None,
+    seed: int | None = None,
+    streamer=None,
+    progress: bool = True,
+    max_new_tokens: int = LONG_FORM_FRAMES_PER_CHUNK,
+    scene: str | None = None,
+    **generate_kwargs,
+) -> LongFormOutput:
+    """Speak a script of any length, one chunk at a time, keeping the voice across chunks.
+
+    The processor cuts the script into chunks (~300 UTF-8 bytes, at most 3 speakers each; spec
+    §4). Chunk k is generated with the history of the first chunk's take and the previous
+    chunk's take (`prompting.long_text_history`), after any history the script already has, so
+    the voice carries over. A tqdm bar counts the chunks.
+
+    Args:
+        text: raw text (speaker tags allowed) or a `prompting.Script`.
+        references / reference_audio + reference_text (+ reference_speaker, 0 by default): voice
+            references for raw text.
+        seed: chunk k draws with seed + k.
+        streamer: receives waveform chunks across the whole script (batch 1), `end()` once.
+        max_new_tokens: frames cap of one chunk (also bounded by its own budget).
+        scene: "joint" (as above) or "turns" (`generate_scene_turns`: one single-speaker request per
+            speaker turn); default: the model generation config's `scene_mode`, else "joint".
+        **generate_kwargs: passed to `generate` (sampling settings, preset, ...).
+    """
+    arguments = dict(
+        references=references,
+        reference_audio=reference_audio,
+        reference_text=reference_text,
+        reference_speaker=reference_speaker,
+        seed=seed,
+        streamer=streamer,
+        progress=progress,
+        max_new_tokens=max_new_tokens,
+    )
+    if resolve_scene_mode(model, scene) == "turns":
+        return generate_scene_turns(model, processor, text, **arguments, **generate_kwargs)
+    if references is None:
+        references = processor.references_from(reference_audio, reference_text, reference_speaker)
+    script = _long_form_script(processor, text, references)
+    relay = _waveform_relay(streamer, processor.codec)
+    spoken = _speak_chunks(model, processor, script, seed, relay, progress, max_new_tokens, generate_kwargs)
+    return _long_form_output(model, processor.codec, spoken, relay)
+
+
+@torch.no_grad()
+def generate_scene_turns(
+    model,
+    processor: Drama3Processor,
+    text,
+    *,
+    references=None,
+    reference_audio=None,
+    reference_text=None,
+    reference_speaker=None,
+    seed: int | None = None,
+    streamer=None,
+    progress: bool = True,
+    max_new_tokens: int = LONG_FORM_FRAMES_PER_CHUNK,
+    **generate_kwargs,
+) -> LongFormOutput:
+    """Speak a scene one speaker turn at a time, each turn as a single-speaker cloning request.
+
+    The script is cut into speaker turns (maximal runs of consecutive lines of one speaker;
+    `prompting.speaker_turns`): each is spoken from that speaker's references alone, renumbered to
+    speaker 0, as a long text of its own (it chunks when long; its chunks share history, turns do
+    not). The turns' codes are concatenated in order and decoded once. Chunk k of the whole scene
+    draws with seed + k, so a one-speaker script gives `generate_long_form`'s joint take. A tqdm
+    bar counts the turns. Arguments as in `generate_long_form`; every speaker needs a reference.
+
+    Returns:
+        `LongFormOutput` whose `turns` say where each speaker turn starts and ends (frames), who
+        spoke it, and how its chunks finished; the per-chunk fields cover every turn's chunks.
+    """
+    if references is None:
+        references = processor.references_from(reference_audio, reference_text, reference_speaker)
+    # speaker_turns names a speaker without a reference in this mode's words
+    script = _long_form_script(processor, text, references, strict_speakers=False)
+    requests = speaker_turns(script)
+    relay = _waveform_relay(streamer, processor.codec)
+    spoken, turns = _SpokenChunks(), []
+    for speaker, request in tqdm(requests, desc="turns", unit="turn", disable=not progress):
+        turn_seed = None if seed is None else seed + len(spoken.chunks)
+        part = _speak_chunks(model, processor, request, turn_seed, relay, False, max_new_tokens, generate_kwargs)
+        start = spoken.frames
+        spoken.extend(part)
+        turns.append(SpeakerTurn(speaker, request, start, spoken.frames, part.finish_reasons, part.anomalies))
+    return _long_form_output(model, processor.codec, spoken, relay, turns)

@@ -1,0 +1,54 @@
+"""Generation's place among the modules: the model imports generation, never the reverse; long-form
+sits above the processor; neither hides an import inside a function."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "transformers_drama3"
+
+
+def imports_of(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, relative to the package where it is ours; whether at module level)."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            name = ("." * node.level) + (node.module or "")
+            found.append((name, id(node) in top_level))
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, id(node) in top_level) for alias in node.names)
+    return found
+
+
+def internal(name: str) -> str | None:
+    """`.codec.streaming` -> "codec.streaming"; a module outside the package -> None."""
+    if name.startswith("transformers_drama3."):
+        return name.removeprefix("transformers_drama3.")
+    return name.lstrip(".") if name.startswith(".") else None
+
+
+def test_generation_imports_nothing_above_it():
+    # prompting's text rules (the CJK reading rate) sit below the processor and import no model
+    above = ("modeling_drama3", "processing_drama3", "long_form", "pipeline_drama3", "training", "serving")
+    ours = [internal(name) for name, _ in imports_of(PACKAGE / "generation_drama3.py") if internal(name) is not None]
+    assert ours, "generation imports some of the package (configuration, codec streaming)"
+    assert not [name for name in ours if name.split(".")[0] in above]
+
+
+def test_the_model_gets_its_cache_and_generate_from_generation():
+    ours = {internal(name): top for name, top in imports_of(PACKAGE / "modeling_drama3.py") if internal(name)}
+    assert ours.get("generation_drama3") is True
+
+
+@pytest.mark.parametrize("module", ["generation_drama3.py", "long_form.py", "modeling_drama3.py"])
+def test_no_import_is_hidden_inside_a_function(module):
+    hidden = [name for name, top in imports_of(PACKAGE / module) if not top and name != "__future__"]
+    assert hidden == []
+
+
+def test_long_form_sits_above_the_processor():
+    ours = {internal(name) for name, _ in imports_of(PACKAGE / "long_form.py")} - {None}
+    assert {"processing_drama3", "prompting", "generation_drama3"} <= ours
