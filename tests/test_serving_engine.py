@@ -1,0 +1,124 @@
+"""The continuous-batching engine: a request's codes equal `generate()`'s for it alone, whether it
+runs alone or joins a busy batch mid-flight; slots free at once; the queue has a cap."""
+
+import pytest
+import torch
+
+from generation_helpers import prompt, tiny_model
+from transformers_drama3.generation_drama3 import SamplingSettings
+from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob
+
+MAX_FRAMES = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+def job(seed: int, prompt_seed: int, text_rows: int = 5, audio_rows: int = 4, **settings) -> SpeechJob:
+    ids, codes = prompt(seed=prompt_seed, text_rows=text_rows, audio_rows=audio_rows)
+    sampling = SamplingSettings(**settings) if settings else SamplingSettings()
+    return SpeechJob(ids[None], codes[None], sampling, seed=seed, max_new_tokens=MAX_FRAMES)
+
+
+def generate_alone(model, job: SpeechJob):
+    settings = job.settings
+    out = model.generate(
+        job.input_ids, job.audio_codes, seed=job.seed, max_new_tokens=job.max_new_tokens,
+        do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
+        top_k=settings.top_k, return_dict_in_generate=True,
+    )
+    return out.audio_codes[0, : int(out.lengths[0])], out.finish_reasons[0]
+
+
+def drive(engine, arrivals: dict):
+    """Step the engine by hand; `arrivals[step]` lists jobs submitted before that step."""
+    handles, step = [], 0
+    while step <= max(arrivals) or not engine.idle:
+        handles += [engine.submit(j) for j in arrivals.get(step, [])]
+        engine.step()
+        step += 1
+    return handles
+
+
+def test_a_request_alone_gives_generates_codes(model):
+    request = job(seed=3, prompt_seed=1, temperature=1.3, top_p=1.0)
+    engine = Drama3Engine(model, max_batch=4)
+    (handle,) = drive(engine, {0: [request]})
+    result = handle.result(timeout=1)
+    expected, reason = generate_alone(model, request)
+    assert isinstance(result, DoneEvent)
+    assert torch.equal(result.codes, expected)
+    assert result.finish_reason == reason
+
+
+def test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone(model):
+    first = [job(seed=10 + i, prompt_seed=20 + i, text_rows=3 + 2 * i, temperature=1.2, top_p=0.95) for i in range(2)]
+    later = [
+        job(seed=30, prompt_seed=31, audio_rows=7, temperature=0.8, top_k=5),
+        job(seed=32, prompt_seed=33, text_rows=9),
+        job(seed=34, prompt_seed=35, do_sample=False),
+    ]
+    engine = Drama3Engine(model, max_batch=8)
+    handles = drive(engine, {0: first, 3: later[:2], 5: later[2:]})
+    for request, handle in zip(first + later, handles):
+        result = handle.result(timeout=1)
+        expected, reason = generate_alone(model, request)
+        assert torch.equal(result.codes, expected), f"seed {request.seed}"
+        assert result.finish_reason == reason
+    assert engine.stats.occupied > engine.stats.steps  # requests did share steps
+
+
+def test_streamed_frames_join_to_the_final_codes(model):
+    engine = Drama3Engine(model)
+    (handle,) = drive(engine, {0: [job(seed=5, prompt_seed=6)]})
+    events = list(handle.events(timeout=1))
+    frames = torch.cat([event.frames for event in events if isinstance(event, FramesEvent)])
+    assert torch.equal(frames, events[-1].codes)
+
+
+def test_waiting_requests_beyond_max_batch_run_when_a_slot_frees(model):
+    requests = [job(seed=40 + i, prompt_seed=50 + i) for i in range(3)]
+    engine = Drama3Engine(model, max_batch=1)
+    handles = drive(engine, {0: requests})
+    assert engine.stats.occupied == engine.stats.steps  # never more than one at a time
+    for request, handle in zip(requests, handles):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_others_are_unchanged(model):
+    keep, drop = job(seed=60, prompt_seed=61), job(seed=62, prompt_seed=63, temperature=1.5, top_p=1.0)
+    engine = Drama3Engine(model)
+    handles = [engine.submit(keep), engine.submit(drop)]
+    engine.step()
+    handles[1].cancel()
+    engine.step()
+    assert handles[1].finished_at is not None  # freed at the step after the cancel
+    assert engine.running == (0 if handles[0].finished_at is not None else 1)
+    while not engine.idle:
+        engine.step()
+    cancelled = handles[1].result(timeout=1)
+    assert isinstance(cancelled, ErrorEvent) and cancelled.kind == "cancelled"
+    assert torch.equal(handles[0].result(timeout=1).codes, generate_alone(model, keep)[0])
+
+
+def test_submit_beyond_the_queue_cap_is_refused(model):
+    engine = Drama3Engine(model, max_batch=1, max_queue=2)
+    engine.submit(job(seed=1, prompt_seed=1))
+    engine.submit(job(seed=2, prompt_seed=2))
+    with pytest.raises(QueueFull, match="queue holds 2"):
+        engine.submit(job(seed=3, prompt_seed=3))
+
+
+def test_the_scheduler_thread_serves_concurrent_requests(model):
+    requests = [job(seed=70 + i, prompt_seed=80 + i, text_rows=2 + i) for i in range(5)]
+    engine = Drama3Engine(model, max_batch=3)
+    engine.start()
+    try:
+        handles = [engine.submit(request) for request in requests]
+        results = [handle.result(timeout=30) for handle in handles]
+    finally:
+        engine.stop()
+    for request, result in zip(requests, results):
+        assert torch.equal(result.codes, generate_alone(model, request)[0])
