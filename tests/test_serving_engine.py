@@ -6,9 +6,11 @@ import torch
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.generation_drama3 import SamplingSettings
-from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob
+from transformers_drama3.serving.engine import (
+    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, prefill_alone,
+)
 
-MAX_FRAMES = 12
+MAX_FRAMES = 8
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +124,39 @@ def test_the_scheduler_thread_serves_concurrent_requests(model):
         engine.stop()
     for request, result in zip(requests, results):
         assert torch.equal(result.codes, generate_alone(model, request)[0])
+
+
+def test_a_prefill_continued_from_a_cached_prefix_matches_the_whole_prefill(model):
+    from transformers_drama3.serving.prefix_cache import continue_prefill, prefill_prefix
+
+    request = job(seed=1, prompt_seed=90, audio_rows=6)
+    whole = prefill_alone(model, request)
+    rows = 7
+    prefix = prefill_prefix(model, request.input_ids[:, :rows], request.audio_codes[:, :rows])
+    continued = continue_prefill(model, prefix, request.input_ids[:, rows:], request.audio_codes[:, rows:])
+    torch.testing.assert_close(continued.hidden, whole.hidden)
+    assert torch.equal(continued.mask, whole.mask)
+    for mine, theirs in zip(continued.cache.tower.layers, whole.cache.tower.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+    for mine, theirs in zip(continued.cache.backbone.layers, whole.cache.backbone.layers):
+        if getattr(theirs, "keys", None) is not None:
+            torch.testing.assert_close(mine.keys, theirs.keys)
+        else:
+            torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0])
+            torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0])
+
+
+def test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_busy_batch(model):
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+
+    def voiced(seed):
+        request = job(seed=seed, prompt_seed=91)
+        request.prefix = "voice"
+        return request
+
+    alone_cache = PrefixCache()
+    (alone,) = drive(Drama3Engine(model, prefill=alone_cache.prefill), {0: [voiced(5)]})
+    cache = PrefixCache()
+    busy = drive(Drama3Engine(model, prefill=cache.prefill), {0: [voiced(6), job(7, 92)], 2: [voiced(5)]})
+    assert torch.equal(busy[2].result(timeout=1).codes, alone.result(timeout=1).codes)
+    assert cache.hits == 1 and cache.misses == 1

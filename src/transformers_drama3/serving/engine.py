@@ -383,6 +383,7 @@ class Drama3Engine:
             self.on_finish(handle, outcome)
 
 
+@torch.no_grad()
 def prefill_alone(model, job: SpeechJob) -> SlotBatch:
     """Prefill one prompt on its own into a fresh cache: a `SlotBatch` of one row."""
     cache = Drama3Cache.empty(model.config)
