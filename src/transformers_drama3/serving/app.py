@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
 from .engine import DoneEvent, Drama3Engine, EngineStopped, ErrorEvent, FramesEvent, QueueFull, SpeechJob
@@ -147,8 +149,6 @@ class SpeechService:
 
 
 def _error_response(error: ApiError):
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(error.body(), status_code=error.status)
 
 
@@ -171,9 +171,6 @@ def _failure(event: ErrorEvent) -> ApiError:
 
 def create_app(get_service, settings: ServerSettings | None = None):
     """The FastAPI app; `get_service()` returns the `SpeechService`, or None while it loads."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-
     settings = settings or ServerSettings()
     app = FastAPI(title="Drama 3 speech server")
 
@@ -276,12 +273,10 @@ def create_app(get_service, settings: ServerSettings | None = None):
         return StreamingResponse(body, media_type=media, headers=headers)
 
     async def _whole(service, handle, request, params, headers):
-        from fastapi.responses import Response as PlainResponse
-
         while True:
             event = await _next_event(handle, request)
             if event is None:
-                return PlainResponse(status_code=499)
+                return Response(status_code=499)
             if isinstance(event, ErrorEvent):
                 raise _failure(event)
             if isinstance(event, DoneEvent):
