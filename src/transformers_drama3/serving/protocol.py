@@ -51,7 +51,7 @@ class Limits:
 class SpeechParams:
     """A checked speech request. voice: a voice id or None; references: inline references."""
 
-    model: str
+    model: str | None
     input: str
     voice: str | None
     instructions: str | None
@@ -148,7 +148,7 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     """Check a `/v1/audio/speech` body; `is_voice(id)` says whether a voice is registered."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    model = _string(body, "model", required=True)
+    model = _string(body, "model")  # one model is served; SGLang-Omni's clients leave it out
     text = _string(body, "input", required=True)
     if not text.strip():
         raise ApiError(400, "input: nothing to say", "input")
