@@ -229,3 +229,51 @@ def test_503_while_the_model_loads():
         assert local.get("/health").status_code == 503
         response = local.post("/v1/audio/speech", json={"model": "m", "input": "hi"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "loading"
+
+
+@pytest.mark.parametrize("response_format", ["flac", "mp3", "opus"])
+def test_each_written_format_decodes_to_the_same_take(client, server, response_format):
+    from transformers_drama3.serving.audio_formats import OPUS_RATE, supported_formats
+
+    if response_format not in supported_formats():
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            speech(client, seed=2, response_format=response_format)
+        return
+    wav, rate = soundfile.read(io.BytesIO(speech(client, seed=2).content))
+    audio, coded_rate = soundfile.read(io.BytesIO(speech(client, seed=2, response_format=response_format).content))
+    assert coded_rate == (OPUS_RATE if response_format == "opus" else rate)
+    seconds = audio.shape[0] / coded_rate
+    assert abs(seconds - wav.shape[0] / rate) < 0.1  # lossy coders pad a little
+    if response_format == "flac":
+        np.testing.assert_array_equal(audio, wav)  # both lossless 16-bit
+
+
+def test_formats_libsndfile_cannot_write_answer_400_naming_them(monkeypatch):
+    from transformers_drama3.serving import protocol
+
+    monkeypatch.setattr(protocol, "supported_formats", lambda: ["wav", "pcm", "flac"])
+    with pytest.raises(protocol.ApiError) as caught:
+        protocol.parse_speech({"input": "hi", "response_format": "mp3"}, protocol.Limits(), lambda _: False)
+    assert caught.value.status == 400 and caught.value.param == "response_format"
+    assert "supported: ['wav', 'pcm', 'flac']" in caught.value.message
+
+
+def test_instructions_become_the_directors_note_of_each_line(server):
+    from transformers_drama3.serving.protocol import Limits, parse_speech
+
+    service = server[1]
+    body = {"input": "Hello there. <|speaker:0|>Goodbye.", "voice": "A", "instructions": "whispering softly"}
+    job = service.job(parse_speech(body, Limits(), lambda voice: voice in service.voices), timeout=None)
+    text = service.processor.tokenizer.decode(job.input_ids[0])
+    assert "[whispering softly] Hello there." in text and "[whispering softly] Goodbye." in text
+    with pytest.raises(Exception, match="instructions"):
+        service.job(parse_speech({**body, "instructions": "no [brackets]"}, Limits(), lambda v: True), timeout=None)
+
+
+def test_drama3_serve_refuses_bad_options_by_name(capsys, tmp_path):
+    from transformers_drama3.cli import main
+
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert "--max-batch 0" in capsys.readouterr().err
+    assert main(["serve", "--voice", f"x={tmp_path}/missing.wav:{tmp_path}/missing.txt"]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -385,10 +385,19 @@ def run_serve(args) -> int:
         import uvicorn
 
         from .serving.app import ServerSettings, create_app, serve_in_background
+        from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
-    if args.max_batch < 1:
-        raise CommandError(f"--max-batch {args.max_batch}: expected at least 1")
+    for name, value in (("--max-batch", args.max_batch), ("--port", args.port)):
+        if value < 1:
+            raise CommandError(f"{name} {value}: expected a positive number")
+    if args.max_queue < 0:
+        raise CommandError(f"--max-queue {args.max_queue}: expected 0 or more")
+    for spec in args.voice:
+        try:
+            reference_file_voice(spec)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
     device = args.device
     if device == "auto":
         import torch

@@ -343,11 +343,19 @@ async def _stream(service, handle, request, params: SpeechParams):
 
 
 def serve_in_background(source, voices_dir, **load_kwargs):
-    """(get_service, thread): the service loads in a thread; `get_service()` is None until it is ready."""
+    """(get_service, thread): the service loads in a thread; `get_service()` is None until it is
+    ready. A failed load is printed and stops the server (the main thread is interrupted)."""
+    import _thread
+    import sys
+
     holder: dict = {}
 
     def load():
-        holder["service"] = SpeechService.load(source, voices_dir, **load_kwargs)
+        try:
+            holder["service"] = SpeechService.load(source, voices_dir, **load_kwargs)
+        except Exception as error:  # the server cannot serve without its model: say why and stop
+            print(f"drama3 serve: could not load the model: {error}", file=sys.stderr)
+            _thread.interrupt_main()
 
     thread = threading.Thread(target=load, name="drama3-load", daemon=True)
     thread.start()

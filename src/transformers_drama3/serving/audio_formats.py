@@ -40,10 +40,16 @@ def supported_formats() -> list[str]:
     return formats
 
 
+def int16_samples(samples: np.ndarray) -> np.ndarray:
+    """float samples in [-1, 1] -> int16 (clipped, rounded): the one conversion every 16-bit format
+    uses, so wav, flac and pcm carry the same samples."""
+    clipped = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    return np.round(clipped * 32767.0).astype("<i2")
+
+
 def pcm16(samples: np.ndarray) -> bytes:
-    """float samples in [-1, 1] -> 16-bit little-endian PCM bytes (clipped, rounded)."""
-    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
-    return np.round(clipped * 32767.0).astype("<i2").tobytes()
+    """float samples in [-1, 1] -> 16-bit little-endian PCM bytes."""
+    return int16_samples(samples).tobytes()
 
 
 def streaming_wav_header(sampling_rate: int) -> bytes:
@@ -63,9 +69,9 @@ def encode(samples: np.ndarray, sampling_rate: int, response_format: str) -> byt
         return pcm16(samples)
     buffer = io.BytesIO()
     if response_format == "wav":
-        soundfile.write(buffer, samples, sampling_rate, format="WAV", subtype="PCM_16")
+        soundfile.write(buffer, int16_samples(samples), sampling_rate, format="WAV", subtype="PCM_16")
     elif response_format == "flac":
-        soundfile.write(buffer, samples, sampling_rate, format="FLAC", subtype="PCM_16")
+        soundfile.write(buffer, int16_samples(samples), sampling_rate, format="FLAC", subtype="PCM_16")
     elif response_format == "mp3":
         soundfile.write(buffer, samples, sampling_rate, format="MP3", subtype="MPEG_LAYER_III")
     elif response_format == "opus":
