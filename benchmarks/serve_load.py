@@ -4,7 +4,8 @@ voice-prefix cache.
     PYTHONPATH=src python benchmarks/serve_load.py [--clients 64] [--frames 64] [--time-limit 120]
                                                    [--max-batch 16] [--model PATH]
 
-Starts `drama3 serve`'s app in this process (drama3-tiny by default) on 127.0.0.1, once with the
+First times the prefill of one voice prompt whole and from its cached voice prefix. Then starts
+`drama3 serve`'s app in this process (drama3-tiny by default) on 127.0.0.1, once with the
 voice-prefix cache and once without. Each run first times one stream alone, then starts
 `--clients` streaming requests at once (each `--frames` frames at most, seeds and voices
 varied); no client starts after `--time-limit` seconds and every client gives up at it. Prints
@@ -85,6 +86,37 @@ def batch_occupancy(base: str) -> float:
     return float("nan")
 
 
+def prefill_times(args, repeats: int = 5) -> None:
+    """Median time to prefill one voice prompt whole, and from the voice's cached prefix (warm)."""
+    import torch
+
+    from transformers_drama3.serving.engine import prefill_alone
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+    from transformers_drama3.serving.protocol import Limits, parse_speech
+
+    with tempfile.TemporaryDirectory() as voices:
+        service = SpeechService.load(args.model, voices, max_batch=1, prefix_cache=False)
+        service.engine.stop()
+        params = parse_speech({"input": TEXTS[1], "voice": "A"}, Limits(), lambda voice: voice in service.voices)
+        job = service.job(params, None)
+        cache = PrefixCache()
+        cache.prefill(service.model, job)  # warm
+
+        def median(function) -> float:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                with torch.no_grad():
+                    function(service.model, job)
+                times.append(time.perf_counter() - started)
+            return float(np.median(times))
+
+        whole, cached = median(prefill_alone), median(cache.prefill)
+    rows = job.input_ids.shape[1]
+    print(f"prefill of one voice-A prompt ({rows} rows): whole {whole * 1e3:.1f} ms, from the cached voice prefix "
+          f"{cached * 1e3:.1f} ms ({whole / cached:.2f}x)")
+
+
 def run(args, prefix_cache: bool) -> None:
     with tempfile.TemporaryDirectory() as voices:
         service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=max(64, args.clients),
@@ -132,6 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.clients <= 1024:
         parser.error(f"--clients {args.clients}: expected 1..1024")
+    prefill_times(args)
     for prefix_cache in (True, False):
         run(args, prefix_cache)
 

@@ -160,3 +160,26 @@ def test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_bus
     busy = drive(Drama3Engine(model, prefill=cache.prefill), {0: [voiced(6), job(7, 92)], 2: [voiced(5)]})
     assert torch.equal(busy[2].result(timeout=1).codes, alone.result(timeout=1).codes)
     assert cache.hits == 1 and cache.misses == 1
+
+
+def test_requests_past_their_time_limit_end_as_timeouts_waiting_or_running(model):
+    outcomes = {}
+    engine = Drama3Engine(model, max_batch=1, on_finish=lambda handle, outcome: outcomes.setdefault(handle.id, outcome))
+    running = engine.submit(job(seed=1, prompt_seed=1))
+    engine.step()
+    running.job.timeout = 0.0  # runs past its limit from now on
+    waiting = engine.submit(SpeechJob(**{**vars(job(seed=2, prompt_seed=2)), "timeout": 0.0}))
+    engine.step()
+    assert outcomes[running.id] == "timeout" and running.result(timeout=1).kind == "timeout"
+    engine.step()
+    assert outcomes[waiting.id] == "timeout" and engine.idle
+
+
+def test_a_request_cancelled_while_waiting_leaves_the_queue_without_taking_a_slot(model):
+    engine = Drama3Engine(model, max_batch=1)
+    first, second = engine.submit(job(seed=1, prompt_seed=1)), engine.submit(job(seed=2, prompt_seed=2))
+    engine.step()
+    second.cancel()
+    engine.step()
+    assert engine.queue_depth == 0 and second.result(timeout=1).kind == "cancelled"
+    assert first.finished_at is None or isinstance(first.result(timeout=1), DoneEvent)

@@ -76,8 +76,9 @@ class SpeechService:
             name, references = reference_file_voice(spec)
             voices.add(name, references, replace=True)
         metrics = ServerMetrics()
-        prefill = PrefixCache().prefill if prefix_cache else None
-        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=prefill,
+        cache = PrefixCache() if prefix_cache else None
+        metrics.prefix_cache = cache
+        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
                               on_finish=lambda handle, outcome: metrics.count(outcome))
         engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))

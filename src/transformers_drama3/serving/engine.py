@@ -260,7 +260,9 @@ class Drama3Engine:
         return not self._waiting and not self._slots
 
     def _admit(self) -> None:
-        """Prefill waiting requests (one at a time) into free slots."""
+        """Drop waiting requests that were cancelled or ran out of time, then prefill waiting
+        requests (one at a time) into free slots."""
+        self._drop_abandoned()
         while len(self._slots) < self.max_batch:
             with self._lock:
                 if not self._waiting:
@@ -283,6 +285,20 @@ class Drama3Engine:
             else:
                 self._batch.join(joining)
             self._slots.append(slot)
+
+    def _drop_abandoned(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        kept = []
+        for handle in waiting:
+            if handle.cancelled.is_set():
+                self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
+            elif self._timed_out(handle):
+                self._finish(handle, "timeout", ErrorEvent("timeout", "the request waited past its time limit"))
+            else:
+                kept.append(handle)
+        with self._lock:
+            self._waiting = kept + self._waiting
 
     def _new_slot(self, handle: RequestHandle) -> _Slot:
         """The sampler, budgets and guards of a request, as `generate()` resolves them for a batch of one."""

@@ -3,6 +3,7 @@
     drama3_requests_total{outcome="eos"|"length"|"cancelled"|"timeout"|"error"|"rejected"}
     drama3_queue_depth, drama3_running_requests, drama3_batch_slots
     drama3_batch_occupancy        mean running requests per decode step so far
+    drama3_prefix_cache_hits_total, drama3_prefix_cache_misses_total (with the voice-prefix cache)
     drama3_time_to_first_audio_seconds   histogram
     drama3_real_time_factor              histogram (generation seconds / audio seconds)
 """
@@ -47,6 +48,7 @@ class ServerMetrics:
         self.outcomes = dict.fromkeys(self.OUTCOMES, 0)
         self.time_to_first_audio = Histogram(TTFA_BUCKETS)
         self.real_time_factor = Histogram(RTF_BUCKETS)
+        self.prefix_cache = None  # a `PrefixCache`, when the server has one
         self._lock = threading.Lock()
 
     def count(self, outcome: str) -> None:
@@ -74,6 +76,9 @@ class ServerMetrics:
                 "drama3_batch_occupancy": (occupancy, "Mean running requests per decode step."),
                 "drama3_decode_steps_total": (stats.steps if stats else 0, "Decode steps run."),
             }
+            if self.prefix_cache is not None:
+                gauges["drama3_prefix_cache_hits_total"] = (self.prefix_cache.hits, "Prefills that reused a voice prefix.")
+                gauges["drama3_prefix_cache_misses_total"] = (self.prefix_cache.misses, "Voice prefixes prefilled anew.")
             for name, (value, help_text) in gauges.items():
                 kind = "counter" if name.endswith("_total") else "gauge"
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
