@@ -7,8 +7,9 @@ import torch
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.generation_drama3 import SamplingSettings
 from transformers_drama3.serving.engine import (
-    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, prefill_alone,
+    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, compact_batch, prefill_alone,
 )
+from transformers_drama3.serving.slot_pool import SlotPool
 
 MAX_FRAMES = 8
 
@@ -16,6 +17,13 @@ MAX_FRAMES = 8
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(seed=0)
+
+
+@pytest.fixture(params=["slot_pool", "compact_batch"])
+def make_engine(request, model):
+    """Engines over the preallocated slot pool and over its plain reference, the compact batch."""
+    state = {"slot_pool": SlotPool, "compact_batch": compact_batch}[request.param]
+    return lambda **options: Drama3Engine(model, batch_state=state, **options)
 
 
 def job(seed: int, prompt_seed: int, text_rows: int = 5, audio_rows: int = 4, **settings) -> SpeechJob:
@@ -44,9 +52,9 @@ def drive(engine, arrivals: dict):
     return handles
 
 
-def test_a_request_alone_gives_generates_codes(model):
+def test_a_request_alone_gives_generates_codes(model, make_engine):
     request = job(seed=3, prompt_seed=1, temperature=1.3, top_p=1.0)
-    engine = Drama3Engine(model, max_batch=4)
+    engine = make_engine(max_batch=4)
     (handle,) = drive(engine, {0: [request]})
     result = handle.result(timeout=1)
     expected, reason = generate_alone(model, request)
@@ -55,14 +63,14 @@ def test_a_request_alone_gives_generates_codes(model):
     assert result.finish_reason == reason
 
 
-def test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone(model):
+def test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone(model, make_engine):
     first = [job(seed=10 + i, prompt_seed=20 + i, text_rows=3 + 2 * i, temperature=1.2, top_p=0.95) for i in range(2)]
     later = [
         job(seed=30, prompt_seed=31, audio_rows=7, temperature=0.8, top_k=5),
         job(seed=32, prompt_seed=33, text_rows=9),
         job(seed=34, prompt_seed=35, do_sample=False),
     ]
-    engine = Drama3Engine(model, max_batch=8)
+    engine = make_engine(max_batch=8)
     handles = drive(engine, {0: first, 3: later[:2], 5: later[2:]})
     for request, handle in zip(first + later, handles):
         result = handle.result(timeout=1)
@@ -89,9 +97,9 @@ def test_waiting_requests_beyond_max_batch_run_when_a_slot_frees(model):
         assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
 
 
-def test_a_cancelled_request_leaves_at_the_next_step_and_others_are_unchanged(model):
+def test_a_cancelled_request_leaves_at_the_next_step_and_others_are_unchanged(model, make_engine):
     keep, drop = job(seed=60, prompt_seed=61), job(seed=62, prompt_seed=63, temperature=1.5, top_p=1.0)
-    engine = Drama3Engine(model)
+    engine = make_engine()
     handles = [engine.submit(keep), engine.submit(drop)]
     engine.step()
     handles[1].cancel()
@@ -183,3 +191,12 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_without_taking_a_slo
     engine.step()
     assert engine.queue_depth == 0 and second.result(timeout=1).kind == "cancelled"
     assert first.finished_at is None or isinstance(first.result(timeout=1), DoneEvent)
+
+
+def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
+    requests = [job(seed=20 + i, prompt_seed=40 + i, text_rows=3 + 4 * i) for i in range(3)]
+    engine = Drama3Engine(model, batch_state=lambda slots: SlotPool(slots, capacity=8))
+    handles = drive(engine, {0: requests[:1], 2: requests[1:]})
+    assert engine._batch.capacity > 8
+    for request, handle in zip(requests, handles):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])

@@ -43,7 +43,13 @@ from .decoding import (
     prompt_window,
     target_text_tokens,
 )
+from .slot_pool import SlotPool
 from .slots import SlotBatch
+
+
+def compact_batch(max_batch: int) -> SlotBatch:
+    """The plain reference state: one growing `Drama3Cache`, re-padded when a request joins."""
+    return SlotBatch.empty()
 
 
 class QueueFull(Exception):
@@ -167,9 +173,13 @@ class Drama3Engine:
             (default: `prefill_alone`; `prefix_cache.PrefixCache.prefill` reuses voice prefixes).
         on_finish: called with (handle, outcome) when a request leaves ("eos", "length",
             "cancelled", "timeout", "error"): the metrics hook.
+        batch_state: `batch_state(max_batch)` makes the running batch's state: `SlotPool`
+            (default: preallocated slots written in place) or `compact_batch` (the plain
+            reference: one growing cache, re-padded when a request joins).
     """
 
-    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None):
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
+                 batch_state=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
         if max_queue < 0:
@@ -180,7 +190,8 @@ class Drama3Engine:
         self.stats = EngineStats()
         self._waiting: list[RequestHandle] = []
         self._slots: list[_Slot] = []
-        self._batch: SlotBatch | None = None
+        self._batch_state = batch_state or SlotPool
+        self._batch = self._batch_state(max_batch)
         self._lock = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -206,7 +217,7 @@ class Drama3Engine:
             self._thread = None
         for handle in [*self._waiting, *(slot.handle for slot in self._slots)]:
             self._finish(handle, "error", ErrorEvent("error", "the engine stopped"))
-        self._waiting, self._slots, self._batch = [], [], None
+        self._waiting, self._slots, self._batch = [], [], self._batch_state(self.max_batch)
 
     def submit(self, job: SpeechJob) -> RequestHandle:
         """Queue a job; raises `QueueFull` when `max_queue` jobs already wait."""
@@ -252,7 +263,7 @@ class Drama3Engine:
         except Exception as error:  # a failed step fails the requests it ran, not the server
             for slot in self._slots:
                 self._finish(slot.handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-            self._slots, self._batch = [], None
+            self._slots, self._batch = [], self._batch_state(self.max_batch)
 
     @property
     def idle(self) -> bool:
@@ -280,10 +291,7 @@ class Drama3Engine:
                 continue
             self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - started
-            if self._batch is None:
-                self._batch = joining
-            else:
-                self._batch.join(joining)
+            self._batch.join(joining)
             self._slots.append(slot)
 
     def _drop_abandoned(self) -> None:
@@ -359,16 +367,15 @@ class Drama3Engine:
             else:
                 kept.append(row)
         self._slots = [slots[row] for row in kept]
-        if not kept:
-            self._batch = None
-            return
         if len(kept) < len(slots):
-            rows = torch.tensor(kept, device=main_ids.device)
+            rows = torch.tensor(kept, dtype=torch.long, device=main_ids.device)
             batch.keep(rows)
+            if not kept:
+                return
             main_ids, frames = main_ids[rows], frames[rows]
-        batch.mask = torch.cat((batch.mask, batch.mask.new_ones(batch.size, 1)), dim=1)
-        batch.hidden = model.decode_row(main_ids, frames, batch.mask, batch.cache)
-        batch.input_ids, batch.audio_codes = main_ids, frames
+        batch.open_row()
+        hidden = model.decode_row(main_ids, frames, batch.mask, batch.cache)
+        batch.set_current(hidden, main_ids, frames)
 
     def _advance(self, slot: _Slot, step: FrameStep, row: int) -> None:
         """Send the frames this step made final for one request."""

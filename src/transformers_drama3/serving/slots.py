@@ -73,21 +73,30 @@ def _concatenate(running, joining) -> None:
 
 
 class SlotBatch:
-    """The decode state of the running batch.
+    """The decode state of the running batch (the plain reference of `slot_pool.SlotPool`).
 
     hidden: [batch, 1, dim] backbone output of each row's current row; input_ids [batch, 1] and
     audio_codes [batch, 1, num_codebooks]: the current row; mask: [batch, keys] (left padding).
+    `SlotBatch.empty()` holds no request yet.
     """
 
     def __init__(self, cache, hidden, input_ids, audio_codes, mask):
         self.cache, self.hidden, self.input_ids, self.audio_codes, self.mask = cache, hidden, input_ids, audio_codes, mask
 
+    @classmethod
+    def empty(cls) -> SlotBatch:
+        return cls(None, None, None, None, None)
+
     @property
     def size(self) -> int:
-        return self.mask.shape[0]
+        return 0 if self.mask is None else self.mask.shape[0]
 
     def join(self, other: SlotBatch) -> None:
         """Append `other`'s rows (a freshly prefilled request), padding the shorter side's keys."""
+        if self.size == 0:
+            self.cache, self.hidden, self.input_ids = other.cache, other.hidden, other.input_ids
+            self.audio_codes, self.mask = other.audio_codes, other.mask
+            return
         length = max(self.mask.shape[1], other.mask.shape[1])
         for batch in (self, other):
             missing = length - batch.mask.shape[1]
@@ -104,12 +113,22 @@ class SlotBatch:
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows `rows` [kept] (in that order)."""
+        if rows.numel() == 0:
+            self.__init__(None, None, None, None, None)
+            return
         select_rows(self.cache.backbone, rows)
         select_rows(self.cache.tower, rows)
         rows = rows.to(self.mask.device)
         self.hidden, self.input_ids = self.hidden[rows], self.input_ids[rows]
         self.audio_codes, self.mask = self.audio_codes[rows], self.mask[rows]
         self.trim()
+
+    def open_row(self) -> None:
+        """Every row gains its next row (the one `decode_row` is about to feed)."""
+        self.mask = torch.cat((self.mask, self.mask.new_ones(self.size, 1)), dim=1)
+
+    def set_current(self, hidden: torch.Tensor, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> None:
+        self.hidden, self.input_ids, self.audio_codes = hidden, input_ids, audio_codes
 
     def trim(self) -> None:
         """Cut the leading key columns that are padding in every row."""
