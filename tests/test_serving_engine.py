@@ -12,11 +12,16 @@ from transformers_drama3.serving.engine import (
 from transformers_drama3.serving.slot_pool import SlotPool
 
 MAX_FRAMES = 8
+FLOAT32 = dict(rtol=1.3e-6, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(seed=0)
+    # float64: batch compositions round differently (~1e-6 in float32), which may flip a draw that
+    # sits within rounding of a tie; in float64 no draw is that close, so codes compare exactly
+    model = tiny_model(seed=0)
+    model.set_experts_implementation("eager")  # the grouped-GEMM experts take no float64
+    return model.double()
 
 
 @pytest.fixture(params=["slot_pool", "compact_batch"])
@@ -137,21 +142,22 @@ def test_the_scheduler_thread_serves_concurrent_requests(model):
 def test_a_prefill_continued_from_a_cached_prefix_matches_the_whole_prefill(model):
     from transformers_drama3.serving.prefix_cache import continue_prefill, prefill_prefix
 
+    # float32 tolerances: the tower's RoPE runs in float32 whatever the model's dtype
     request = job(seed=1, prompt_seed=90, audio_rows=6)
     whole = prefill_alone(model, request)
     rows = 7
     prefix = prefill_prefix(model, request.input_ids[:, :rows], request.audio_codes[:, :rows])
     continued = continue_prefill(model, prefix, request.input_ids[:, rows:], request.audio_codes[:, rows:])
-    torch.testing.assert_close(continued.hidden, whole.hidden)
+    torch.testing.assert_close(continued.hidden, whole.hidden, **FLOAT32)
     assert torch.equal(continued.mask, whole.mask)
     for mine, theirs in zip(continued.cache.tower.layers, whole.cache.tower.layers):
-        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
     for mine, theirs in zip(continued.cache.backbone.layers, whole.cache.backbone.layers):
         if getattr(theirs, "keys", None) is not None:
-            torch.testing.assert_close(mine.keys, theirs.keys)
+            torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
         else:
-            torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0])
-            torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0])
+            torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0], **FLOAT32)
+            torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0], **FLOAT32)
 
 
 def test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_busy_batch(model):

@@ -36,6 +36,11 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     service = SpeechService.load(None, str(tmp_path_factory.mktemp("voices")), max_batch=16, max_queue=32)
+    # float64 makes the rounding differences between batch compositions (~1e-6 in float32, from
+    # kernels whose blocking depends on the batch) far too small to flip a draw, so "the same
+    # request alone and in a busy batch" can be compared code for code
+    service.model.set_experts_implementation("eager")  # the grouped-GEMM experts take no float64
+    service.model.double()
     app = create_app(lambda: service, ServerSettings(api_key=API_KEY, request_timeout=120))
     port = free_port()
     instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -66,6 +71,14 @@ def pcm_samples(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767
 
 
+def assert_same_take(first: bytes, second: bytes) -> None:
+    """Two PCM takes of the same codes: the same length, samples within 2 LSB (the codec's float
+    arithmetic may round differently when decodes run concurrently); other codes differ by far more."""
+    a, b = pcm_samples(first), pcm_samples(second)
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, atol=2 * LSB, rtol=0)
+
+
 def metric(base: str, name: str) -> float:
     text = httpx.get(base + "/metrics").text
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -81,8 +94,8 @@ def test_speech_returns_a_valid_wav(client, server):
 
 def test_the_same_seed_gives_the_same_audio_and_another_seed_other_audio(client):
     first, again, other = (speech(client, seed=s, response_format="pcm").content for s in (5, 5, 6))
-    assert first == again
-    assert first != other
+    assert_same_take(first, again)
+    assert len(first) != len(other) or np.abs(pcm_samples(first) - pcm_samples(other)).max() > 0.01
 
 
 def test_streamed_chunks_join_to_the_whole_take_of_the_same_seeded_request(client):
@@ -122,10 +135,10 @@ def test_a_voice_is_created_listed_used_and_deleted(client, server):
     assert {"id": "dee", "name": "dee"} in listed and {"id": "A", "name": "A"} in listed
     as_dee = speech(client, seed=4, voice="dee", response_format="pcm").content
     as_d = speech(client, seed=4, voice="D", response_format="pcm").content
-    assert as_dee == as_d  # the same clip and transcript as the bundled voice D
+    assert_same_take(as_dee, as_d)  # the same clip and transcript as the bundled voice D
     inline = speech(client, seed=4, voice=None, response_format="pcm",
                     extra={"references": [{"audio": audio, "text": transcript, "speaker": 0}]}).content
-    assert inline == as_d
+    assert_same_take(inline, as_d)
     assert httpx.delete(base + "/v1/audio/voices/dee", headers=headers).status_code == 200
     assert {"id": "dee", "name": "dee"} not in httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]
     with pytest.raises(openai.NotFoundError, match="voice"):
@@ -218,7 +231,7 @@ def test_sixteen_concurrent_requests_each_equal_the_same_request_alone(client):
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(run, requests))
     for request, audio in zip(requests, together):
-        assert run(request) == audio, request
+        assert_same_take(run(request), audio)
 
 
 def test_503_while_the_model_loads():
