@@ -41,6 +41,7 @@ from .decoding import (
     frame_budgets,
     item_generators,
     prompt_window,
+    slot_tower_step,
     target_text_tokens,
 )
 from .slot_pool import SlotPool
@@ -348,7 +349,9 @@ class Drama3Engine:
                     for row, slot in enumerate(slots)
                 ])
 
-            frames = model.tower_step(batch.hidden, batch.input_ids, batch.audio_codes, semantic, batch.mask, batch.cache, sample)
+            frames = slot_tower_step(
+                model, batch.hidden, batch.input_ids, batch.audio_codes, semantic, batch.mask, batch.cache.tower, sample
+            )
         else:
             frames = batch.audio_codes.new_zeros(len(slots), 1, config.num_codebooks)
         produced = torch.tensor([slot.produced for slot in slots]) + speaking.long().cpu()
