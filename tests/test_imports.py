@@ -188,23 +188,14 @@ def short(name: str) -> str:
     return name.removeprefix(PACKAGE + ".")
 
 
-# Lazy imports that still hide a cycle or point the wrong way, each removed by work in progress
-# (issue 14). A new one fails the tests below; when the last is gone they pass.
-KNOWN_HIDDEN_CYCLES = {
-    # point 1: modeling imports generation, never the reverse (Drama3Cache, tower step)
-    ("generation_drama3", "modeling_drama3"),
-    # the fish-speech loader: modeling_codec.from_pretrained calls convert, which imports the model
-    ("codec.convert", "codec.modeling_codec"),
-}
-KNOWN_FUNCTION_IMPORTS = {
-    # point 1: generation / long-form / modeling direction
-    ("modeling_drama3", "generation_drama3"),
-    ("generation_drama3", "prompting"),
-    ("generation_drama3", "codec.streaming"),
-    # the codec's streaming and fish-speech loading
-    ("codec.modeling_codec", "codec.streaming"),
-    ("codec.modeling_codec", "codec.convert"),
-}
+# The one kind of function-level import of the package allowed: a module that needs an optional
+# extra (`serving` needs fastapi and uvicorn, the [serve] extra), imported only by the command
+# that uses it, so the rest works without the extra.
+OPTIONAL_EXTRA_SUBPACKAGES = ("serving",)
+
+
+def needs_an_optional_extra(target: str) -> bool:
+    return short(target).split(".")[0] in OPTIONAL_EXTRA_SUBPACKAGES
 
 
 # ----------------------------------------------------------------------------- the graph reader
@@ -279,19 +270,18 @@ def test_each_module_imports_alone():
 
 def test_no_cycle_is_hidden_by_a_function_level_import():
     found = cycles(full_import_graph())
-    names = {tuple(sorted({short(module) for module in cycle})) for cycle in found}
     report = "\n".join(" -> ".join(short(module) for module in cycle) for cycle in found)
-    assert names <= {tuple(sorted(pair)) for pair in KNOWN_HIDDEN_CYCLES}, "new import cycles:\n" + report
-    if found:
-        pytest.xfail("issue 14 work in progress; cycles held by function-level imports:\n" + report)
+    assert not found, "import cycles held by function-level imports:\n" + report
 
 
 def test_no_package_module_is_imported_inside_a_function():
     """Imports inside functions are for optional dependencies only; a package module imported
     lazily is a cycle being hidden (or a dependency pointing the wrong way)."""
-    found = internal_function_imports()
+    found = {key: at for key, at in internal_function_imports().items() if not needs_an_optional_extra(key[1])}
     lines = [f"{short(module)}:{','.join(map(str, at))} -> {short(target)}" for (module, target), at in found.items()]
-    new = {(short(module), short(target)) for module, target in found} - KNOWN_FUNCTION_IMPORTS
-    assert not new, "function-level imports of the package:\n" + "\n".join(lines)
-    if found:
-        pytest.xfail("issue 14 work in progress; function-level imports of the package:\n" + "\n".join(lines))
+    assert not found, "function-level imports of the package:\n" + "\n".join(lines)
+
+
+def test_the_serving_subpackage_is_imported_lazily_only_where_it_is_used():
+    lazy = {(short(module), short(target)) for module, target in internal_function_imports() if needs_an_optional_extra(target)}
+    assert {module for module, _ in lazy} <= {"cli"}, lazy

@@ -30,7 +30,7 @@ import soundfile
 from .accounting import account, format_table
 from .configuration_drama3 import Drama3Config
 from .files import atomic_output, check_output_path, same_file
-from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor
+from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
 from .tiny import shipped
 
@@ -274,7 +274,56 @@ def run_table(args) -> int:
     return 0
 
 
-SUBCOMMANDS = [add_say, add_table]
+def add_serve(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (then 429)")
+    parser.add_argument(
+        "--voice", action="append", default=[],
+        help="register a voice: NAME=clip.wav:transcript.txt (repeatable; NAME=a.wav:a.txt,b.wav:b.txt gives "
+             "speakers 0 and 1)",
+    )
+    parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
+    parser.add_argument("--api-key", default=os.environ.get("DRAMA3_API_KEY"), help="require Authorization: Bearer KEY")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
+    parser.add_argument("--device", default="auto")
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args) -> int:
+    try:  # fastapi and uvicorn come with the optional [serve] extra: import them only here
+        import uvicorn
+
+        from .serving.app import ServerSettings, create_app, serve_in_background
+        from .serving.voices import reference_file_voice
+    except ImportError as error:
+        raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
+    for name, value in (("--max-batch", args.max_batch), ("--port", args.port)):
+        if value < 1:
+            raise CommandError(f"{name} {value}: expected a positive number")
+    if args.max_queue < 0:
+        raise CommandError(f"--max-queue {args.max_queue}: expected 0 or more")
+    for spec in args.voice:
+        try:
+            reference_file_voice(spec)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    device = resolve_device(args.device)
+    get_service, _ = serve_in_background(
+        args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
+        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache,
+    )
+    app = create_app(get_service, ServerSettings(api_key=args.api_key, request_timeout=args.timeout))
+    print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,8 @@ from transformers.utils import ModelOutput
 from ..rope import apply_interleaved_rope, rope_cos_sin
 from .audio import check_codes, prepare_audio_batch
 from .configuration_codec import Drama3CodecConfig
+from .fish_speech import load_fish_speech_codec
+from .streaming import StreamingDecoder, StreamingEncoder
 
 StreamCache = dict
 """Per-stream state: causal module -> what it keeps from the past."""
@@ -733,14 +735,10 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
 
     def streaming_encoder(self, batch_size: int = 1):
         """A `StreamingEncoder`: `.push(audio_chunk)` -> codes of the frames completed so far, `.flush()`."""
-        from .streaming import StreamingEncoder
-
         return StreamingEncoder(self, batch_size=batch_size)
 
     def streaming_decoder(self, batch_size: int = 1):
         """A `StreamingDecoder`: `.push(codes_chunk)` -> audio of those frames, `.flush()`."""
-        from .streaming import StreamingDecoder
-
         return StreamingDecoder(self, batch_size=batch_size)
 
     # -- loading -------------------------------------------------------------------------
@@ -761,8 +759,6 @@ class Drama3CodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
             )
         if checkpoint is None:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        from .convert import load_fish_speech_codec
-
         return load_fish_speech_codec(
             cls,
             checkpoint,

@@ -1,0 +1,173 @@
+"""Load on the speech server: N concurrent streaming clients on loopback, with and without the
+voice-prefix cache.
+
+    PYTHONPATH=src python benchmarks/serve_load.py [--clients 64] [--frames 64] [--time-limit 120]
+                                                   [--max-batch 16] [--model PATH]
+
+First times the prefill of one voice prompt whole and from its cached voice prefix. Then starts
+`drama3 serve`'s app in this process (drama3-tiny by default) on 127.0.0.1, once with the
+voice-prefix cache and once without. Each run first times one stream alone, then starts
+`--clients` streaming requests at once (each `--frames` frames at most, seeds and voices
+varied); no client starts after `--time-limit` seconds and every client gives up at it. Prints
+per run: errors (must be 0), time to first audio p50/p95, aggregate frames/s and its ratio to the
+single stream's frames/s, and the engine's batch occupancy (mean requests per decode step).
+Prints only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import uvicorn
+
+from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app
+
+TEXTS = [
+    "Hello there, how are you today?",
+    "If the barrel is sturdy, Delia will polish the rabbit.",
+    "The weather is lovely this morning.",
+    "Please read the next line slowly and clearly.",
+]
+VOICES = ["A", "B", "D", "F"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(service: SpeechService):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(lambda: service, ServerSettings()), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int) -> dict:
+    """Stream one request; returns its time to first audio, frames received and error (if any)."""
+    body = {
+        "model": "drama3", "input": TEXTS[index % len(TEXTS)], "voice": VOICES[index % len(VOICES)],
+        "response_format": "pcm", "stream_format": "audio", "seed": index, "max_new_tokens": frames,
+    }
+    started = time.perf_counter()
+    first, received = None, 0
+    try:
+        timeout = max(1.0, deadline - time.perf_counter())
+        with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                return {"error": f"status {response.status_code}"}
+            for chunk in response.iter_bytes():
+                if chunk and first is None:
+                    first = time.perf_counter() - started
+                received += len(chunk)
+                if time.perf_counter() > deadline:
+                    return {"error": "time limit"}
+    except httpx.HTTPError as error:
+        return {"error": type(error).__name__}
+    return {"ttfa": first, "frames": received / 2 / samples_per_frame, "seconds": time.perf_counter() - started}
+
+
+def batch_occupancy(base: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("drama3_batch_occupancy "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+def prefill_times(args, repeats: int = 5) -> None:
+    """Median time to prefill one voice prompt whole, and from the voice's cached prefix (warm)."""
+    import torch
+
+    from transformers_drama3.serving.engine import prefill_alone
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+    from transformers_drama3.serving.protocol import Limits, parse_speech
+
+    with tempfile.TemporaryDirectory() as voices:
+        service = SpeechService.load(args.model, voices, max_batch=1, prefix_cache=False)
+        service.engine.stop()
+        params = parse_speech({"input": TEXTS[1], "voice": "A"}, Limits(), lambda voice: voice in service.voices)
+        job = service.job(params, None)
+        cache = PrefixCache()
+        cache.prefill(service.model, job)  # warm
+
+        def median(function) -> float:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                with torch.no_grad():
+                    function(service.model, job)
+                times.append(time.perf_counter() - started)
+            return float(np.median(times))
+
+        whole, cached = median(prefill_alone), median(cache.prefill)
+    rows = job.input_ids.shape[1]
+    print(f"prefill of one voice-A prompt ({rows} rows): whole {whole * 1e3:.1f} ms, from the cached voice prefix "
+          f"{cached * 1e3:.1f} ms ({whole / cached:.2f}x)")
+
+
+def run(args, prefix_cache: bool) -> None:
+    with tempfile.TemporaryDirectory() as voices:
+        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=max(64, args.clients),
+                                     prefix_cache=prefix_cache)
+        server, thread, base = start_server(service)
+        try:
+            spf = service.processor.samples_per_frame
+            deadline = time.perf_counter() + args.time_limit
+            one_stream(base, 0, args.frames, deadline, spf)  # warm-up (and the voice's prefix, when cached)
+            alone = one_stream(base, 1, args.frames, deadline, spf)
+            single_rate = alone.get("frames", 0) / alone["seconds"] if "seconds" in alone else float("nan")
+            steps_before = service.engine.stats.steps, service.engine.stats.occupied
+            started = time.perf_counter()
+            with ThreadPoolExecutor(args.clients) as pool:
+                results = list(pool.map(lambda i: one_stream(base, 100 + i, args.frames, deadline, spf), range(args.clients)))
+            elapsed = time.perf_counter() - started
+            stats = service.engine.stats
+            steps = stats.steps - steps_before[0]
+            occupancy = (stats.occupied - steps_before[1]) / steps if steps else float("nan")
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            service.engine.stop()
+    errors = [r["error"] for r in results if "error" in r]
+    ttfa = np.array([r["ttfa"] for r in results if r.get("ttfa") is not None])
+    frames = sum(r.get("frames", 0) for r in results)
+    aggregate = frames / elapsed
+    label = "with the voice-prefix cache" if prefix_cache else "without the voice-prefix cache"
+    print(f"{label}: {args.clients} clients, {args.frames} frames each at most, max batch {args.max_batch}")
+    print(f"  errors: {len(errors)} {sorted(set(errors)) if errors else ''}")
+    if ttfa.size:
+        print(f"  time to first audio: p50 {np.percentile(ttfa, 50):.3f} s, p95 {np.percentile(ttfa, 95):.3f} s; "
+              f"one stream alone {alone.get('ttfa', float('nan')):.3f} s")
+    print(f"  frames/s: {aggregate:.1f} aggregate vs {single_rate:.1f} one stream ({aggregate / single_rate:.2f}x)")
+    print(f"  batch occupancy: {occupancy:.2f} requests per decode step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--frames", type=int, default=64, help="max_new_tokens of each request")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per run, all clients together")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--model", default=None, help="checkpoint (default: the bundled drama3-tiny)")
+    args = parser.parse_args()
+    if not 1 <= args.clients <= 1024:
+        parser.error(f"--clients {args.clients}: expected 1..1024")
+    prefill_times(args)
+    for prefix_cache in (True, False):
+        run(args, prefix_cache)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible speech server (FastAPI): `/v1/audio/speech`, voices, models, health, metrics.
+
+    service = SpeechService.load(TINY_MODEL_PATH, voices_dir="voices")
+    app = create_app(lambda: service, ServerSettings(api_key=None))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+The model loads in a background thread at start-up; until it is ready every `/v1` route answers
+503. A request is checked, turned into prompt rows by the processor (references encoded once per
+voice and cached), queued on the engine and answered whole (offline codec decode of the take) or
+streamed (the codec's streaming decoder, window by window; `stream_format` "audio" sends raw
+bytes, "sse" sends `speech.audio.delta` / `speech.audio.done` events). A client that disconnects
+cancels its request, which frees its slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import _thread
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..generation_drama3 import WaveformStreamer, resolve_settings
+from ..loading import load_model_and_processor
+from ..prompting import Reference, Script, parse_text
+from ..tiny import shipped
+from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
+from .decoding import decode_audio
+from .engine import DoneEvent, Drama3Engine, EngineStopped, ErrorEvent, FramesEvent, QueueFull, SpeechJob
+from .metrics import ServerMetrics
+from .prefix_cache import PrefixCache
+from .protocol import ApiError, Limits, SpeechParams, parse_speech, parse_voice_upload
+from .voices import VoiceReference, VoiceStore, reference_file_voice, register_bundled_voices
+
+POLL_SECONDS = 0.25
+"""How often a waiting handler looks for its client having gone."""
+
+
+@dataclass
+class ServerSettings:
+    """Server-wide settings: the API key (None: no auth), limits, timeouts."""
+
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    request_timeout: float = 300.0
+    max_body_bytes: int = 32 * 2**20
+
+
+class SpeechService:
+    """The model, processor, engine, voices and metrics behind the API."""
+
+    def __init__(self, model, processor, voices: VoiceStore, model_name: str, engine: Drama3Engine,
+                 metrics: ServerMetrics, default_voice: str | None):
+        self.model, self.processor, self.voices = model, processor, voices
+        self.model_name, self.engine, self.metrics = model_name, engine, metrics
+        self.default_voice = default_voice
+
+    @classmethod
+    def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
+             max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True):
+        """Load a model (default: the bundled drama3-tiny, with its voices A, B, D, F registered)."""
+        bundled = source is None
+        source = shipped.TINY_MODEL_PATH if bundled else source
+        model, processor = load_model_and_processor(source, device, "auto")
+        voices = VoiceStore(voices_dir, processor)
+        if bundled:
+            register_bundled_voices(voices)
+        for spec in voice_specs:
+            name, references = reference_file_voice(spec)
+            voices.add(name, references, replace=True)
+        metrics = ServerMetrics()
+        cache = PrefixCache() if prefix_cache else None
+        metrics.prefix_cache = cache
+        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
+                              on_finish=lambda handle, outcome: metrics.count(outcome))
+        engine.start()
+        name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
+        default_voice = shipped.DEFAULT_VOICE if bundled else None
+        return cls(model, processor, voices, name, engine, metrics, default_voice)
+
+    # ---- request -> job -----------------------------------------------------------------------
+
+    def references_of(self, params: SpeechParams):
+        """The references a request clones: its voice's, then its inline ones."""
+        references = []
+        voice = params.voice
+        if voice is None and not params.references:
+            voice = self.default_voice
+        if voice is not None:
+            if voice not in self.voices:
+                raise ApiError(404, f"voice: no voice {voice!r}; registered: {self.voices.ids()}", "voice", "voice_not_found")
+            references += self.voices.references(voice)
+        for index, item in enumerate(params.references):
+            if isinstance(item, tuple):
+                _, voice_id, speaker = item
+                references += [Reference(r.transcript, r.audio, speaker) for r in self.voices.references(voice_id)]
+                continue
+            try:
+                references += self.voices._encode([item])
+            except ValueError as error:
+                raise ApiError(400, f"references[{index}]: {error}", f"references[{index}].audio") from None
+        return references
+
+    def job(self, params: SpeechParams, timeout: float) -> SpeechJob:
+        """Prompt rows, sampling settings and budget of a request (raises ApiError on bad input)."""
+        references = self.references_of(params)
+        try:
+            lines = parse_text(params.input, "input")
+            if params.instructions:
+                lines = tuple(line if line.note else dataclasses.replace(line, note=params.instructions) for line in lines)
+                lines = tuple(line.checked("instructions") for line in lines)
+            rows = self.processor(Script(lines=lines, references=tuple(references)))
+        except ValueError as error:
+            param = "instructions" if "instructions" in str(error) else "input"
+            raise ApiError(400, str(error), param) from None
+        settings, max_new_tokens, _ = resolve_settings(
+            getattr(self.model, "generation_config", None), None, None,
+            {**params.sampling, "max_new_tokens": params.max_new_tokens},
+        )
+        device = self.model.device
+        return SpeechJob(
+            rows["input_ids"].to(device), rows["audio_codes"].to(device), settings,
+            seed=params.seed, max_new_tokens=max_new_tokens, timeout=timeout,
+            prefix=(params.voice or self.default_voice) if not params.references else None,
+        )
+
+    def waveform(self, codes: torch.Tensor) -> np.ndarray:
+        """A take's codes [frames, num_codebooks] -> its waveform (offline decode)."""
+        codec = self.processor.codec
+        if codes.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        audio = decode_audio(codec, codes[None].to(codec.device), torch.tensor([codes.shape[0]]))[0]
+        return audio.detach().cpu().float().numpy()
+
+
+def _error_response(error: ApiError):
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _next_event(handle, request):
+    """The handle's next event; cancels the request (and returns None) when the client has gone."""
+    while True:
+        try:
+            return await asyncio.to_thread(handle.queue.get, True, POLL_SECONDS)
+        except queue.Empty:
+            if await request.is_disconnected():
+                handle.cancel()
+                return None
+
+
+def _failure(event: ErrorEvent) -> ApiError:
+    if event.kind == "timeout":
+        return ApiError(504, "the request ran past its time limit", None, "timeout")
+    return ApiError(500, f"generation failed: {event.message}", None, event.kind)
+
+
+def create_app(get_service, settings: ServerSettings | None = None):
+    """The FastAPI app; `get_service()` returns the `SpeechService`, or None while it loads."""
+    settings = settings or ServerSettings()
+    app = FastAPI(title="Drama 3 speech server")
+
+    def service_or_503() -> SpeechService:
+        service = get_service()
+        if service is None:
+            raise ApiError(503, "the model is still loading; retry shortly", None, "loading")
+        return service
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, error: ApiError):
+        return _error_response(error)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            if settings.api_key is not None:
+                header = request.headers.get("authorization", "")
+                if header != f"Bearer {settings.api_key}":
+                    return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"))
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+                return _error_response(ApiError(413, f"the body is {length} bytes; at most {settings.max_body_bytes}"))
+        return await call_next(request)
+
+    async def json_body(request: Request):
+        raw = await request.body()
+        if len(raw) > settings.max_body_bytes:
+            raise ApiError(413, f"the body is {len(raw)} bytes; at most {settings.max_body_bytes}")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ApiError(400, f"the body is not JSON ({error})") from None
+
+    @app.get("/health")
+    async def health():
+        service = get_service()
+        if service is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok", "model": service.model_name, "running": service.engine.running,
+                "queued": service.engine.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics():
+        service = get_service()
+        if service is None:
+            return PlainTextResponse("", status_code=503)
+        return PlainTextResponse(service.metrics.render(service.engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        service = service_or_503()
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "drama3"}]}
+
+    @app.get("/v1/audio/voices")
+    async def list_voices():
+        service = service_or_503()
+        return {"voices": [{"id": voice_id, "name": service.voices.describe(voice_id)["name"]} for voice_id in service.voices.ids()]}
+
+    @app.post("/v1/audio/voices")
+    async def create_voice(request: Request):
+        service = service_or_503()
+        voice_id, name, references = parse_voice_upload(await json_body(request), settings.limits)
+        if voice_id in service.voices:
+            raise ApiError(409, f"id: a voice {voice_id!r} exists; delete it first", "id", "voice_exists")
+        try:
+            await asyncio.to_thread(service.voices.add, voice_id, references, name)
+        except ValueError as error:
+            param = str(error).split(":")[0] if ":" in str(error) else None
+            raise ApiError(400, str(error), param) from None
+        return {"id": voice_id, "name": name}
+
+    @app.delete("/v1/audio/voices/{voice_id}")
+    async def delete_voice(voice_id: str):
+        service = service_or_503()
+        try:
+            service.voices.delete(voice_id)
+        except KeyError:
+            raise ApiError(404, f"voice: no voice {voice_id!r}", "voice", "voice_not_found") from None
+        return {"id": voice_id, "deleted": True}
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request):
+        service = service_or_503()
+        params = parse_speech(await json_body(request), settings.limits, lambda voice_id: voice_id in service.voices)
+        job = await asyncio.to_thread(service.job, params, settings.request_timeout)
+        try:
+            handle = service.engine.submit(job)
+        except QueueFull as error:
+            service.metrics.count("rejected")
+            raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full") from None
+        except EngineStopped as error:
+            raise ApiError(503, str(error), None, "stopped") from None
+        rate = service.processor.sampling_rate
+        headers = {"X-Sample-Rate": str(rate), "X-Seed": str(handle.seed)}
+        if params.stream_format is None:
+            return await _whole(service, handle, request, params, headers)
+        body = _stream(service, handle, request, params)
+        media = "text/event-stream" if params.stream_format == "sse" else MEDIA_TYPES[params.response_format]
+        return StreamingResponse(body, media_type=media, headers=headers)
+
+    async def _whole(service, handle, request, params, headers):
+        while True:
+            event = await _next_event(handle, request)
+            if event is None:
+                return Response(status_code=499)
+            if isinstance(event, ErrorEvent):
+                raise _failure(event)
+            if isinstance(event, DoneEvent):
+                break
+        waveform = await asyncio.to_thread(service.waveform, event.codes)
+        _observe(service, handle, time.perf_counter() - handle.submitted, waveform.shape[0])
+        data = await asyncio.to_thread(encode, waveform, service.processor.sampling_rate, params.response_format)
+        headers = {**headers, "X-Finish-Reason": event.finish_reason, "X-Anomalies": ",".join(event.anomalies)}
+        return Response(data, media_type=MEDIA_TYPES[params.response_format], headers=headers)
+
+    return app
+
+
+def _observe(service, handle, first_audio: float, samples: int) -> None:
+    service.metrics.observe_first_audio(first_audio)
+    seconds = samples / service.processor.sampling_rate
+    if seconds > 0:
+        service.metrics.observe_real_time_factor((time.perf_counter() - handle.submitted) / seconds)
+
+
+async def _stream(service, handle, request, params: SpeechParams):
+    """The bytes (or SSE events) of a streamed take; cancels the request if the client goes away."""
+    streamer = WaveformStreamer(service.processor.codec, handle.submitted)
+    rate = service.processor.sampling_rate
+    sse = params.stream_format == "sse"
+    first, samples = None, 0
+
+    def wrap(data: bytes) -> bytes:
+        if not sse:
+            return data
+        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+        return f"data: {json.dumps(event)}\n\n".encode()
+
+    try:
+        if params.response_format == "wav":
+            yield wrap(streaming_wav_header(rate))
+        while True:
+            event = await _next_event(handle, request)
+            if event is None or isinstance(event, ErrorEvent):
+                return
+            if isinstance(event, FramesEvent):
+                chunks = await asyncio.to_thread(streamer.push, list(event.frames))
+            else:
+                chunks = await asyncio.to_thread(streamer.finish)
+            for chunk in chunks:
+                audio = chunk.audio.detach().cpu().float().numpy()
+                if audio.size:
+                    if first is None:
+                        first = time.perf_counter() - handle.submitted
+                    samples += audio.size
+                    yield wrap(pcm16(audio))
+            if isinstance(event, DoneEvent):
+                if first is not None:
+                    _observe(service, handle, first, samples)
+                if sse:
+                    done = {"type": "speech.audio.done", "usage": {"frames": int(event.codes.shape[0]),
+                            "finish_reason": event.finish_reason, "seed": handle.seed}}
+                    yield f"data: {json.dumps(done)}\n\n".encode()
+                return
+    finally:
+        handle.cancel()  # a no-op once the request has ended; frees the slot when the client left
+
+
+def serve_in_background(source, voices_dir, **load_kwargs):
+    """(get_service, thread): the service loads in a thread; `get_service()` is None until it is
+    ready. A failed load is printed and stops the server (the main thread is interrupted)."""
+    holder: dict = {}
+
+    def load():
+        try:
+            holder["service"] = SpeechService.load(source, voices_dir, **load_kwargs)
+        except Exception as error:  # the server cannot serve without its model: say why and stop
+            print(f"drama3 serve: could not load the model: {error}", file=sys.stderr)
+            _thread.interrupt_main()
+
+    thread = threading.Thread(target=load, name="drama3-load", daemon=True)
+    thread.start()
+    return (lambda: holder.get("service")), thread
+
+
+__all__ = ["ServerSettings", "SpeechService", "create_app", "serve_in_background", "VoiceReference"]

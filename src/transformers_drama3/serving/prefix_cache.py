@@ -1,0 +1,132 @@
+"""The voice-prefix cache: the prefilled state of a voice's prompt prefix, reused by every request.
+
+In the published layout every request with the same references starts with the same rows: the
+system turn up to its `<|im_end|>` (instructions, then each reference's transcript and frames), the
+long part of a cloning prompt. The first request of a voice prefills those rows once; later ones
+copy that state and prefill only their own rows after it (a chunked prefill: the Gated DeltaNet
+layers continue from the cached recurrent and conv states, attention from the cached keys).
+
+A continued prefill computes the same function as a prefill of the whole prompt, in a different
+order of floating-point operations, so its outputs match the whole prefill to float tolerance,
+not bitwise; a request's codes are still the same alone or in a busy batch, since the cache is
+used alike in both.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..modeling_drama3 import tower_attention_mask
+from .decoding import Drama3Cache
+from .engine import SpeechJob, prefill_alone
+from .slots import SlotBatch
+
+
+@dataclass
+class PrefixState:
+    """The state after the prefix rows input_ids [1, P] / audio_codes [1, P, C]: the caches (P backbone
+    keys, P - 1 tower keys) and the backbone output of row P - 1, `last_hidden` [1, 1, dim]."""
+
+    input_ids: torch.Tensor
+    audio_codes: torch.Tensor
+    cache: Drama3Cache
+    last_hidden: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[1]
+
+    def matches(self, job: SpeechJob) -> bool:
+        rows = self.rows
+        return (
+            job.input_ids.shape[1] > rows
+            and torch.equal(job.input_ids[:, :rows], self.input_ids)
+            and torch.equal(job.audio_codes[:, :rows], self.audio_codes)
+        )
+
+
+def prefix_rows(model, input_ids: torch.Tensor) -> int:
+    """Rows of the shareable prefix of a prompt [1, rows]: up to its first `<|im_end|>` (the end of
+    the system turn); 0 when it has none or it is too short to prefill (under 2 rows)."""
+    ends = (input_ids[0] == model.config.eos_token_id).nonzero().flatten()
+    if ends.numel() < 2:  # a prompt without a turn after the system turn has nothing to share
+        return 0
+    rows = int(ends[0])
+    return rows if rows >= 2 else 0
+
+
+@torch.no_grad()
+def prefill_prefix(model, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> PrefixState:
+    """Prefill prefix rows [1, P] into a fresh cache."""
+    cache = Drama3Cache.empty(model.config)
+    hidden = model.prefill(input_ids, audio_codes, torch.ones_like(input_ids), cache)
+    return PrefixState(input_ids, audio_codes, cache, hidden[:, -1:])
+
+
+@torch.no_grad()
+def continue_prefill(model, prefix: PrefixState, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> SlotBatch:
+    """Prefill the rows after a prefix, input_ids [1, S] / audio_codes [1, S, C], from a copy of its
+    state: the same state `prefill_alone` leaves for the whole prompt (P + S backbone keys, P + S - 1
+    tower keys, the backbone output of the last row)."""
+    cache = copy.deepcopy(prefix.cache)
+    past, new = prefix.rows, input_ids.shape[1]
+    mask = torch.ones(1, past + new, dtype=torch.long, device=input_ids.device)
+    positions = torch.arange(past, past + new, device=input_ids.device)[None]
+    hidden = model.backbone(
+        inputs_embeds=model.embed_rows(input_ids, audio_codes),
+        attention_mask=mask,
+        position_ids=positions,
+        cache=cache.backbone,
+        use_cache=True,
+    ).last_hidden_state  # [1, S, dim]
+    # The tower is teacher-forced over rows P - 1 .. P + S - 2, each labelled with the next row.
+    tower_hidden = torch.cat((prefix.last_hidden, hidden[:, :-1]), dim=1)
+    tower_ids = torch.cat((prefix.input_ids[:, -1:], input_ids[:, :-1]), dim=1)
+    tower_codes = torch.cat((prefix.audio_codes[:, -1:], audio_codes[:, :-1]), dim=1)
+    model.run_tower(
+        tower_hidden, tower_ids, tower_codes, audio_codes, model.is_semantic(input_ids),
+        positions - 1, tower_attention_mask(mask[:, :-1], new), cache.tower,
+    )
+    return SlotBatch(cache, hidden[:, -1:], input_ids[:, -1:], audio_codes[:, -1:], mask)
+
+
+class PrefixCache:
+    """Prefix states by voice (`job.prefix`, a hashable key), the most recently used `capacity` kept.
+
+    `prefill` is an engine's prefill function: jobs without a key, or whose rows do not start with
+    the cached prefix, are prefilled alone (and refresh the entry)."""
+
+    def __init__(self, capacity: int = 32):
+        self.capacity = capacity
+        self.entries: OrderedDict = OrderedDict()
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def prefill(self, model, job: SpeechJob) -> SlotBatch:
+        key = job.prefix
+        rows = prefix_rows(model, job.input_ids) if key is not None else 0
+        if not rows:
+            return prefill_alone(model, job)
+        with self._lock:
+            state = self.entries.get(key)
+            if state is not None:
+                self.entries.move_to_end(key)
+        if state is None or not state.matches(job):
+            self.misses += 1
+            state = prefill_prefix(model, job.input_ids[:, :rows], job.audio_codes[:, :rows])
+            with self._lock:
+                self.entries[key] = state
+                while len(self.entries) > self.capacity:
+                    self.entries.popitem(last=False)
+        else:
+            self.hits += 1
+        return continue_prefill(model, state, job.input_ids[:, state.rows :], job.audio_codes[:, state.rows :])
+
+    def forget(self, key) -> None:
+        with self._lock:
+            self.entries.pop(key, None)

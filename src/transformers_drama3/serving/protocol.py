@@ -1,0 +1,214 @@
+"""The request bodies of the OpenAI-compatible API, checked field by field.
+
+`POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `instructions`,
+`response_format`, `speed`, `stream_format`) and SGLang-Omni's extensions (`references`, `seed`,
+`temperature`, `top_p`, `top_k`, `max_new_tokens`, `stream`). Every problem is an `ApiError` with
+the status and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`, naming the
+field, raised before any work is done.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+from .audio_formats import STREAMABLE, supported_formats
+from .voices import VoiceReference, read_audio_bytes
+
+STREAM_FORMATS = ("audio", "sse")
+OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+MAX_SEED = 2**63 - 1
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+             429: "rate_limit_error", 503: "server_error", 504: "timeout_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Limits:
+    """What one request may ask for."""
+
+    max_input_chars: int = 4096
+    max_new_tokens: int = 4096
+    max_references: int = 8
+    max_reference_bytes: int = 10 * 2**20
+
+
+@dataclass
+class SpeechParams:
+    """A checked speech request. voice: a voice id or None; references: inline references."""
+
+    model: str | None
+    input: str
+    voice: str | None
+    instructions: str | None
+    response_format: str
+    stream_format: str | None
+    references: list = field(default_factory=list)
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)
+    max_new_tokens: int | None = None
+
+
+def _number(body: dict, name: str, low: float, high: float, integer: bool = False, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ApiError(400, f"{name}: expected {'an integer' if integer else 'a number'}; got {value!r}", name)
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ApiError(400, f"{name}: {value!r} is outside {bracket}{low}, {high}]", name)
+    return value
+
+
+def _string(body: dict, name: str, required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"{name}: this field is required", name)
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name}: expected a string; got {type(value).__name__}", name)
+    return value
+
+
+def parse_voice(value) -> str | None:
+    """`voice`: a voice id, or `{"id": ...}` (OpenAI's custom-voice spelling)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("id")
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"voice: expected a voice id or {{\"id\": ...}}; got {value!r}", "voice")
+    return value
+
+
+def decode_audio_field(value, location: str, limits: Limits) -> tuple:
+    """Base64 audio (optionally a `data:` URL) -> (samples, rate)."""
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{location}: expected base64 audio or a voice id", location)
+    if value.startswith("data:"):
+        value = value.partition(",")[2]
+    if len(value) * 3 // 4 > limits.max_reference_bytes:
+        raise ApiError(413, f"{location}: the audio is over {limits.max_reference_bytes} bytes", location)
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{location}: not valid base64 audio, nor a registered voice id", location) from None
+    try:
+        return read_audio_bytes(data, location)
+    except ValueError as error:
+        raise ApiError(400, str(error), location) from None
+
+
+def parse_references(value, limits: Limits, is_voice) -> list:
+    """`references`: [{"audio": base64 | voice id, "text", "speaker"}] -> a list of VoiceReference
+    or ("voice", id, speaker) entries."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "references: expected a non-empty list of {\"audio\", \"text\", \"speaker\"}", "references")
+    if len(value) > limits.max_references:
+        raise ApiError(413, f"references: {len(value)} references; at most {limits.max_references}", "references")
+    references = []
+    for index, item in enumerate(value):
+        location = f"references[{index}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{location}: expected an object with audio and text", location)
+        speaker = _number(item, "speaker", 0, 15, integer=True)
+        speaker = 0 if speaker is None else speaker
+        audio = item.get("audio")
+        if isinstance(audio, str) and is_voice(audio):
+            references.append(("voice", audio, speaker))
+            continue
+        text = item.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ApiError(400, f"{location}.text: the transcript of the reference audio is required", f"{location}.text")
+        samples, rate = decode_audio_field(audio, f"{location}.audio", limits)
+        references.append(VoiceReference(samples, rate, text, speaker))
+    return references
+
+
+def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
+    """Check a `/v1/audio/speech` body; `is_voice(id)` says whether a voice is registered."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = _string(body, "model")  # one model is served; SGLang-Omni's clients leave it out
+    text = _string(body, "input", required=True)
+    if not text.strip():
+        raise ApiError(400, "input: nothing to say", "input")
+    if len(text) > limits.max_input_chars:
+        raise ApiError(413, f"input: {len(text)} characters; at most {limits.max_input_chars}", "input")
+    instructions = _string(body, "instructions")
+    if instructions is not None and len(instructions) > limits.max_input_chars:
+        raise ApiError(413, f"instructions: {len(instructions)} characters; at most {limits.max_input_chars}", "instructions")
+    speed = _number(body, "speed", 0.25, 4.0)
+    if speed is not None and speed != 1.0:
+        raise ApiError(400, f"speed: {speed} is not supported; only 1.0 (Drama 3 takes pace directions in the input)", "speed")
+    stream_format = _string(body, "stream_format")
+    if stream_format is not None and stream_format not in STREAM_FORMATS:
+        raise ApiError(400, f"stream_format: {stream_format!r}; expected one of {list(STREAM_FORMATS)}", "stream_format")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream: expected true or false; got {stream!r}", "stream")
+    if stream and stream_format is None:
+        stream_format = "audio"
+    response_format = _string(body, "response_format")
+    if response_format is None:
+        response_format = "pcm" if stream_format else ("mp3" if "mp3" in supported_formats() else "wav")
+    if response_format not in OPENAI_FORMATS:
+        raise ApiError(400, f"response_format: {response_format!r}; expected one of {list(OPENAI_FORMATS)}", "response_format")
+    if response_format not in supported_formats():
+        raise ApiError(
+            400, f"response_format: {response_format!r} cannot be written on this server; supported: {supported_formats()}",
+            "response_format",
+        )
+    if stream_format and response_format not in STREAMABLE:
+        raise ApiError(400, f"response_format: streaming sends {list(STREAMABLE)}; got {response_format!r}", "response_format")
+    sampling = {}
+    for name, low, high, integer, low_open in (
+        ("temperature", 0.0, 10.0, False, False), ("top_p", 0.0, 1.0, False, True), ("top_k", 0, 1_000_000, True, False),
+    ):
+        value = _number(body, name, low, high, integer, low_open)
+        if value is not None:
+            sampling[name] = value
+    return SpeechParams(
+        model=model,
+        input=text,
+        voice=parse_voice(body.get("voice")),
+        instructions=instructions,
+        response_format=response_format,
+        stream_format=stream_format,
+        references=parse_references(body.get("references"), limits, is_voice),
+        seed=_number(body, "seed", 0, MAX_SEED, integer=True),
+        sampling=sampling,
+        max_new_tokens=_number(body, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
+    )
+
+
+def parse_voice_upload(body, limits: Limits) -> tuple[str, str, list[VoiceReference]]:
+    """`POST /v1/audio/voices`: {"name", "id"?, "references": [...]} or {"name", "audio", "text"}."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    name = _string(body, "name", required=True)
+    voice_id = _string(body, "id") or name
+    raw = body.get("references")
+    if raw is None:
+        raw = [{"audio": body.get("audio"), "text": body.get("text"), "speaker": body.get("speaker")}]
+    references = parse_references(raw, limits, lambda _: False)
+    return voice_id, name, references

@@ -1,0 +1,208 @@
+"""The continuous-batching engine: a request's codes equal `generate()`'s for it alone, whether it
+runs alone or joins a busy batch mid-flight; slots free at once; the queue has a cap."""
+
+import pytest
+import torch
+
+from generation_helpers import prompt, tiny_model
+from transformers_drama3.generation_drama3 import SamplingSettings
+from transformers_drama3.serving.engine import (
+    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, compact_batch, prefill_alone,
+)
+from transformers_drama3.serving.slot_pool import SlotPool
+
+MAX_FRAMES = 8
+FLOAT32 = dict(rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # float64: batch compositions round differently (~1e-6 in float32), which may flip a draw that
+    # sits within rounding of a tie; in float64 no draw is that close, so codes compare exactly
+    model = tiny_model(seed=0)
+    model.set_experts_implementation("eager")  # the grouped-GEMM experts take no float64
+    return model.double()
+
+
+@pytest.fixture(params=["slot_pool", "compact_batch"])
+def make_engine(request, model):
+    """Engines over the preallocated slot pool and over its plain reference, the compact batch."""
+    state = {"slot_pool": SlotPool, "compact_batch": compact_batch}[request.param]
+    return lambda **options: Drama3Engine(model, batch_state=state, **options)
+
+
+def job(seed: int, prompt_seed: int, text_rows: int = 5, audio_rows: int = 4, **settings) -> SpeechJob:
+    ids, codes = prompt(seed=prompt_seed, text_rows=text_rows, audio_rows=audio_rows)
+    sampling = SamplingSettings(**settings) if settings else SamplingSettings()
+    return SpeechJob(ids[None], codes[None], sampling, seed=seed, max_new_tokens=MAX_FRAMES)
+
+
+def generate_alone(model, job: SpeechJob):
+    settings = job.settings
+    out = model.generate(
+        job.input_ids, job.audio_codes, seed=job.seed, max_new_tokens=job.max_new_tokens,
+        do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
+        top_k=settings.top_k, return_dict_in_generate=True,
+    )
+    return out.audio_codes[0, : int(out.lengths[0])], out.finish_reasons[0]
+
+
+def drive(engine, arrivals: dict):
+    """Step the engine by hand; `arrivals[step]` lists jobs submitted before that step."""
+    handles, step = [], 0
+    while step <= max(arrivals) or not engine.idle:
+        handles += [engine.submit(j) for j in arrivals.get(step, [])]
+        engine.step()
+        step += 1
+    return handles
+
+
+def test_a_request_alone_gives_generates_codes(model, make_engine):
+    request = job(seed=3, prompt_seed=1, temperature=1.3, top_p=1.0)
+    engine = make_engine(max_batch=4)
+    (handle,) = drive(engine, {0: [request]})
+    result = handle.result(timeout=1)
+    expected, reason = generate_alone(model, request)
+    assert isinstance(result, DoneEvent)
+    assert torch.equal(result.codes, expected)
+    assert result.finish_reason == reason
+
+
+def test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone(model, make_engine):
+    first = [job(seed=10 + i, prompt_seed=20 + i, text_rows=3 + 2 * i, temperature=1.2, top_p=0.95) for i in range(2)]
+    later = [
+        job(seed=30, prompt_seed=31, audio_rows=7, temperature=0.8, top_k=5),
+        job(seed=32, prompt_seed=33, text_rows=9),
+        job(seed=34, prompt_seed=35, do_sample=False),
+    ]
+    engine = make_engine(max_batch=8)
+    handles = drive(engine, {0: first, 3: later[:2], 5: later[2:]})
+    for request, handle in zip(first + later, handles):
+        result = handle.result(timeout=1)
+        expected, reason = generate_alone(model, request)
+        assert torch.equal(result.codes, expected), f"seed {request.seed}"
+        assert result.finish_reason == reason
+    assert engine.stats.occupied > engine.stats.steps  # requests did share steps
+
+
+def test_streamed_frames_join_to_the_final_codes(model):
+    engine = Drama3Engine(model)
+    (handle,) = drive(engine, {0: [job(seed=5, prompt_seed=6)]})
+    events = list(handle.events(timeout=1))
+    frames = torch.cat([event.frames for event in events if isinstance(event, FramesEvent)])
+    assert torch.equal(frames, events[-1].codes)
+
+
+def test_waiting_requests_beyond_max_batch_run_when_a_slot_frees(model):
+    requests = [job(seed=40 + i, prompt_seed=50 + i) for i in range(3)]
+    engine = Drama3Engine(model, max_batch=1)
+    handles = drive(engine, {0: requests})
+    assert engine.stats.occupied == engine.stats.steps  # never more than one at a time
+    for request, handle in zip(requests, handles):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_others_are_unchanged(model, make_engine):
+    keep, drop = job(seed=60, prompt_seed=61), job(seed=62, prompt_seed=63, temperature=1.5, top_p=1.0)
+    engine = make_engine()
+    handles = [engine.submit(keep), engine.submit(drop)]
+    engine.step()
+    handles[1].cancel()
+    engine.step()
+    assert handles[1].finished_at is not None  # freed at the step after the cancel
+    assert engine.running == (0 if handles[0].finished_at is not None else 1)
+    while not engine.idle:
+        engine.step()
+    cancelled = handles[1].result(timeout=1)
+    assert isinstance(cancelled, ErrorEvent) and cancelled.kind == "cancelled"
+    assert torch.equal(handles[0].result(timeout=1).codes, generate_alone(model, keep)[0])
+
+
+def test_submit_beyond_the_queue_cap_is_refused(model):
+    engine = Drama3Engine(model, max_batch=1, max_queue=2)
+    engine.submit(job(seed=1, prompt_seed=1))
+    engine.submit(job(seed=2, prompt_seed=2))
+    with pytest.raises(QueueFull, match="queue holds 2"):
+        engine.submit(job(seed=3, prompt_seed=3))
+
+
+def test_the_scheduler_thread_serves_concurrent_requests(model):
+    requests = [job(seed=70 + i, prompt_seed=80 + i, text_rows=2 + i) for i in range(5)]
+    engine = Drama3Engine(model, max_batch=3)
+    engine.start()
+    try:
+        handles = [engine.submit(request) for request in requests]
+        results = [handle.result(timeout=30) for handle in handles]
+    finally:
+        engine.stop()
+    for request, result in zip(requests, results):
+        assert torch.equal(result.codes, generate_alone(model, request)[0])
+
+
+def test_a_prefill_continued_from_a_cached_prefix_matches_the_whole_prefill(model):
+    from transformers_drama3.serving.prefix_cache import continue_prefill, prefill_prefix
+
+    # float32 tolerances: the tower's RoPE runs in float32 whatever the model's dtype
+    request = job(seed=1, prompt_seed=90, audio_rows=6)
+    whole = prefill_alone(model, request)
+    rows = 7
+    prefix = prefill_prefix(model, request.input_ids[:, :rows], request.audio_codes[:, :rows])
+    continued = continue_prefill(model, prefix, request.input_ids[:, rows:], request.audio_codes[:, rows:])
+    torch.testing.assert_close(continued.hidden, whole.hidden, **FLOAT32)
+    assert torch.equal(continued.mask, whole.mask)
+    for mine, theirs in zip(continued.cache.tower.layers, whole.cache.tower.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
+    for mine, theirs in zip(continued.cache.backbone.layers, whole.cache.backbone.layers):
+        if getattr(theirs, "keys", None) is not None:
+            torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
+        else:
+            torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0], **FLOAT32)
+            torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0], **FLOAT32)
+
+
+def test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_busy_batch(model):
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+
+    def voiced(seed):
+        request = job(seed=seed, prompt_seed=91)
+        request.prefix = "voice"
+        return request
+
+    alone_cache = PrefixCache()
+    (alone,) = drive(Drama3Engine(model, prefill=alone_cache.prefill), {0: [voiced(5)]})
+    cache = PrefixCache()
+    busy = drive(Drama3Engine(model, prefill=cache.prefill), {0: [voiced(6), job(7, 92)], 2: [voiced(5)]})
+    assert torch.equal(busy[2].result(timeout=1).codes, alone.result(timeout=1).codes)
+    assert cache.hits == 1 and cache.misses == 1
+
+
+def test_requests_past_their_time_limit_end_as_timeouts_waiting_or_running(model):
+    outcomes = {}
+    engine = Drama3Engine(model, max_batch=1, on_finish=lambda handle, outcome: outcomes.setdefault(handle.id, outcome))
+    running = engine.submit(job(seed=1, prompt_seed=1))
+    engine.step()
+    running.job.timeout = 0.0  # runs past its limit from now on
+    waiting = engine.submit(SpeechJob(**{**vars(job(seed=2, prompt_seed=2)), "timeout": 0.0}))
+    engine.step()
+    assert outcomes[running.id] == "timeout" and running.result(timeout=1).kind == "timeout"
+    engine.step()
+    assert outcomes[waiting.id] == "timeout" and engine.idle
+
+
+def test_a_request_cancelled_while_waiting_leaves_the_queue_without_taking_a_slot(model):
+    engine = Drama3Engine(model, max_batch=1)
+    first, second = engine.submit(job(seed=1, prompt_seed=1)), engine.submit(job(seed=2, prompt_seed=2))
+    engine.step()
+    second.cancel()
+    engine.step()
+    assert engine.queue_depth == 0 and second.result(timeout=1).kind == "cancelled"
+    assert first.finished_at is None or isinstance(first.result(timeout=1), DoneEvent)
+
+
+def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
+    requests = [job(seed=20 + i, prompt_seed=40 + i, text_rows=3 + 4 * i) for i in range(3)]
+    engine = Drama3Engine(model, batch_state=lambda slots: SlotPool(slots, capacity=8))
+    handles = drive(engine, {0: requests[:1], 2: requests[1:]})
+    assert engine._batch.capacity > 8
+    for request, handle in zip(requests, handles):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])

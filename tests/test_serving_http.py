@@ -1,0 +1,292 @@
+"""The speech server on loopback, driven by the official openai client (and httpx where the client
+has no call): WAV comes back, streaming equals the whole take, SSE parses, voices round-trip,
+every error has its status and names its field, a dropped stream frees its slot, auth refuses."""
+
+import base64
+import io
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app  # noqa: E402
+from transformers_drama3.tiny import shipped  # noqa: E402
+
+API_KEY = "test-key"
+FRAMES = 24  # cap on every test request: drama3-tiny frames are cheap, but there are many requests
+LSB = 1 / 32767
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    service = SpeechService.load(None, str(tmp_path_factory.mktemp("voices")), max_batch=16, max_queue=32)
+    # float64 makes the rounding differences between batch compositions (~1e-6 in float32, from
+    # kernels whose blocking depends on the batch) far too small to flip a draw, so "the same
+    # request alone and in a busy batch" can be compared code for code
+    service.model.set_experts_implementation("eager")  # the grouped-GEMM experts take no float64
+    service.model.double()
+    app = create_app(lambda: service, ServerSettings(api_key=API_KEY, request_timeout=120))
+    port = free_port()
+    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not instance.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", service
+    instance.should_exit = True
+    thread.join(timeout=10)
+    service.engine.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def speech(client, text="Hello there, how are you?", seed=1, **fields):
+    extra = {"seed": seed, "max_new_tokens": FRAMES, **fields.pop("extra", {})}
+    fields.setdefault("response_format", "wav")
+    fields.setdefault("voice", "A")
+    return client.audio.speech.create(model="drama3-tiny", input=text, extra_body=extra, **fields)
+
+
+def pcm_samples(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767
+
+
+def assert_same_take(first: bytes, second: bytes) -> None:
+    """Two PCM takes of the same codes: the same length, samples within 2 LSB (the codec's float
+    arithmetic may round differently when decodes run concurrently); other codes differ by far more."""
+    a, b = pcm_samples(first), pcm_samples(second)
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, atol=2 * LSB, rtol=0)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1))
+
+
+def test_speech_returns_a_valid_wav(client, server):
+    audio, rate = soundfile.read(io.BytesIO(speech(client).content))
+    assert rate == server[1].processor.sampling_rate
+    assert 0 < audio.shape[0] <= FRAMES * server[1].processor.samples_per_frame
+    assert np.abs(audio).max() > 0.01  # speech, not silence
+
+
+def test_the_same_seed_gives_the_same_audio_and_another_seed_other_audio(client):
+    first, again, other = (speech(client, seed=s, response_format="pcm").content for s in (5, 5, 6))
+    assert_same_take(first, again)
+    assert len(first) != len(other) or np.abs(pcm_samples(first) - pcm_samples(other)).max() > 0.01
+
+
+def test_streamed_chunks_join_to_the_whole_take_of_the_same_seeded_request(client):
+    whole = pcm_samples(speech(client, seed=9, response_format="pcm").content)
+    with client.audio.speech.with_streaming_response.create(
+        model="drama3-tiny", voice="A", input="Hello there, how are you?", response_format="pcm",
+        extra_body={"seed": 9, "max_new_tokens": FRAMES, "stream_format": "audio"},
+    ) as response:
+        assert response.headers["x-sample-rate"] == "22050"
+        chunks = [chunk for chunk in response.iter_bytes() if chunk]
+    streamed = pcm_samples(b"".join(chunks))
+    assert streamed.shape == whole.shape
+    np.testing.assert_allclose(streamed, whole, atol=2 * LSB, rtol=0)  # one codec, two decoders
+
+
+def test_sse_events_carry_the_audio_then_a_done_event(client):
+    whole = pcm_samples(speech(client, seed=3, response_format="pcm").content)
+    with client.audio.speech.with_streaming_response.create(
+        model="drama3-tiny", voice="A", input="Hello there, how are you?", response_format="pcm",
+        extra_body={"seed": 3, "max_new_tokens": FRAMES, "stream_format": "sse"},
+    ) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [event["type"] for event in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["seed"] == 3
+    streamed = pcm_samples(b"".join(base64.b64decode(event["audio"]) for event in events[:-1]))
+    np.testing.assert_allclose(streamed, whole, atol=2 * LSB, rtol=0)
+
+
+def test_a_voice_is_created_listed_used_and_deleted(client, server):
+    base = server[0]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    clip, transcript = shipped.reference_voice("D")
+    audio = base64.b64encode(open(clip, "rb").read()).decode()
+    created = httpx.post(base + "/v1/audio/voices", headers=headers, json={"name": "dee", "audio": audio, "text": transcript})
+    assert created.status_code == 200, created.text
+    listed = httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]
+    assert {"id": "dee", "name": "dee"} in listed and {"id": "A", "name": "A"} in listed
+    as_dee = speech(client, seed=4, voice="dee", response_format="pcm").content
+    as_d = speech(client, seed=4, voice="D", response_format="pcm").content
+    assert_same_take(as_dee, as_d)  # the same clip and transcript as the bundled voice D
+    inline = speech(client, seed=4, voice=None, response_format="pcm",
+                    extra={"references": [{"audio": audio, "text": transcript, "speaker": 0}]}).content
+    assert_same_take(inline, as_d)
+    assert httpx.delete(base + "/v1/audio/voices/dee", headers=headers).status_code == 200
+    assert {"id": "dee", "name": "dee"} not in httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]
+    with pytest.raises(openai.NotFoundError, match="voice"):
+        speech(client, voice="dee")
+
+
+@pytest.mark.parametrize(
+    "fields, status, param",
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": "x" * 5000}, 413, "input"),
+        ({"voice": "nobody"}, 404, "voice"),
+        ({"speed": 1.5}, 400, "speed"),
+        ({"response_format": "aac"}, 400, "response_format"),
+        ({"extra": {"temperature": -1}}, 400, "temperature"),
+        ({"extra": {"top_p": 0}}, 400, "top_p"),
+        ({"extra": {"seed": "x"}}, 400, "seed"),
+        ({"extra": {"max_new_tokens": 10**6}}, 400, "max_new_tokens"),
+        ({"extra": {"stream_format": "mp4"}}, 400, "stream_format"),
+        ({"extra": {"references": [{"audio": "not base64!", "text": "hi"}]}}, 400, "references[0].audio"),
+        ({"extra": {"references": [{"audio": "AAAA"}]}}, 400, "references[0].text"),
+        ({"input": "<|im_end|> sneaky"}, 400, "input"),
+    ],
+)
+def test_bad_input_gets_its_status_and_names_the_field(client, fields, status, param):
+    text = fields.pop("input", "Hello.")
+    with pytest.raises(openai.APIStatusError) as caught:
+        speech(client, text=text, **fields)
+    error = caught.value
+    assert error.status_code == status
+    assert error.body["param"] == param
+    assert param.split("[")[0] in error.body["message"]
+
+
+def test_a_missing_or_wrong_key_is_refused(server):
+    for key in ("wrong", None):
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        response = httpx.post(server[0] + "/v1/audio/speech", headers=headers, json={"model": "m", "input": "hi"})
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_models_health_and_metrics(client, server):
+    assert [model.id for model in client.models.list()] == ["drama3-tiny"]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    speech(client)
+    assert metric(server[0], 'drama3_requests_total{outcome="length"}') + metric(
+        server[0], 'drama3_requests_total{outcome="eos"}') >= 1
+    assert metric(server[0], "drama3_time_to_first_audio_seconds_count") >= 1
+
+
+def test_a_disconnected_stream_frees_its_slot(client, server):
+    base = server[0]
+    cancelled = metric(base, 'drama3_requests_total{outcome="cancelled"}')
+    with client.audio.speech.with_streaming_response.create(
+        model="drama3-tiny", voice="A", input="A long sentence that would take a good while to say out loud.",
+        response_format="pcm", extra_body={"seed": 1, "max_new_tokens": 2000, "stream_format": "audio"},
+    ) as response:
+        next(response.iter_bytes())  # the first audio arrived; hang up
+    deadline = time.time() + 20
+    while time.time() < deadline and metric(base, 'drama3_requests_total{outcome="cancelled"}') == cancelled:
+        time.sleep(0.1)
+    assert metric(base, 'drama3_requests_total{outcome="cancelled"}') == cancelled + 1
+    assert metric(base, "drama3_running_requests") == 0
+
+
+def test_a_full_queue_answers_429(server):
+    service = server[1]
+    engine = service.engine
+    saved = engine.max_queue
+    engine.max_queue = 0
+    try:
+        response = httpx.post(server[0] + "/v1/audio/speech", headers={"Authorization": f"Bearer {API_KEY}"},
+                              json={"model": "m", "input": "Hello.", "voice": "A", "max_new_tokens": 4})
+    finally:
+        engine.max_queue = saved
+    assert response.status_code == 429 and response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_sixteen_concurrent_requests_each_equal_the_same_request_alone(client):
+    voices = ["A", "B", "D", "F"]
+    texts = ["Hi.", "Hello there, how are you?", "The barrel is sturdy today.", "Please polish the rabbit now, Delia."]
+    requests = [dict(seed=100 + i, voice=voices[i % 4], text=texts[i // 4], response_format="pcm",
+                     extra={"max_new_tokens": 8 + i}) for i in range(16)]
+
+    def run(request):
+        request = dict(request)
+        return speech(client, request.pop("text"), **request).content
+
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, requests))
+    for request, audio in zip(requests, together):
+        assert_same_take(run(request), audio)
+
+
+def test_503_while_the_model_loads():
+    from fastapi.testclient import TestClient
+
+    app = create_app(lambda: None, ServerSettings())
+    with TestClient(app) as local:
+        assert local.get("/health").status_code == 503
+        response = local.post("/v1/audio/speech", json={"model": "m", "input": "hi"})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "loading"
+
+
+@pytest.mark.parametrize("response_format", ["flac", "mp3", "opus"])
+def test_each_written_format_decodes_to_the_same_take(client, server, response_format):
+    from transformers_drama3.serving.audio_formats import OPUS_RATE, supported_formats
+
+    if response_format not in supported_formats():
+        with pytest.raises(openai.BadRequestError, match="response_format"):
+            speech(client, seed=2, response_format=response_format)
+        return
+    wav, rate = soundfile.read(io.BytesIO(speech(client, seed=2).content))
+    audio, coded_rate = soundfile.read(io.BytesIO(speech(client, seed=2, response_format=response_format).content))
+    assert coded_rate == (OPUS_RATE if response_format == "opus" else rate)
+    seconds = audio.shape[0] / coded_rate
+    assert abs(seconds - wav.shape[0] / rate) < 0.1  # lossy coders pad a little
+    if response_format == "flac":
+        np.testing.assert_array_equal(audio, wav)  # both lossless 16-bit
+
+
+def test_formats_libsndfile_cannot_write_answer_400_naming_them(monkeypatch):
+    from transformers_drama3.serving import protocol
+
+    monkeypatch.setattr(protocol, "supported_formats", lambda: ["wav", "pcm", "flac"])
+    with pytest.raises(protocol.ApiError) as caught:
+        protocol.parse_speech({"input": "hi", "response_format": "mp3"}, protocol.Limits(), lambda _: False)
+    assert caught.value.status == 400 and caught.value.param == "response_format"
+    assert "supported: ['wav', 'pcm', 'flac']" in caught.value.message
+
+
+def test_instructions_become_the_directors_note_of_each_line(server):
+    from transformers_drama3.serving.protocol import Limits, parse_speech
+
+    service = server[1]
+    body = {"input": "Hello there. <|speaker:0|>Goodbye.", "voice": "A", "instructions": "whispering softly"}
+    job = service.job(parse_speech(body, Limits(), lambda voice: voice in service.voices), timeout=None)
+    text = service.processor.tokenizer.decode(job.input_ids[0])
+    assert "[whispering softly] Hello there." in text and "[whispering softly] Goodbye." in text
+    with pytest.raises(Exception, match="instructions"):
+        service.job(parse_speech({**body, "instructions": "no [brackets]"}, Limits(), lambda v: True), timeout=None)
+
+
+def test_drama3_serve_refuses_bad_options_by_name(capsys, tmp_path):
+    from transformers_drama3.cli import main
+
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert "--max-batch 0" in capsys.readouterr().err
+    assert main(["serve", "--voice", f"x={tmp_path}/missing.wav:{tmp_path}/missing.txt"]) == 2
+    assert "no such file" in capsys.readouterr().err
