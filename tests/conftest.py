@@ -6,7 +6,12 @@ codec) and its saved checkpoint, the random tiny model and the tiny codecs. Test
 them: a test that edits weights or replaces a method builds its own (`tiny_model()`, ...).
 """
 
+import os
 import random
+
+# The suite runs with the kernel packages bound even without CUDA (an import normally skips them
+# there to save seconds): the tests prove the device router keeps such a process working on a CPU.
+os.environ.setdefault("DRAMA3_KERNEL_PACKAGES", "1")
 
 import numpy as np
 import pytest

@@ -153,7 +153,40 @@ def test_importing_with_the_router_switched_off_leaves_transformers_functions_al
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-# ---- 3. fla's import-time warning
+# ---- 3. fla's import: only where CUDA is, and its import-time warning
+
+
+KERNEL_IMPORT_CHECK = """
+import sys, torch
+import transformers_drama3
+from transformers_drama3.integrations import kernel_report
+print("fla-imported" if "fla" in sys.modules else "fla-absent", "cuda" if torch.cuda.is_available() else "no-cuda")
+print(kernel_report()["torch_chunk_gated_delta_rule"])
+import fla  # still importable afterwards
+"""
+
+
+@pytest.mark.skipif(not FLA_IMPORTS, reason="flash-linear-attention / triton not installed")
+def test_without_cuda_the_import_leaves_fla_alone_and_it_still_imports_later():
+    environ = {**os.environ, integrations.KERNEL_PACKAGES_ENV: "auto"}
+    result = subprocess.run([sys.executable, "-c", KERNEL_IMPORT_CHECK], env=environ, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state, cuda = result.stdout.split()[:2]
+    if cuda == "no-cuda":
+        assert state == "fla-absent"
+        assert result.stdout.split()[2].startswith("transformers.")
+    else:
+        assert result.stdout.split()[2].startswith("fla.")
+
+
+@pytest.mark.parametrize("value, wanted", [("1", True), ("on", True), ("0", False), ("no", False)])
+def test_the_kernel_packages_setting_is_read_as_said(value, wanted):
+    assert integrations.kernel_packages_wanted({integrations.KERNEL_PACKAGES_ENV: value}) is wanted
+
+
+def test_an_unclear_kernel_packages_setting_is_refused_by_name():
+    with pytest.raises(ValueError, match="DRAMA3_KERNEL_PACKAGES='sometimes'"):
+        integrations.kernel_packages_wanted({integrations.KERNEL_PACKAGES_ENV: "sometimes"})
 
 
 def test_no_global_warning_filter_is_left_behind():

@@ -10,7 +10,8 @@ internal when an upgrade moves it:
    (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
    (opt out with `DRAMA3_DEVICE_DISPATCH=0` before the import, or `uninstall_device_dispatch()`);
 2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound);
-3. flash-linear-attention's import-time warning, silenced for that one import;
+3. flash-linear-attention's import: only where CUDA is (`DRAMA3_KERNEL_PACKAGES`), and its
+   import-time warning silenced for that one import;
 4. `ProcessorMixin._get_arguments_from_pretrained`, the private hook through which
    `ProcessorMixin.from_pretrained` loads a processor's parts (`ProcessorMixinWithOwnParts`);
 5. the private keywords of `transformers.utils.cached_file` that make a missing file give None
@@ -31,8 +32,10 @@ warns once (`UntestedTransformersWarning`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import sys
 import warnings
 
 import transformers
@@ -89,11 +92,51 @@ def warn_if_untested() -> None:
 # ----------------------------------------------------------------------------- 1-3. device router
 
 
+KERNEL_PACKAGES_ENV = "DRAMA3_KERNEL_PACKAGES"
+# The packages transformers' Qwen3.5-MoE module binds its Gated DeltaNet functions to at import.
+KERNEL_PACKAGES = ("fla", "causal_conv1d")
+
+
+def kernel_packages_wanted(environ=os.environ) -> bool:
+    """Whether transformers may bind the kernel packages when its Qwen3.5-MoE module is imported.
+
+    DRAMA3_KERNEL_PACKAGES: "auto" (default) binds them only when CUDA is available, because they
+    serve CUDA tensors alone and importing flash-linear-attention costs several seconds; "1" always
+    (tests of the router on a CPU machine); "0" never."""
+    value = environ.get(KERNEL_PACKAGES_ENV, "auto").strip().lower()
+    if value in ("auto", ""):
+        import torch
+
+        return torch.cuda.is_available()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{KERNEL_PACKAGES_ENV}={environ[KERNEL_PACKAGES_ENV]!r}: expected auto, 1 or 0")
+
+
+@contextlib.contextmanager
+def _kernel_packages_hidden():
+    """Make `import fla` / `import causal_conv1d` fail inside the block (a None entry in
+    sys.modules), so transformers binds its PyTorch functions; the packages import normally after."""
+    hidden = [name for name in KERNEL_PACKAGES if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]
+
+
 def _import_qwen3_5_moe_modeling():
     """transformers' Qwen3.5-MoE modeling module. Importing it imports flash-linear-attention when
-    installed, which warns that Triton has no GPU on a CPU machine: harmless here, because the
-    routers never hand fla a CPU tensor, so that one warning from that one import is dropped."""
-    with warnings.catch_warnings():
+    installed and wanted (`kernel_packages_wanted`), which warns that Triton has no GPU on a CPU
+    machine: harmless here, because the routers never hand fla a CPU tensor, so that one warning
+    from that one import is dropped."""
+    hide = contextlib.nullcontext() if kernel_packages_wanted() else _kernel_packages_hidden()
+    with warnings.catch_warnings(), hide:
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform", module=r"fla\.")
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
