@@ -24,6 +24,7 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    py_modules=["drama3_cli"],
     include_package_data=True,
     package_data={"transformers_drama3": ["assets/**/*"]},
     install_requires=[
@@ -45,7 +46,7 @@ setup(
         "dev": DEV + TRAIN + EVAL,
         "all": GPU + TRAIN + SERVE + EVAL + DEV,
     },
-    entry_points={"console_scripts": ["drama3=transformers_drama3.cli:main"]},
+    entry_points={"console_scripts": ["drama3=drama3_cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Multimedia :: Sound/Audio :: Speech",

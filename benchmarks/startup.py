@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-CLI = "import sys; from transformers_drama3.cli import main; sys.argv = ['drama3', *{args!r}]; main()"
+CLI = "import sys; from drama3_cli import main; sys.argv = ['drama3', *{args!r}]; main()"
 TORCH_PROBE = "import atexit, sys; atexit.register(lambda: print('TORCH-IMPORTED' if 'torch' in sys.modules else 'TORCH-ABSENT', file=sys.stderr))"
 
 CASES = {

@@ -71,3 +71,31 @@ def test_quickstart_example_runs_on_a_tiny_model(checkpoint, tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "1. generate" in out and "2. pipeline" in out and "3. stream" in out
     assert (tmp_path / "q.wav").exists()
+
+
+NO_TORCH_CHECK = """
+import sys
+import drama3_cli
+try:
+    drama3_cli.main(sys.argv[1:])
+except SystemExit as exit:
+    print("exit", exit.code)
+print("torch imported" if "torch" in sys.modules else "torch not imported")
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["say", "--help"], ["say"], ["nonsense"]], ids=["help", "say-help", "say-missing-text", "unknown-command"])
+def test_help_and_argument_errors_answer_without_importing_torch(argv):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", NO_TORCH_CHECK, *argv], capture_output=True, text=True, timeout=120)
+    assert "torch not imported" in result.stdout, result.stdout + result.stderr
+    expected_exit = "exit 0" if argv[-1] == "--help" else "exit 2"
+    assert expected_exit in result.stdout
+
+
+def test_the_console_script_is_the_light_front():
+    from importlib.metadata import entry_points
+
+    (script,) = [entry for entry in entry_points(group="console_scripts") if entry.name == "drama3"]
+    assert script.value == "drama3_cli:main"

@@ -12,12 +12,10 @@ from __future__ import annotations
 import os
 
 import torch
+from drama3_cli import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
 
 from .modeling_drama3 import Drama3ForSpeechGeneration
 from .processing_drama3 import Drama3Processor
-
-DEFAULT_MODEL = "fishaudio/drama-3"
-EXIT_USAGE = 2
 
 
 class CommandError(Exception):

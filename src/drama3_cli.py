@@ -1,0 +1,126 @@
+"""The `drama3` command line: its arguments, parsed before anything heavy is imported.
+
+    drama3 say "text" -o out.wav [--reference a.wav --reference-text "..." [--reference-speaker N]] [--model PATH_OR_REPO]
+                                 [--voice A[,D...]] [--scene auto|joint|turns] [--stream] [--seed N]
+                                 [--preset serving|paper-eval] ...
+    drama3 table [--config config.json]
+    drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
+
+Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
+espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
+voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 1 voice D). Each
+`--reference` clones speaker 0 unless its `--reference-speaker` says otherwise.
+
+This module sits beside the `transformers_drama3` package, not inside it: importing the package
+imports torch and transformers (seconds), which `--help` and a mistyped flag should not wait for.
+A parsed command is run by `transformers_drama3.cli.run`. Subcommands are registered in
+`SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds its parser; its work is
+`transformers_drama3.cli.HANDLERS[name]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_MODEL = "fishaudio/drama-3"
+EXIT_USAGE = 2
+MAX_CHARS = 4096
+"""Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
+
+
+def add_say(subparsers) -> None:
+    parser = subparsers.add_parser("say", help="speak a text into an audio file")
+    parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
+    parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
+    parser.add_argument(
+        "--model", default=None,
+        help=f"checkpoint folder or Hub repo, e.g. {DEFAULT_MODEL} (default: the bundled drama3-tiny)",
+    )
+    parser.add_argument(
+        "--voice", default=None,
+        help="bundled drama3-tiny voices (A, B, D, F) when no --reference is given; a comma list gives "
+             "speaker i of the text the i-th voice (--voice A,D)",
+    )
+    parser.add_argument(
+        "--scene", choices=["auto", "joint", "turns"], default="auto",
+        help="speak several speakers in one take per chunk (joint) or one speaker turn at a time (turns); "
+             "auto: as the model's generation config says, else joint",
+    )
+    parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
+    parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
+    parser.add_argument(
+        "--reference-speaker", action="append", type=int, default=[],
+        help="speaker N (<|speaker:N|>) of each --reference, in the same order (default: all speaker 0)",
+    )
+    parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
+    parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
+    parser.add_argument(
+        "--preset", choices=["serving", "paper-eval"], default=None,
+        help="sampling preset, in place of the model's generation config (default: the model's own settings, "
+        "which for the published model are the serving defaults)",
+    )
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
+    parser.add_argument(
+        "--max-chars", type=int, default=MAX_CHARS,
+        help=f"refuse texts longer than this many characters (default {MAX_CHARS}, like OpenAI's speech API; "
+             "at the default frame cap 100k characters would take hours on a CPU)",
+    )
+    parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_table(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "table", help="print the paper's per-frame table computed from the model built on the meta device"
+    )
+    parser.add_argument("--config", help="a config.json to account instead of the default full-size Drama 3")
+
+
+def add_serve(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (then 429)")
+    parser.add_argument(
+        "--voice", action="append", default=[],
+        help="register a voice: NAME=clip.wav:transcript.txt (repeatable; NAME=a.wav:a.txt,b.wav:b.txt gives "
+             "speakers 0 and 1)",
+    )
+    parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
+    parser.add_argument("--api-key", default=os.environ.get("DRAMA3_API_KEY"), help="require Authorization: Bearer KEY")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
+    parser.add_argument("--device", default="auto")
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drama3", description="Fish Audio Drama 3 text-to-speech")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: parse (argparse answers --help and usage errors itself, at once), then
+    import the package and run the command."""
+    args = build_parser().parse_args(argv)
+    from transformers_drama3.cli import run  # the heavy import, only once there is work to do
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
