@@ -73,7 +73,7 @@ def add_say(subparsers) -> None:
     parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (loading or speaking)")
 
 
 def add_table(subparsers) -> None:

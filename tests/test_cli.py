@@ -99,3 +99,10 @@ def test_the_console_script_is_the_light_front():
 
     (script,) = [entry for entry in entry_points(group="console_scripts") if entry.name == "drama3"]
     assert script.value == "drama3_cli:main"
+
+
+def test_quiet_says_nothing_but_the_result(checkpoint, tmp_path, capsys):
+    assert say(checkpoint, tmp_path / "quiet.wav", "--seed", "0") == 0  # say() passes --quiet
+    captured = capsys.readouterr()
+    assert "Loading weights" not in captured.err and "speaking" not in captured.err
+    assert captured.out.startswith("wrote")

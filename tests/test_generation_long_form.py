@@ -6,6 +6,7 @@ import torch
 
 from generation_helpers import RecordingStreamer
 from transformers_drama3.generation_drama3 import decode_audio
+from transformers_drama3 import long_form
 from transformers_drama3.long_form import generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
@@ -66,7 +67,36 @@ def test_a_long_form_stream_equals_the_offline_waveform(bundle):
     assert streamed.time_to_first_audio is not None
 
 
-def test_the_progress_bar_counts_chunks(bundle, capsys):
+class RecordingBar:
+    """Stands in for tqdm: keeps every update and the last postfix."""
+
+    made = []
+
+    def __init__(self, *args, disable=False, **kwargs):
+        self.n, self.updates, self.postfix, self.closed = 0, [], "", False
+        RecordingBar.made.append(self)
+
+    def update(self, n):
+        self.n += n
+        self.updates.append(n)
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfix = text
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_progress_bar_counts_frames_as_they_are_made(bundle, monkeypatch):
+    """The bar advances as frames are made (not once per chunk), says the seconds of audio they
+    hold and which chunk is spoken, and showing it changes nothing in the take."""
     model, processor = bundle
-    generate_long_form(model, processor, TEXT, seed=0, max_new_tokens=1, progress=True)
-    assert "chunk" in capsys.readouterr().err
+    quiet = generate_long_form(model, processor, TEXT, seed=0, max_new_tokens=3, progress=False)
+    monkeypatch.setattr(long_form, "tqdm", RecordingBar)
+    RecordingBar.made.clear()
+    shown = generate_long_form(model, processor, TEXT, seed=0, max_new_tokens=3, progress=True)
+    assert torch.equal(shown.audio_codes, quiet.audio_codes)
+    (bar,) = RecordingBar.made
+    frames = shown.audio_codes.shape[0]
+    assert bar.n == frames and len(bar.updates) > len(shown.chunks) and bar.closed
+    assert bar.postfix == f"{frames / processor.frame_rate:.1f} s of audio, chunk {len(shown.chunks)}/{len(shown.chunks)}"

@@ -52,7 +52,7 @@ class FileStreamer:
 def run_say(args) -> int:
     sampling = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
-    model, processor = load_model_and_processor(source, args.device, args.dtype)
+    model, processor = load_model_and_processor(source, args.device, args.dtype, progress=not args.quiet)
     started = time.perf_counter()
     try:
         with atomic_output(args.output) as temporary:

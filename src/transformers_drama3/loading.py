@@ -9,10 +9,12 @@ without a traceback, and the command exits with `EXIT_USAGE`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 from drama3_cli import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
+from transformers.utils import logging as hf_logging
 
 from .modeling_drama3 import Drama3ForSpeechGeneration
 from .processing_drama3 import Drama3Processor
@@ -22,9 +24,10 @@ class CommandError(Exception):
     """An error the user can fix; printed as one message, without a traceback."""
 
 
-def load_model_and_processor(source: str, device: str, dtype: str):
+def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True):
     """The model and processor (with its codec) from a folder or a Hub repo id; a CommandError
-    naming `source` (or `--device` / `--dtype`) when there is none or it cannot be used."""
+    naming `source` (or `--device` / `--dtype`) when there is none or it cannot be used. Without
+    `progress`, transformers' loading bars stay quiet."""
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
         raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
     looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
@@ -36,8 +39,9 @@ def load_model_and_processor(source: str, device: str, dtype: str):
     if dtype not in dtypes:
         raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
     try:
-        model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
-        processor = Drama3Processor.from_pretrained(source)
+        with _progress_bars(progress):
+            model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
+            processor = Drama3Processor.from_pretrained(source)
     except (OSError, ValueError) as error:
         if os.path.isdir(source):  # found the folder: what failed is its content, say that
             raise CommandError(f"--model {source}: {error}") from None
@@ -50,6 +54,17 @@ def load_model_and_processor(source: str, device: str, dtype: str):
         )
     processor.codec.to(device)
     return model, processor
+
+
+@contextlib.contextmanager
+def _progress_bars(shown: bool):
+    """transformers' progress bars on or off inside the block, as they were after it."""
+    was_shown = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_shown else hf_logging.disable_progress_bar)()
 
 
 def resolve_device(device: str) -> str:

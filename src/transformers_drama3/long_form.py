@@ -88,6 +88,48 @@ class _FramesToWaveform:
         self.target.end()
 
 
+class _FrameProgress:
+    """The progress bar of a long-form call: the frames made so far and the seconds of audio they
+    hold, advanced as each frame is final (`generate` hands it the frames as their streamer, and it
+    hands them on to `relay` when the call streams audio). A call that regenerates anomalous
+    takes cannot stream, so its bar advances once per chunk instead."""
+
+    def __init__(self, frame_rate: float, relay: _FramesToWaveform | None, enabled: bool):
+        self.frame_rate, self.relay, self.enabled = frame_rate, relay, enabled
+        self.bar = tqdm(desc="speaking", unit="frame", disable=not enabled)
+        self.where = ""
+
+    def streamer(self, regenerating: bool):
+        """What `generate` streams to: this bar (frames as they come), else just the relay."""
+        return self if self.enabled and not regenerating else self.relay
+
+    def start(self, where: str) -> None:
+        """Say which part of the script is being spoken ("chunk 2/5", "turn 1/3")."""
+        self.where = where
+        self._show()
+
+    def advance(self, frames: int) -> None:
+        self.bar.update(frames)
+        self._show()
+
+    def put(self, frames: torch.Tensor) -> None:
+        """frames: [1, frames, num_codebooks], final."""
+        self.advance(frames.shape[1])
+        if self.relay is not None:
+            self.relay.put(frames)
+
+    def end(self) -> None:
+        """A chunk ended (`generate` ends its stream); the relay's stream goes on."""
+        if self.relay is not None:
+            self.relay.end()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _show(self) -> None:
+        self.bar.set_postfix_str(f"{self.bar.n / self.frame_rate:.1f} s of audio, {self.where}", refresh=False)
+
+
 @dataclass
 class _SpokenChunks:
     """The takes of chunks spoken in order: codes [frames, num_codebooks] and the outcome of each."""
@@ -125,12 +167,15 @@ def _waveform_relay(streamer, codec) -> _FramesToWaveform | None:
     return _FramesToWaveform(streamer, WaveformStreamer(codec, time.perf_counter()))
 
 
-def _speak_chunks(model, processor: Drama3Processor, script, seed, relay, progress, max_new_tokens, generate_kwargs) -> _SpokenChunks:
+def _speak_chunks(model, processor: Drama3Processor, script, seed, progress: _FrameProgress, max_new_tokens,
+                  generate_kwargs, where: str = "") -> _SpokenChunks:
     """Speak `script` chunk by chunk; chunk k draws with seed + k and has the history of the first
-    and the previous take (after the script's own history)."""
+    and the previous take (after the script's own history). `where` prefixes the bar's "chunk k/n"."""
     spoken = _SpokenChunks(chunks=processor.chunk(script))
+    regenerating = bool(generate_kwargs.get("regenerate_on_anomaly"))
     takes = []
-    for index, chunk in enumerate(tqdm(spoken.chunks, desc="chunks", unit="chunk", disable=not progress)):
+    for index, chunk in enumerate(spoken.chunks):
+        progress.start(f"{where}chunk {index + 1}/{len(spoken.chunks)}")
         request = chunk.with_history((*script.history, *long_text_history(takes)))
         inputs = processor(request)
         output = generate(
@@ -140,13 +185,15 @@ def _speak_chunks(model, processor: Drama3Processor, script, seed, relay, progre
             inputs["attention_mask"],
             speak_span=inputs["speak_span"],
             boundaries_left=inputs["boundaries_left"],
-            streamer=relay,
+            streamer=progress.streamer(regenerating),
             seed=None if seed is None else seed + index,
             max_new_tokens=max_new_tokens,
             return_dict_in_generate=True,
             **generate_kwargs,
         )
         codes = output.audio_codes[0, : int(output.lengths[0])]
+        if regenerating:
+            progress.advance(codes.shape[0])
         spoken.codes.append(codes)
         spoken.finish_reasons.append(output.finish_reasons[0])
         spoken.anomalies.append(output.anomalies[0])
@@ -155,8 +202,10 @@ def _speak_chunks(model, processor: Drama3Processor, script, seed, relay, progre
     return spoken
 
 
-def _long_form_output(model, codec, spoken: _SpokenChunks, relay, turns=None) -> LongFormOutput:
-    """Every take's codes in order, decoded in one pass; ends the stream."""
+def _long_form_output(model, codec, spoken: _SpokenChunks, progress: _FrameProgress, turns=None) -> LongFormOutput:
+    """Every take's codes in order, decoded in one pass; ends the stream and the bar."""
+    progress.close()
+    relay = progress.relay
     if relay is not None:
         relay.close()
     if spoken.codes:
@@ -213,7 +262,8 @@ def generate_long_form(
     The processor cuts the script into chunks (~300 UTF-8 bytes, at most 3 speakers each; spec
     §4). Chunk k is generated with the history of the first chunk's take and the previous
     chunk's take (`prompting.long_text_history`), after any history the script already has, so
-    the voice carries over. A tqdm bar counts the chunks.
+    the voice carries over. A tqdm bar (`progress`) counts the frames as they are made, with the
+    seconds of audio they hold and the chunk being spoken.
 
     Args:
         text: raw text (speaker tags allowed) or a `prompting.Script`.
@@ -241,9 +291,9 @@ def generate_long_form(
     if references is None:
         references = processor.references_from(reference_audio, reference_text, reference_speaker)
     script = _long_form_script(processor, text, references)
-    relay = _waveform_relay(streamer, processor.codec)
-    spoken = _speak_chunks(model, processor, script, seed, relay, progress, max_new_tokens, generate_kwargs)
-    return _long_form_output(model, processor.codec, spoken, relay)
+    bar = _FrameProgress(processor.frame_rate, _waveform_relay(streamer, processor.codec), progress)
+    spoken = _speak_chunks(model, processor, script, seed, bar, max_new_tokens, generate_kwargs)
+    return _long_form_output(model, processor.codec, spoken, bar)
 
 
 @torch.no_grad()
@@ -268,8 +318,8 @@ def generate_scene_turns(
     `prompting.speaker_turns`): each is spoken from that speaker's references alone, renumbered to
     speaker 0, as a long text of its own (it chunks when long; its chunks share history, turns do
     not). The turns' codes are concatenated in order and decoded once. Chunk k of the whole scene
-    draws with seed + k, so a one-speaker script gives `generate_long_form`'s joint take. A tqdm
-    bar counts the turns. Arguments as in `generate_long_form`; every speaker needs a reference.
+    draws with seed + k, so a one-speaker script gives `generate_long_form`'s joint take. The tqdm
+    bar counts frames, as in `generate_long_form`, and names the turn. Arguments as in `generate_long_form`; every speaker needs a reference.
 
     Returns:
         `LongFormOutput` whose `turns` say where each speaker turn starts and ends (frames), who
@@ -280,12 +330,13 @@ def generate_scene_turns(
     # speaker_turns names a speaker without a reference in this mode's words
     script = _long_form_script(processor, text, references, strict_speakers=False)
     requests = speaker_turns(script)
-    relay = _waveform_relay(streamer, processor.codec)
+    bar = _FrameProgress(processor.frame_rate, _waveform_relay(streamer, processor.codec), progress)
     spoken, turns = _SpokenChunks(), []
-    for speaker, request in tqdm(requests, desc="turns", unit="turn", disable=not progress):
+    for index, (speaker, request) in enumerate(requests):
         turn_seed = None if seed is None else seed + len(spoken.chunks)
-        part = _speak_chunks(model, processor, request, turn_seed, relay, False, max_new_tokens, generate_kwargs)
+        part = _speak_chunks(model, processor, request, turn_seed, bar, max_new_tokens, generate_kwargs,
+                             where=f"turn {index + 1}/{len(requests)}, ")
         start = spoken.frames
         spoken.extend(part)
         turns.append(SpeakerTurn(speaker, request, start, spoken.frames, part.finish_reasons, part.anomalies))
-    return _long_form_output(model, processor.codec, spoken, relay, turns)
+    return _long_form_output(model, processor.codec, spoken, bar, turns)
