@@ -106,3 +106,11 @@ def test_quiet_says_nothing_but_the_result(checkpoint, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "Loading weights" not in captured.err and "speaking" not in captured.err
     assert captured.out.startswith("wrote")
+
+
+def test_a_speaker_without_a_reference_is_named_in_the_commands_own_flags(tmp_path, capsys):
+    code = main(["say", "<|speaker:0|>Hello. <|speaker:1|>Hi there.", "-o", str(tmp_path / "x.wav"), "--voice", "A"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "speaker 1 has no reference" in error and "--voice" in error
+    assert "strict_speakers" not in error and "Reference(" not in error and "speaker=" not in error
+    assert not (tmp_path / "x.wav").exists()

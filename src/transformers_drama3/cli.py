@@ -23,6 +23,7 @@ from .configuration_drama3 import Drama3Config
 from .files import atomic_output, check_output_path, same_file
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
+from .prompting import parse_text
 from .tiny import shipped
 
 
@@ -52,6 +53,7 @@ class FileStreamer:
 def run_say(args) -> int:
     sampling = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
+    _check_every_speaker_has_a_reference(args, references, speakers)
     model, processor = load_model_and_processor(source, args.device, args.dtype, progress=not args.quiet)
     started = time.perf_counter()
     try:
@@ -191,6 +193,27 @@ def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int]
         cloned = "voices " + ", ".join(f"{voice} (speaker {speaker})" for speaker, voice in enumerate(names))
     print(f"drama3 say: cloning drama3-tiny's bundled {cloned} (pass --reference to clone another)", file=sys.stderr)
     return shipped.TINY_MODEL_PATH, references, transcripts, list(range(len(names)))
+
+
+def _check_every_speaker_has_a_reference(args, references, speakers) -> None:
+    """With references given, every speaker of the text needs one (in the command's own words:
+    generate's error names Python arguments)."""
+    if not references:
+        return
+    try:
+        used = sorted({line.speaker for line in parse_text(args.text, "text")})
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    cloned = set(speakers if speakers is not None else [0] * len(references))
+    missing = [speaker for speaker in used if speaker not in cloned]
+    if missing:
+        how = (f"--voice with one bundled voice per speaker (e.g. --voice {','.join('ABDF'[: max(used) + 1])})"
+               if args.model is None and not args.reference else
+               f"a --reference and --reference-text for it with --reference-speaker {missing[0]}")
+        raise CommandError(
+            f"text: speaker {missing[0]} has no reference (the references clone speaker(s) "
+            f"{', '.join(map(str, sorted(cloned)))}); give {how}"
+        )
 
 
 # ----------------------------------------------------------------------------- table, serve
