@@ -5,13 +5,14 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 
 TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
-SERVE = ["gradio>=5.0", "fastapi>=0.110", "uvicorn>=0.29"]
+# `drama3 serve`: the OpenAI-compatible HTTP server (transformers_drama3.serving).
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29"]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
 # Instruments of the drama3-tiny evaluation: an offline ASR and a speaker encoder that ship their
 # models (resemblyzer's webrtcvad still imports pkg_resources, gone from setuptools 81).
 EVAL = ["pocketsphinx>=5.1", "resemblyzer>=0.1.4", "setuptools<81"]
 # The server's tests drive a live server with the official OpenAI client.
-SERVER_TESTS = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "openai>=1.40"]
+SERVER_TESTS = [*SERVE, "httpx>=0.27", "openai>=1.40"]
 DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS]
 
 setup(

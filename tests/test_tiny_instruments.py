@@ -216,3 +216,20 @@ def test_espeak_renderings_follow_every_direction_by_the_evaluation_margins(voic
         assert direction_effect(name, more, less, SAMPLING_RATE) > DIRECTION_MARGINS[name], (voice, name)
         # and the opposite order does not pass
         assert not direction_effect(name, less, more, SAMPLING_RATE) > DIRECTION_MARGINS[name], (voice, name)
+
+
+def test_the_evaluation_table_marks_each_bar_and_never_prints_nan():
+    """A one-voice run cannot tell voices apart: those rows read n/a, not nan; each bar says met or not."""
+    from recipes.drama3_tiny.evaluation import TinyEvaluation
+
+    result = TinyEvaluation(outputs=3, voices=["A"], wer_originals=0.1, wer_resyntheses=0.2, wer_outputs=0.5,
+                              dtw_resyntheses=1.0, dtw_outputs=0.9, codec_similarity=0.85,
+                              similarity_to_reference_voice=0.9, stopped_by_itself=1.0, duration_ratio_median=1.0,
+                              duration_within_bounds=1.0, semantic_loss_right_text=0.7, semantic_loss_wrong_text=1.5)
+    table = result.table()
+    assert "nan" not in table
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    assert rows["WER model outputs"][-1].strip(" |") == "not met"      # 30 points above the resyntheses
+    assert rows["DTW identification, outputs"][-1].strip(" |") == "met"
+    assert rows["voice identification of outputs"][1] == "n/a (needs 2 or more voices)"
+    assert rows["voice identification of outputs"][-1].strip(" |") == "n/a"

@@ -80,35 +80,60 @@ class TinyEvaluation:
     per_output: list[dict] = field(default_factory=list)
 
     def table(self) -> str:
+        """Markdown: each measure, its value, its bar and whether the bar is met. A measure that
+        cannot be taken (e.g. telling voices apart with one voice) reads "n/a", never nan."""
         rows = [
-            ("outputs (held-out sentences x voices)", f"{self.outputs} ({', '.join(self.voices)})", ""),
-            ("WER espeak originals (pocketsphinx)", f"{self.wer_originals:.1%}", "reference point"),
-            ("WER codec resyntheses", f"{self.wer_resyntheses:.1%}", ""),
-            ("WER model outputs", f"{self.wer_outputs:.1%}", "within 15 points of resyntheses"),
-            ("DTW identification, resyntheses", f"{self.dtw_resyntheses:.1%}", ">= 95%"),
-            ("DTW identification, outputs", f"{self.dtw_outputs:.1%}", ">= 80% (chance 10%)"),
-            ("codec: similarity resynthesis-original", f"{self.codec_similarity:.3f}", ">= 0.80"),
-            ("output similarity to reference voice", f"{self.similarity_to_reference_voice:.3f}", ""),
-            ("output similarity to other voices", f"{self.similarity_to_other_voices:.3f}", ""),
-            ("voice identification of outputs", f"{self.voice_identification:.1%}", ">= 80%"),
-            ("takes that stop by themselves", f"{self.stopped_by_itself:.1%}", ">= 95%"),
-            ("duration ratio to espeak (median)", f"{self.duration_ratio_median:.2f}", ""),
-            ("durations within 0.6x-1.6x", f"{self.duration_within_bounds:.1%}", ""),
-            ("teacher-forced semantic loss, right text", f"{self.semantic_loss_right_text:.3f}", "lower than wrong text"),
-            ("teacher-forced semantic loss, another sentence's text", f"{self.semantic_loss_wrong_text:.3f}", ""),
+            ("outputs (held-out sentences x voices)", f"{self.outputs} ({', '.join(self.voices)})", "", None),
+            ("WER espeak originals (pocketsphinx)", _shown(self.wer_originals, "{:.1%}"), "reference point", None),
+            ("WER codec resyntheses", _shown(self.wer_resyntheses, "{:.1%}"), "", None),
+            ("WER model outputs", _shown(self.wer_outputs, "{:.1%}"), "within 15 points of resyntheses",
+             _bar(self.wer_outputs - self.wer_resyntheses, lambda gap: gap <= 0.15)),
+            ("DTW identification, resyntheses", _shown(self.dtw_resyntheses, "{:.1%}"), ">= 95%",
+             _bar(self.dtw_resyntheses, lambda v: v >= 0.95)),
+            ("DTW identification, outputs", _shown(self.dtw_outputs, "{:.1%}"), ">= 80% (chance 10%)",
+             _bar(self.dtw_outputs, lambda v: v >= 0.80)),
+            ("codec: similarity resynthesis-original", _shown(self.codec_similarity, "{:.3f}"), ">= 0.80",
+             _bar(self.codec_similarity, lambda v: v >= 0.80)),
+            ("output similarity to reference voice", _shown(self.similarity_to_reference_voice, "{:.3f}"), "", None),
+            ("output similarity to other voices", _shown(self.similarity_to_other_voices, "{:.3f}", ONE_VOICE), "", None),
+            ("voice identification of outputs", _shown(self.voice_identification, "{:.1%}", ONE_VOICE), ">= 80%",
+             _bar(self.voice_identification, lambda v: v >= 0.80)),
+            ("takes that stop by themselves", _shown(self.stopped_by_itself, "{:.1%}"), ">= 95%",
+             _bar(self.stopped_by_itself, lambda v: v >= 0.95)),
+            ("duration ratio to espeak (median)", _shown(self.duration_ratio_median, "{:.2f}"), "", None),
+            ("durations within 0.6x-1.6x", _shown(self.duration_within_bounds, "{:.1%}"), "", None),
+            ("teacher-forced semantic loss, right text", _shown(self.semantic_loss_right_text, "{:.3f}"),
+             "lower than wrong text", _bar(self.semantic_loss_wrong_text - self.semantic_loss_right_text, lambda gap: gap > 0)),
+            ("teacher-forced semantic loss, another sentence's text", _shown(self.semantic_loss_wrong_text, "{:.3f}"), "", None),
         ]
         for name, numbers in self.directions.items():
             unit = DIRECTION_UNITS[name]
             rows.append((
                 f"direction {name}: pairs that follow it (espeak / codec resynthesis)",
-                f"{numbers['followed']:.0%} of {numbers['pairs']} "
-                f"({numbers['espeak_followed']:.0%} / {numbers['codec_followed']:.0%})",
-                f"median effect {numbers['effect']:.2f} {unit} "
-                f"(espeak {numbers['espeak_effect']:.2f} / codec {numbers['codec_effect']:.2f})",
+                f"{_shown(numbers['followed'], '{:.0%}')} of {numbers['pairs']} "
+                f"({_shown(numbers['espeak_followed'], '{:.0%}')} / {_shown(numbers['codec_followed'], '{:.0%}')})",
+                f"median effect {_shown(numbers['effect'], '{:.2f}')} {unit} "
+                f"(espeak {_shown(numbers['espeak_effect'], '{:.2f}')} / codec {_shown(numbers['codec_effect'], '{:.2f}')})",
+                None,
             ))
-        lines = ["| measure | value | bar |", "|---|---|---|"]
-        lines += [f"| {name} | {value} | {bar} |" for name, value, bar in rows]
+        lines = ["| measure | value | bar | met |", "|---|---|---|---|"]
+        lines += [f"| {name} | {value} | {bar} | {'' if met is None else met} |" for name, value, bar, met in rows]
         return "\n".join(lines)
+
+
+ONE_VOICE = "n/a (needs 2 or more voices)"
+
+
+def _shown(value: float, style: str, missing: str = "n/a") -> str:
+    """`value` in `style`, or `missing` when it could not be measured (nan)."""
+    return missing if value is None or math.isnan(value) else style.format(value)
+
+
+def _bar(value: float, meets) -> str:
+    """"met" / "not met" for a measured value, "n/a" when it could not be measured."""
+    if value is None or math.isnan(value):
+        return "n/a"
+    return "met" if meets(value) else "not met"
 
 
 def render_heldout_corpus(out_dir: Path, voices: list[str], progress: bool = True) -> Path:
