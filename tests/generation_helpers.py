@@ -176,9 +176,11 @@ def tiny_speech_bundle(seed: int = 0):
     """(model, processor): a tiny model whose token ids match a tiny Drama 3 tokenizer (32 semantic
     tokens) and a tiny codec (4 codebooks), float32, random weights."""
     tokenizer = build_drama3_tokenizer(vocab_size=300, codebook_size=BUNDLE_CODEBOOK_SIZE)
-    torch.manual_seed(seed)
-    model = Drama3ForSpeechGeneration(tokenizer_config(tokenizer, BUNDLE_CODEBOOK_SIZE)).float().eval()
     codec = tiny_codec(seed, semantic_codebook_size=BUNDLE_CODEBOOK_SIZE)
+    torch.manual_seed(seed)
+    # the model counts the codec's frames: its config carries the codec's rate and frame size
+    config = tokenizer_config(tokenizer, BUNDLE_CODEBOOK_SIZE, sampling_rate=codec.sampling_rate, frame_size=codec.hop_length)
+    model = Drama3ForSpeechGeneration(config).float().eval()
     # the tiny codec makes ~1400 frames a second, so its references last milliseconds: no length check
     processor = Drama3Processor(tokenizer, codec=codec, codebook_size=BUNDLE_CODEBOOK_SIZE, min_reference_fraction=0.0)
     return model, processor

@@ -1,6 +1,8 @@
 """`import transformers_drama3` registers Drama 3 with transformers' Auto classes, from one function."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,12 +63,26 @@ AUTO_REGISTRATION = re.compile(r"\bAuto\w+\.register\(|register_checkpoint_conve
 
 
 def test_only_register_auto_classes_registers_with_the_auto_classes():
-    """One place to read what transformers learns about Drama 3 (the reward model, which lives with
-    the training code, registers itself on `import transformers_drama3.training`)."""
-    allowed = {"__init__.py", "integrations.py", "training/reward.py"}
+    """One place to read what transformers learns about Drama 3 (integrations.py holds the guarded
+    conversion-mapping call that register_auto_classes makes)."""
+    allowed = {"__init__.py", "integrations.py"}
     registering = {
         path.relative_to(PACKAGE).as_posix()
         for path in PACKAGE.rglob("*.py")
         if AUTO_REGISTRATION.search(path.read_text(encoding="utf-8"))
     }
     assert registering <= allowed, sorted(registering - allowed)
+
+
+def test_the_reward_model_is_registered_without_importing_the_training_code():
+    check = (
+        "import sys, transformers_drama3\n"
+        "from transformers import AutoConfig, AutoModelForSequenceClassification\n"
+        "from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING as mapping\n"
+        "from transformers_drama3 import Drama3Config, Drama3ForRewardModeling\n"
+        "assert mapping[Drama3Config] is Drama3ForRewardModeling\n"
+        "print('training imported' if 'transformers_drama3.training' in sys.modules else 'training not imported')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "training not imported" in result.stdout

@@ -148,3 +148,18 @@ def test_settings_precedence_preset_then_config_then_kwargs():
 def test_a_preset_keeps_the_frame_cap_of_the_model_generation_config():
     _, max_new_tokens, _ = resolve_settings(GenerationConfig(max_new_tokens=300, temperature=0.5), "paper-eval", None, {})
     assert max_new_tokens == 300
+
+
+def test_a_codec_at_another_frame_rate_is_refused_before_any_work():
+    from types import SimpleNamespace
+
+    from generation_helpers import prompt
+    from model_helpers import tiny_model
+
+    model = tiny_model()
+    input_ids, audio_codes = prompt(0)
+    other = SimpleNamespace(frame_rate=model.config.frame_rate / 2)
+    with pytest.raises(ValueError, match=r"codec: .* frames/s, but the model's config says"):
+        model.generate(input_ids[None], audio_codes[None], codec=other, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"codec: .* frames/s"):
+        next(model.stream(input_ids[None], audio_codes[None], codec=other, max_new_tokens=2))

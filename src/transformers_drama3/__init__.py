@@ -11,6 +11,7 @@ from transformers import (
     AutoConfig,
     AutoFeatureExtractor,
     AutoModel,
+    AutoModelForSequenceClassification,
     AutoModelForTextToWaveform,
     AutoProcessor,
 )
@@ -19,7 +20,7 @@ from . import integrations
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3MelCodecModel
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .feature_extraction_drama3 import Drama3FeatureExtractor
-from .modeling_drama3 import Drama3Cache, Drama3ForSpeechGeneration, Drama3Output
+from .modeling_drama3 import Drama3Cache, Drama3ForRewardModeling, Drama3ForSpeechGeneration, Drama3Output
 from .processing_drama3 import Drama3Processor
 
 __version__ = "0.1.0"
@@ -34,9 +35,8 @@ def register_auto_classes() -> None:
     codecs' "drama3_codec" and "drama3_mel_codec"), the speech model for `AutoModel` and
     `AutoModelForTextToWaveform` (the text-to-speech pipeline), the codecs for `AutoModel` (the
     processor loads its `codec/` folder through it), the feature extractor and the processor, and
-    the published per-expert tensor names of the backbone. The reward model registers itself with
-    `AutoModelForSequenceClassification` when `transformers_drama3.training` is imported (it lives
-    with the training code, which needs the training extras)."""
+    the reward model for `AutoModelForSequenceClassification` (one score per take), and the
+    published per-expert tensor names of the backbone."""
     for config_class in (Drama3Config, Drama3TextConfig, Drama3AudioDecoderConfig, *CODECS):
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
     for auto_class in (AutoModel, AutoModelForTextToWaveform):
@@ -45,6 +45,7 @@ def register_auto_classes() -> None:
         AutoModel.register(config_class, codec_class, exist_ok=True)
     AutoFeatureExtractor.register(Drama3Config, Drama3FeatureExtractor, exist_ok=True)
     AutoProcessor.register(Drama3Config, Drama3Processor, exist_ok=True)
+    AutoModelForSequenceClassification.register(Drama3Config, Drama3ForRewardModeling, exist_ok=True)
     integrations.use_per_expert_checkpoint_names(Drama3TextConfig.model_type)
 
 
@@ -59,6 +60,7 @@ __all__ = [
     "Drama3Cache",
     "Drama3Config",
     "Drama3FeatureExtractor",
+    "Drama3ForRewardModeling",
     "Drama3ForSpeechGeneration",
     "Drama3Output",
     "Drama3Processor",

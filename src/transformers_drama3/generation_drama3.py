@@ -1024,6 +1024,18 @@ def _set_up(
     return _Call(prompt, request, return_dict)
 
 
+def check_codec_matches(config, codec, location: str = "codec") -> None:
+    """The codec's frames are the ones the model counts: its frame rate must be the config's
+    (`sampling_rate / frame_size`), else budgets, durations and streaming windows are off."""
+    if codec is None:
+        return
+    if not math.isclose(float(codec.frame_rate), float(config.frame_rate), rel_tol=1e-6):
+        raise ValueError(
+            f"{location}: {float(codec.frame_rate):.4f} frames/s, but the model's config says {float(config.frame_rate):.4f} "
+            f"(sampling_rate {config.sampling_rate} / frame_size {config.frame_size}); use the codec the model was trained with"
+        )
+
+
 def _start(model, input_ids, audio_codes, attention_mask, request: _Request, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
     """The sampler of one decode run and its steps (not started until iterated)."""
     sampler = make_sampler(model, request, input_ids, attention_mask, seed)
@@ -1196,6 +1208,7 @@ def generate(
         raise ValueError(f"regenerate_on_anomaly={regenerate_on_anomaly!r}; expected 0 (off) or a positive number of attempts")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
+    check_codec_matches(model.config, codec)
     call = _set_up(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
@@ -1236,6 +1249,7 @@ def stream(
     its line boundaries in `chunk.line_boundaries`; together they are `generate`'s. Arguments as
     in `generate`.
     """
+    check_codec_matches(model.config, codec)
     call = _set_up(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,

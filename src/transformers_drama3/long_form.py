@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .generation_drama3 import WaveformStreamer, decode_audio, generate, put_chunk
+from .generation_drama3 import WaveformStreamer, check_codec_matches, decode_audio, generate, put_chunk
 from .processing_drama3 import Drama3Processor
 from .prompting import Script, Take, long_text_history, parse_text, speaker_turns
 
@@ -286,6 +286,7 @@ def generate_long_form(
         progress=progress,
         max_new_tokens=max_new_tokens,
     )
+    check_codec_matches(model.config, processor.codec, "processor.codec")
     if resolve_scene_mode(model, scene) == "turns":
         return generate_scene_turns(model, processor, text, **arguments, **generate_kwargs)
     if references is None:

@@ -23,7 +23,4 @@ from .reward import (
     PreferenceCollator,
     bradley_terry_loss,
     preference_accuracy,
-    register_reward_model,
 )
-
-register_reward_model()
