@@ -62,10 +62,10 @@ def line_prompt(seed: int, lines: int = 3, spoken: int = 0):
     return torch.tensor(head_ids + tail), torch.cat([head_codes, torch.tensor(tail_codes)])
 
 
-def line_model(seed: int = 0, scale: float = 3.0):
+def line_model(seed: int = 0, scale: float = 3.0, **config_overrides):
     """`tiny_model(seed)` whose lm_head row for SEPARATOR is `scale` times that of <|semantic:0|>:
     greedy decoding of `line_prompt(2)` then draws the separator after frames 2 and 7 (seed 0)."""
-    model = tiny_model(seed=seed)
+    model = tiny_model(seed=seed, **config_overrides)
     with torch.no_grad():
         weight = model.get_output_embeddings().weight
         weight[SEPARATOR] = scale * weight[SEMANTIC_START]

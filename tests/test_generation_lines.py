@@ -190,8 +190,9 @@ def test_a_plain_prompt_draws_the_same_with_or_without_line_by_line_neighbours(m
     assert torch.equal(plain, with_separator_id.audio_codes)
 
 
-def test_stream_equals_generate_with_line_boundaries(model):
+def test_stream_equals_generate_with_line_boundaries():
     codec = tiny_codec(seed=0, semantic_codebook_size=CODEBOOK_SIZE).double()
+    model = line_model(frame_size=codec.hop_length, sampling_rate=codec.sampling_rate)  # counts the codec's frames
     ids, codes = line_prompt(2)
     settings = dict(seed=6, max_new_tokens=30, temperature=1.5, top_p=1.0, audio_separator_token_id=SEPARATOR)
     offline = model.generate(ids[None], codes[None], codec=codec, return_dict_in_generate=True, **settings)

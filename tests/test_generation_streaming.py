@@ -9,8 +9,9 @@ from transformers_drama3.generation_drama3 import AudioChunk, default_stream_win
 
 
 @pytest.fixture(scope="module")
-def model(random_tiny_model):
-    return random_tiny_model
+def model(codec64):
+    # `random_tiny_model`'s weights, counting the tiny codec's frames (its rate and frame size)
+    return tiny_model(seed=0, sampling_rate=codec64.sampling_rate, frame_size=codec64.hop_length)
 
 
 @pytest.fixture(scope="module")
