@@ -285,6 +285,13 @@ def _checked_common(request) -> None:
     )
 
 
+def _set_text_and_lines(request) -> None:
+    """A request's `text` (the raw text as given, when `lines` is a str) and its line view."""
+    if isinstance(request.lines, str):
+        object.__setattr__(request, "text", turn_source(request.lines, "lines"))
+    object.__setattr__(request, "lines", as_lines(request.lines, "lines"))
+
+
 def as_reference(reference: Any, location: str) -> Reference:
     if not isinstance(reference, Reference):
         raise ValueError(f"{location}: expected a Reference; got {type(reference).__name__}")
@@ -325,10 +332,8 @@ class Script:
 
     def __post_init__(self):
         _checked_common(self)
+        _set_text_and_lines(self)
         set_ = object.__setattr__
-        if isinstance(self.lines, str):
-            set_(self, "text", turn_source(self.lines, "lines"))
-        set_(self, "lines", as_lines(self.lines, "lines"))
         set_(self, "history", tuple(as_take(take, f"history[{index}]") for index, take in enumerate(self.history)))
         set_(self, "instruction", _check_annotation(self.instruction, "instruction", "[]"))
         if self.target is not None:
@@ -527,10 +532,8 @@ class Infill:
 
     def __post_init__(self):
         _checked_common(self)
+        _set_text_and_lines(self)
         set_ = object.__setattr__
-        if isinstance(self.lines, str):
-            set_(self, "text", turn_source(self.lines, "lines"))
-        set_(self, "lines", as_lines(self.lines, "lines"))
         if self.unit not in ("seconds", "frames"):
             raise ValueError(f"unit: must be 'seconds' or 'frames'; got {self.unit!r}")
         by_window = self.source is not None
