@@ -5,6 +5,7 @@
                                  [--preset serving|paper-eval] ...
     drama3 table [--config config.json]
     drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
+    drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
@@ -102,7 +103,20 @@ def add_serve(subparsers) -> None:
     parser.add_argument("--device", default="auto")
 
 
-SUBCOMMANDS = [add_say, add_table, add_serve]
+def add_demo(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="open the Gradio demo: direct a scene, hear it stream, revise the take")
+    parser.add_argument(
+        "--model", default=None,
+        help="checkpoint folder or Hub repo (default: $DRAMA3_MODEL, else the bundled drama3-tiny)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
+    parser.add_argument("--max-batch", type=int, default=4, help="takes decoded together (more wait in the queue)")
+    parser.add_argument("--device", default="auto")
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve, add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -260,7 +260,19 @@ def run_serve(args) -> int:
     return 0
 
 
-HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve}
+def run_demo(args) -> int:
+    for name, value in (("--max-batch", args.max_batch), ("--port", args.port)):
+        if value < 1:
+            raise CommandError(f"{name} {value}: expected a positive number")
+    try:  # gradio comes with the optional [demo] extra: import it only here
+        from .serving.demo import launch
+    except ImportError as error:
+        raise CommandError(f"the demo needs the [demo] extra ({error}); pip install 'transformers-drama3[demo]'") from None
+    launch(args.model, args.host, args.port, args.share, args.device, args.max_batch)
+    return 0
+
+
+HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo}
 """Each subcommand's work, given the arguments `drama3_cli` parsed; returns the exit code."""
 
 

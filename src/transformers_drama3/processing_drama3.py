@@ -347,13 +347,19 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         def codes_of(clip: Clip, location: str, is_reference: bool = False) -> torch.Tensor:
             codes = self.codes_of(clip, location, is_reference)
             if is_reference and id(clip) in transcripts:
-                seconds = codes.shape[1] / self.frame_rate
-                problem = speech_shortfall(seconds, transcripts[id(clip)], self.min_reference_fraction)
-                if problem is not None:
-                    raise ValueError(f"{location}: {problem}; give the whole recording of its transcript")
+                self.check_reference_covers(codes, transcripts[id(clip)], location)
             return codes
 
         return codes_of
+
+    def check_reference_covers(self, codes: torch.Tensor, transcript: str, location: str) -> None:
+        """Refuse reference codes [num_codebooks, frames] far too short to be a recording of
+        `transcript` (under `min_reference_fraction` of its expected duration; 0 turns this off)."""
+        if self.min_reference_fraction <= 0:
+            return
+        problem = speech_shortfall(codes.shape[1] / self.frame_rate, transcript, self.min_reference_fraction)
+        if problem is not None:
+            raise ValueError(f"{location}: {problem}; give the whole recording of its transcript")
 
     def __call__(
         self,

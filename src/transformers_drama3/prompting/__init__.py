@@ -101,8 +101,10 @@ from .script import (  # noqa: F401
     check_free_text,
     long_text_history,
     parse_text,
+    revision,
     speaker_turns,
     turn_parts,
+    turn_text,
     turn_source,
 )
 from .parsing import (  # noqa: F401

@@ -251,13 +251,18 @@ class Take:
         return turn_parts(self.text, self.lines)
 
 
-def turn_parts(text: str | None, lines: Sequence[Line], instruction: str | None = None) -> list[str | Special]:
-    """A user turn: raw text as given (tagged `<|speaker:0|> ` when no tag leads it), or structured
-    lines by the convention; an instruction goes after the first speaker tag."""
+def turn_text(text: str | None, lines: Sequence[Line], instruction: str | None = None) -> str:
+    """A user turn as raw text: raw text as given (tagged `<|speaker:0|> ` when no tag leads it), or
+    structured lines by the convention; an instruction goes after the first speaker tag."""
     turn = with_speaker_tag(text) if text is not None else render_lines(lines)
     if instruction:
         turn = with_instruction(turn, instruction)
-    return text_parts(turn)
+    return turn
+
+
+def turn_parts(text: str | None, lines: Sequence[Line], instruction: str | None = None) -> list[str | Special]:
+    """A user turn (`turn_text`) as layout parts, each speaker tag its special token."""
+    return text_parts(turn_text(text, lines, instruction))
 
 
 def _check_reference_speakers(
@@ -391,6 +396,17 @@ class Script:
         return type(self)(
             self.source(), self.references, tuple(history), self.instruction, self.target, self.strict_speakers
         )
+
+
+def revision(script: Script, take_audio: AudioLike, instruction: str) -> Script:
+    """The request that revises a take of `script` (multi-turn revision): the script's history,
+    then the take (its user turn as it was asked, instruction included, and `take_audio`) kept in
+    context, then the same lines again with the relative `instruction` ("slower, more tired").
+    Revising the result revises the newest take, with every earlier one still in context."""
+    asked = Take(turn_text(script.text, script.lines, script.instruction), take_audio)
+    return Script(
+        script.source(), script.references, (*script.history, asked), instruction, strict_speakers=script.strict_speakers
+    )
 
 
 def long_text_history(takes: Sequence[Take]) -> tuple[Take, ...]:

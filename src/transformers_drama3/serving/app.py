@@ -68,8 +68,13 @@ class SpeechService:
 
     @classmethod
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
-             max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True):
-        """Load a model (default: the bundled drama3-tiny, with its voices A, B, D, F registered)."""
+             max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
+             start_engine: bool = True):
+        """Load a model (default: the bundled drama3-tiny, with its voices A, B, D, F registered).
+
+        `start_engine=False` leaves the engine without its scheduler thread, for a caller that
+        steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
+        that asked for it)."""
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
         model, processor = load_model_and_processor(source, device, "auto")
@@ -84,7 +89,8 @@ class SpeechService:
         metrics.prefix_cache = cache
         engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
                               on_finish=lambda handle, outcome: metrics.count(outcome))
-        engine.start()
+        if start_engine:
+            engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
         default_voice = shipped.DEFAULT_VOICE if bundled else None
         return cls(model, processor, voices, name, engine, metrics, default_voice)
@@ -107,9 +113,9 @@ class SpeechService:
                 references += [Reference(r.transcript, r.audio, speaker) for r in self.voices.references(voice_id)]
                 continue
             try:
-                references += self.voices._encode([item])
+                references.append(self.voices.encode(item, f"references[{index}]"))
             except ValueError as error:
-                raise ApiError(400, f"references[{index}]: {error}", f"references[{index}].audio") from None
+                raise ApiError(400, str(error), f"references[{index}].audio") from None
         return references
 
     def job(self, params: SpeechParams, timeout: float) -> SpeechJob:
@@ -120,19 +126,26 @@ class SpeechService:
             if params.instructions:
                 lines = tuple(line if line.note else dataclasses.replace(line, note=params.instructions) for line in lines)
                 lines = tuple(line.checked("instructions") for line in lines)
-            rows = self.processor(Script(lines=lines, references=tuple(references)))
+            script = Script(lines=lines, references=tuple(references))
+            rows = self.processor(script)
         except ValueError as error:
             param = "instructions" if "instructions" in str(error) else "input"
             raise ApiError(400, str(error), param) from None
+        prefix = (params.voice or self.default_voice) if not params.references else None
+        return self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
+
+    def job_of_rows(self, rows, timeout: float | None, sampling: dict, seed: int | None = None,
+                    max_new_tokens: int | None = None, preset: str | None = None, prefix=None) -> SpeechJob:
+        """The engine job of one request's prompt rows (the processor's output for a `Script`):
+        sampling as the model's generation config says, then `preset`, then `sampling`
+        (temperature, top_p, top_k); `prefix` keys the voice-prefix cache (any hashable, or None)."""
         settings, max_new_tokens, _ = resolve_settings(
-            getattr(self.model, "generation_config", None), None, None,
-            {**params.sampling, "max_new_tokens": params.max_new_tokens},
+            getattr(self.model, "generation_config", None), preset, None, {**sampling, "max_new_tokens": max_new_tokens},
         )
         device = self.model.device
         return SpeechJob(
             rows["input_ids"].to(device), rows["audio_codes"].to(device), settings,
-            seed=params.seed, max_new_tokens=max_new_tokens, timeout=timeout,
-            prefix=(params.voice or self.default_voice) if not params.references else None,
+            seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
         )
 
     def waveform(self, codes: torch.Tensor) -> np.ndarray:
@@ -317,13 +330,11 @@ async def _stream(service, handle, request, params: SpeechParams):
                 chunks = await asyncio.to_thread(streamer.push, list(event.frames))
             else:
                 chunks = await asyncio.to_thread(streamer.finish)
-            for chunk in chunks:
-                audio = chunk.audio.detach().cpu().float().numpy()
-                if audio.size:
-                    if first is None:
-                        first = time.perf_counter() - handle.submitted
-                    samples += audio.size
-                    yield wrap(pcm16(audio))
+            for audio in chunk_samples(chunks):
+                if first is None:
+                    first = time.perf_counter() - handle.submitted
+                samples += audio.size
+                yield wrap(pcm16(audio))
             if isinstance(event, DoneEvent):
                 if first is not None:
                     _observe(service, handle, first, samples)
@@ -334,6 +345,24 @@ async def _stream(service, handle, request, params: SpeechParams):
                 return
     finally:
         handle.cancel()  # a no-op once the request has ended; frees the slot when the client left
+
+
+def chunk_samples(chunks) -> list[np.ndarray]:
+    """The waveforms [samples] of streamed `AudioChunk`s as float32 arrays, empty ones left out."""
+    samples = (chunk.audio.detach().cpu().float().numpy() for chunk in chunks)
+    return [audio for audio in samples if audio.size]
+
+
+def driven_events(engine: Drama3Engine, handle):
+    """A request's events (as `handle.events()`), the caller stepping an engine that has no
+    scheduler thread until the request ends."""
+    while True:
+        while handle.queue.empty():
+            engine.step()
+        event = handle.queue.get()
+        yield event
+        if not isinstance(event, FramesEvent):
+            return
 
 
 def serve_in_background(source, voices_dir, **load_kwargs):

@@ -146,15 +146,17 @@ class VoiceStore:
         return json.loads((self.root / voice_id / "voice.json").read_text(encoding="utf-8"))
 
     def _encode(self, references: list[VoiceReference]) -> tuple[Reference, ...]:
-        """References with codes [num_codebooks, frames] in place of their waveforms."""
-        encoded = []
-        for index, reference in enumerate(references):
-            location = f"references[{index}]"
-            checked = Reference(reference.transcript, reference.waveform, reference.speaker, reference.sampling_rate)
-            checked = checked.checked(location)
-            codes = self.processor.codes_of(checked.audio, f"{location}.audio", is_reference=True)
-            encoded.append(Reference(checked.transcript, codes, checked.speaker))
-        return tuple(encoded)
+        return tuple(self.encode(reference, f"references[{index}]") for index, reference in enumerate(references))
+
+    def encode(self, reference: VoiceReference, location: str) -> Reference:
+        """A checked reference with codes [num_codebooks, frames] in place of its waveform; a
+        ValueError naming `location` for a bad transcript, or audio that is unreadable, silent, too
+        long, or far too short for its transcript."""
+        checked = Reference(reference.transcript, reference.waveform, reference.speaker, reference.sampling_rate)
+        checked = checked.checked(location)
+        codes = self.processor.codes_of(checked.audio, f"{location}.audio", is_reference=True)
+        self.processor.check_reference_covers(codes, checked.transcript, f"{location}.audio")
+        return Reference(checked.transcript, codes, checked.speaker)
 
 
 def register_bundled_voices(store: VoiceStore) -> None:

@@ -1,0 +1,500 @@
+"""The Gradio demo: direct a scene, hear it stream, then revise the take with a director's note.
+
+    demo = build_demo(load_backend())         # drama3-tiny and its voices A, B, D, F, offline
+    demo.queue().launch()                     # or `drama3 demo`; the Space's app.py does the same
+
+The demo speaks through the server's path, not a second one: a `SpeechService` (the processor
+turns each request into prompt rows, the engine decodes them with continuous batching) and the
+codec's streaming decoder, window by window, as `/v1/audio/speech` streams. A model trained on
+single-speaker cloning (drama3-tiny: `scene_mode` "turns") speaks a scene one speaker turn at a
+time, one engine job per turn (`prompting.speaker_turns`); a model that speaks scenes jointly gets
+one job for the whole script.
+
+Revising a take is the paper's multi-turn revision: each request of the last take is asked again
+with that take (its text and its codes) kept in context and the director's note as a relative
+instruction (`prompting.revision`).
+
+On a ZeroGPU Space the GPU exists only inside a call wrapped with `spaces.GPU`, so there the
+engine has no scheduler thread and the wrapped call steps it (`driven_events`); elsewhere the
+engine's own thread runs every request and concurrent users share its batch.
+
+The page is a list of tabs (`TABS`): a new mode is one more `(title, build)` pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+import torch
+
+from ..files import atomic_output
+from ..generation_drama3 import WaveformStreamer
+from ..loading import resolve_device
+from ..long_form import resolve_scene_mode
+from ..prompting import Reference, Script, parse_text, revision, speaker_turns
+from .app import SpeechService, chunk_samples, driven_events
+from .audio_formats import encode, int16_samples
+from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
+from .protocol import Limits
+from .voices import VoiceReference
+
+MODEL_VARIABLE = "DRAMA3_MODEL"
+"""The environment variable that names the model to demo (a folder or a Hub repo); unset: drama3-tiny."""
+
+SPEAKERS = 4
+"""Speakers the voice panel offers (0 to SPEAKERS - 1)."""
+
+OWN_CLIP = "my clip"
+"""The voice choice that clones a speaker from the clip (upload or microphone) given beside it."""
+
+PRESETS = {"model default": None, "serving": "serving", "paper evaluation": "paper-eval"}
+"""Sampling presets: the model's generation config, or `generate()`'s presets."""
+
+INSERTS = (
+    ("speaker 0", "<|speaker:0|> "), ("speaker 1", "<|speaker:1|> "), ("[pause]", "[pause] "),
+    ("[laughs]", "[laughs] "), ("[sighs]", "[sighs] "), ("<whisper>", "<whisper>quietly</whisper> "),
+    ("<emphasis>", "<emphasis>this</emphasis> "),
+)
+"""The chips above the script: (label, text appended to the script)."""
+
+EXAMPLES = (
+    ("<|speaker:0|> Did you hear that? [pause] Something moved downstairs.\n"
+     "<|speaker:1|> It is only the wind. Go back to sleep.", "hushed, late at night", "A", "D"),
+    ("<|speaker:0|> Good morning to you. [laughs] What a lovely day it is.", "", "B", "D"),
+    ("<|speaker:0|> We have to leave now.\n<|speaker:1|> Not without the others.\n"
+     "<|speaker:0|> Then hurry.", "urgent", "F", "A"),
+)
+"""Ready scripts: (script, director's note, voice of speaker 0, voice of speaker 1)."""
+
+GPU_SECONDS = 120
+"""The GPU time a ZeroGPU Space grants one take."""
+
+LICENCE_NOTICE = (
+    "Built with Fish Audio. The published Drama 3 weights and the S2 codec are licensed under the "
+    "Fish Audio Research License (research and non-commercial use). drama3-tiny, the small default "
+    "model, is trained by transformers-drama3 on espeak-ng speech and is a demonstration, not a voice."
+)
+
+
+# ---- the backend --------------------------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """What the app speaks with: the service, how a request's events are read, and how many
+    requests the page lets run at once (the engine decodes them in one batch)."""
+
+    service: SpeechService
+    events: Callable = field(default=lambda handle: handle.events())
+    concurrency: int = 4
+    timeout: float = 600.0
+
+
+def on_zero_gpu() -> bool:
+    """Whether this runs where Hugging Face's `spaces` package is importable (a Space)."""
+    try:
+        import spaces  # noqa: F401  (only on a Hugging Face Space)
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_call(function: Callable) -> Callable:
+    """`function` wrapped with `spaces.GPU` on a Space (ZeroGPU lends the GPU for the call);
+    unchanged elsewhere."""
+    try:
+        import spaces
+    except ImportError:
+        return function
+    return spaces.GPU(duration=GPU_SECONDS)(function)
+
+
+def load_backend(model: str | None = None, device: str = "auto", max_batch: int = 4) -> Backend:
+    """Load the model once: `model`, else `$DRAMA3_MODEL`, else the bundled drama3-tiny.
+
+    Voices given in the page are kept in memory and in a temporary folder, never shared."""
+    source = model or os.environ.get(MODEL_VARIABLE) or None
+    voices_dir = tempfile.mkdtemp(prefix="drama3-demo-voices-")
+    driven = on_zero_gpu()
+    service = SpeechService.load(source, voices_dir, device=resolve_device(device), max_batch=max_batch,
+                                 start_engine=not driven)
+    if driven:  # one caller steps the engine at a time
+        return Backend(service, events=lambda handle: driven_events(service.engine, handle), concurrency=1)
+    return Backend(service, concurrency=max_batch)
+
+
+# ---- what the page asks for ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VoiceChoice:
+    """One speaker's voice in the panel: a bundled voice id or `OWN_CLIP` (then the clip, as
+    gradio gives it, (rate, samples [samples] or [samples, channels]), and its transcript)."""
+
+    speaker: int
+    voice: str | None
+    clip: tuple | None = None
+    transcript: str = ""
+
+    @property
+    def field(self) -> str:
+        return f"Speaker {self.speaker}"
+
+
+@dataclass(frozen=True)
+class TakeSettings:
+    """Sampling of a take: preset name (None: the model's config), overrides, seed, frame cap."""
+
+    preset: str | None
+    sampling: dict
+    seed: int
+    max_new_tokens: int | None
+
+
+@dataclass(frozen=True)
+class SpokenRequest:
+    """One engine request of a take: the script's speaker (None when the scene is spoken jointly),
+    the request, and its codes [frames, num_codebooks] and finish reason once spoken."""
+
+    speaker: int | None
+    request: Script
+    prefix: object = None
+    codes: torch.Tensor | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SceneTake:
+    """A take of the whole script: its requests in order, and its number (1, then one more per revision)."""
+
+    requests: tuple[SpokenRequest, ...]
+    number: int = 1
+
+    def revised(self, note: str) -> list[SpokenRequest]:
+        """The requests that revise this take: each asked again with its take in context."""
+        return [
+            SpokenRequest(spoken.speaker, revision(spoken.request, spoken.codes.T, note), spoken.prefix)
+            for spoken in self.requests
+        ]
+
+
+@dataclass
+class TakeUpdate:
+    """What a take streams to the page: a waveform chunk [samples] as it is made, the progress
+    (frames so far, the request being spoken), and at the end the take and its file."""
+
+    audio: np.ndarray | None = None
+    frames: int = 0
+    request: int = 0
+    take: SceneTake | None = None
+    path: str | None = None
+    report: str = ""
+
+
+def bad_input(message: str) -> gr.Error:
+    """An error the page shows as a message naming the field (never a stack trace)."""
+    return gr.Error(message, print_exception=False)
+
+
+def clip_samples(clip: tuple, field_name: str) -> tuple[np.ndarray, int]:
+    """gradio's (rate, samples) of an upload or a recording -> mono float32 samples in [-1, 1], rate."""
+    rate, samples = clip
+    samples = np.asarray(samples)
+    if samples.ndim == 2:
+        samples = samples.mean(axis=1)
+    if np.issubdtype(samples.dtype, np.integer):
+        samples = samples.astype(np.float32) / float(np.iinfo(samples.dtype).max)
+    if samples.size == 0:
+        raise bad_input(f"{field_name} clip: the recording is empty")
+    return samples.astype(np.float32), int(rate)
+
+
+class Director:
+    """Turns the page's fields into engine requests and speaks them (no gradio widgets here:
+    the handlers below and the tests call it)."""
+
+    def __init__(self, backend: Backend, limits: Limits | None = None):
+        self.backend, self.service = backend, backend.service
+        self.limits = limits or Limits()
+        self.takes_dir = Path(tempfile.mkdtemp(prefix="drama3-demo-takes-"))
+
+    @property
+    def voice_names(self) -> list[str]:
+        return self.service.voices.ids()
+
+    # ---- checks and requests (every problem raises a gr.Error naming its field) -------------------
+
+    def script(self, text: str, note: str, voices: list[VoiceChoice]) -> Script:
+        """The checked script with every speaker's references; `note` goes before each line."""
+        if not text or not text.strip():
+            raise bad_input("Script: nothing to say; type a line, e.g. <|speaker:0|> Hello there.")
+        if len(text) > self.limits.max_input_chars:
+            raise bad_input(f"Script: {len(text)} characters; at most {self.limits.max_input_chars}")
+        try:
+            lines = parse_text(text, "Script")
+        except ValueError as error:
+            raise bad_input(str(error)) from None
+        speakers = sorted({line.speaker for line in lines})
+        if speakers[-1] >= len(voices):
+            raise bad_input(f"Script: speaker {speakers[-1]} has no voice; the demo voices speakers 0-{len(voices) - 1}")
+        references = [reference for speaker in speakers for reference in self.references(voices[speaker])]
+        if note and note.strip():
+            try:
+                lines = tuple(dataclasses.replace(line, note=note.strip()).checked("Director's note") for line in lines)
+            except ValueError as error:
+                raise bad_input(str(error)) from None
+            text = None
+        try:
+            return Script(text if text is not None else lines, tuple(references))
+        except ValueError as error:
+            raise bad_input(f"Script: {error}") from None
+
+    def references(self, choice: VoiceChoice) -> tuple[Reference, ...]:
+        """A speaker's references, renumbered to its speaker: a bundled voice's, or its own clip's."""
+        if choice.voice is None or choice.voice == "":
+            raise bad_input(f"{choice.field} voice: the script gives this speaker lines; choose a voice or {OWN_CLIP!r}")
+        if choice.voice != OWN_CLIP:
+            if choice.voice not in self.service.voices:
+                raise bad_input(f"{choice.field} voice: no voice {choice.voice!r}; choose one of {self.voice_names}")
+            return tuple(reference.renumbered(choice.speaker) for reference in self.service.voices.references(choice.voice))
+        if choice.clip is None:
+            raise bad_input(f"{choice.field} clip: upload or record a clip of this voice")
+        if not choice.transcript or not choice.transcript.strip():
+            raise bad_input(f"{choice.field} transcript: write what the clip says")
+        samples, rate = clip_samples(choice.clip, choice.field)
+        try:
+            reference = self.service.voices.encode(
+                VoiceReference(samples, rate, choice.transcript.strip(), choice.speaker), f"{choice.field} clip"
+            )
+        except ValueError as error:
+            raise bad_input(str(error)) from None
+        return (reference,)
+
+    def scene_requests(self, script: Script, voices: list[VoiceChoice]) -> list[SpokenRequest]:
+        """The engine requests of a script: one per speaker turn for a model that speaks scenes
+        turn by turn (its generation config's `scene_mode`), else one."""
+        keys = {choice.speaker: choice.voice for choice in voices if choice.voice not in (None, "", OWN_CLIP)}
+        if resolve_scene_mode(self.service.model, None) == "joint":
+            speakers = sorted({line.speaker for line in script.lines})
+            prefix = tuple(keys.get(speaker) for speaker in speakers)
+            return [SpokenRequest(None, script, None if None in prefix else prefix)]
+        try:
+            turns = speaker_turns(script)
+        except ValueError as error:
+            raise bad_input(f"Script: {error}") from None
+        return [SpokenRequest(speaker, request, keys.get(speaker)) for speaker, request in turns]
+
+    def revision_requests(self, take: SceneTake | None, note: str) -> list[SpokenRequest]:
+        if take is None:
+            raise bad_input("Revision note: there is no take to revise yet; generate one first")
+        if not note or not note.strip():
+            raise bad_input("Revision note: say what to change, e.g. slower, more tired")
+        try:
+            return take.revised(note.strip())
+        except ValueError as error:
+            raise bad_input(f"Revision note: {error}") from None
+
+    def settings(self, preset: str, seed, temperature, top_p, top_k, max_frames) -> TakeSettings:
+        """Sampling of a take; 0 (or empty) leaves a value to the preset. No seed: a random one,
+        shown with the take so it can be drawn again."""
+        if preset not in PRESETS:
+            raise bad_input(f"Preset: {preset!r}; choose one of {list(PRESETS)}")
+        numbers = {"Seed": seed, "Temperature": temperature, "Top-p": top_p, "Top-k": top_k, "Max frames": max_frames}
+        for name, value in numbers.items():
+            if value is not None and (not np.isfinite(value) or value < 0):
+                raise bad_input(f"{name}: {value!r}; expected a number of 0 or more")
+        if top_p is not None and top_p > 1:
+            raise bad_input(f"Top-p: {top_p!r}; expected a value in (0, 1]")
+        if max_frames is not None and max_frames > self.limits.max_new_tokens:
+            raise bad_input(f"Max frames: {max_frames!r}; at most {self.limits.max_new_tokens}")
+        sampling = {"temperature": temperature or None, "top_p": top_p or None, "top_k": int(top_k) if top_k else None}
+        seed = int(seed) if seed is not None and seed != "" else secrets.randbelow(2**31)
+        return TakeSettings(PRESETS[preset], sampling, seed, int(max_frames) if max_frames else None)
+
+    # ---- speaking --------------------------------------------------------------------------------
+
+    def speak(self, requests: list[SpokenRequest], settings: TakeSettings, number: int) -> Iterator[TakeUpdate]:
+        """Speak the requests in order, one engine job each (request k draws with seed + k), one
+        waveform stream across them; the last update carries the take, its WAV file and a report."""
+        service = self.service
+        streamer = WaveformStreamer(service.processor.codec, time.perf_counter())
+        started, first_audio, heard = time.perf_counter(), None, []
+        spoken, frames = [], 0
+        for index, item in enumerate(requests):
+            job = self.job(item, settings, settings.seed + index)
+            handle = self.submit(job)
+            try:
+                for event in self.backend.events(handle):
+                    if isinstance(event, ErrorEvent):
+                        raise gr.Error(f"The take failed ({event.kind}): {event.message}")
+                    if isinstance(event, FramesEvent):
+                        frames += event.frames.shape[0]
+                        chunks = streamer.push(list(event.frames))
+                    else:
+                        spoken.append(dataclasses.replace(item, codes=event.codes, finish_reason=event.finish_reason))
+                        chunks = streamer.finish() if index == len(requests) - 1 else []
+                    for audio in chunk_samples(chunks):
+                        first_audio = first_audio if first_audio is not None else time.perf_counter() - started
+                        heard.append(audio)
+                        yield TakeUpdate(audio=audio, frames=frames, request=index)
+                    if not chunks:
+                        yield TakeUpdate(frames=frames, request=index)
+            finally:
+                handle.cancel()  # a no-op once the request has ended; frees the slot when the page left
+        waveform = np.concatenate(heard) if heard else np.zeros(0, dtype=np.float32)
+        take = SceneTake(tuple(spoken), number)
+        report = self.report(take, waveform, settings, first_audio, time.perf_counter() - started)
+        yield TakeUpdate(frames=frames, request=len(requests) - 1, take=take, path=self.save(waveform, number), report=report)
+
+    def job(self, item: SpokenRequest, settings: TakeSettings, seed: int):
+        try:
+            rows = self.service.processor(item.request)
+        except ValueError as error:
+            raise bad_input(f"Script: {error}") from None
+        return self.service.job_of_rows(rows, self.backend.timeout, settings.sampling, seed, settings.max_new_tokens,
+                                        preset=settings.preset, prefix=item.prefix)
+
+    def submit(self, job):
+        try:
+            return self.service.engine.submit(job)
+        except QueueFull:
+            raise gr.Error("Too many takes are waiting; try again in a moment") from None
+        except EngineStopped as error:
+            raise gr.Error(f"The model is not running: {error}") from None
+
+    def save(self, waveform: np.ndarray, number: int) -> str:
+        """The take as a 16-bit WAV file (written whole, then renamed into place)."""
+        path = self.takes_dir / f"take-{number}-{secrets.token_hex(4)}.wav"
+        with atomic_output(path) as temporary:
+            Path(temporary).write_bytes(encode(waveform, self.service.processor.sampling_rate, "wav"))
+        return str(path)
+
+    def report(self, take: SceneTake, waveform: np.ndarray, settings: TakeSettings, first_audio, elapsed: float) -> str:
+        """Take number, length, time to first audio, real-time factor, seed and how each request ended."""
+        seconds = waveform.size / self.service.processor.sampling_rate
+        factor = f"{elapsed / seconds:.2f}" if seconds else "n/a"
+        first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
+        ends = ", ".join(spoken.finish_reason for spoken in take.requests)
+        return (f"**Take {take.number}**: {seconds:.2f} s of audio · time to first audio {first} · "
+                f"real-time factor {factor} · seed {settings.seed} · ended: {ends}")
+
+
+# ---- the page -----------------------------------------------------------------------------------
+
+
+def _voice_choices(values: list) -> list[VoiceChoice]:
+    """The panel's fields, (voice, clip, transcript) per speaker, flattened as gradio passes them."""
+    return [VoiceChoice(speaker, *values[3 * speaker : 3 * speaker + 3]) for speaker in range(len(values) // 3)]
+
+
+def _page_updates(director: Director, updates: Iterator[TakeUpdate], progress) -> Iterator[tuple]:
+    """(streamed chunk, final take file, report, take state) for gradio, from a take's updates."""
+    rate = director.service.processor.sampling_rate
+    for update in updates:
+        seconds = update.frames / director.service.processor.frame_rate
+        progress(None, desc=f"request {update.request + 1}: {update.frames} frames, {seconds:.1f} s of audio")
+        if update.take is not None:
+            yield gr.skip(), update.path, update.report, update.take
+        elif update.audio is not None:
+            yield (rate, int16_samples(update.audio)), gr.skip(), gr.skip(), gr.skip()
+
+
+def build_scene_tab(director: Director) -> None:
+    """The "Direct a scene" tab: script, chips, voices, sampling, the streamed take and its revision."""
+    voices = [OWN_CLIP, *director.voice_names]
+    with gr.Row():
+        with gr.Column(scale=3):
+            script = gr.Textbox(label="Script", lines=6, elem_id="script",
+                                placeholder="<|speaker:0|> Did you hear that?\n<|speaker:1|> [whispers] <whisper>It's only the cat.</whisper>")
+            with gr.Row():
+                chips = [(gr.Button(label, size="sm", min_width=60), text) for label, text in INSERTS]
+            note = gr.Textbox(label="Director's note", elem_id="note", placeholder="tense, hushed (written before every line)")
+            voice_fields = []
+            with gr.Accordion("Voices", open=True):
+                for speaker in range(SPEAKERS):
+                    default = director.voice_names[speaker % len(director.voice_names)] if director.voice_names else OWN_CLIP
+                    with gr.Row():
+                        voice = gr.Dropdown(voices, value=default, label=f"Speaker {speaker} voice", elem_id=f"voice-{speaker}", scale=1)
+                        clip = gr.Audio(sources=["upload", "microphone"], type="numpy", label=f"Speaker {speaker} clip", scale=2)
+                        transcript = gr.Textbox(label=f"Speaker {speaker} transcript", scale=2, placeholder="what the clip says")
+                    voice_fields += [voice, clip, transcript]
+            with gr.Accordion("Sampling", open=False):
+                preset = gr.Radio(list(PRESETS), value="model default", label="Preset")
+                seed = gr.Number(value=None, precision=0, label="Seed (empty: random)", elem_id="seed")
+                temperature = gr.Number(value=0, label="Temperature (0: the preset's)")
+                top_p = gr.Number(value=0, label="Top-p (0: the preset's)")
+                top_k = gr.Number(value=0, precision=0, label="Top-k (0: the preset's)")
+                max_frames = gr.Number(value=0, precision=0, label="Max frames per request (0: the model's budget)")
+            generate = gr.Button("Generate", variant="primary", elem_id="generate")
+        with gr.Column(scale=2):
+            stream = gr.Audio(label="Take (streaming)", streaming=True, autoplay=True, interactive=False, elem_id="stream")
+            final = gr.Audio(label="Final take (download)", type="filepath", interactive=False, elem_id="final-take")
+            report = gr.Markdown(label="Report", elem_id="report")
+            revision_note = gr.Textbox(label="Revision note", elem_id="revision-note", placeholder="slower, more tired")
+            revise = gr.Button("Revise the take", elem_id="revise")
+    take = gr.State(None)
+    gr.Examples([list(example) for example in EXAMPLES], inputs=[script, note, voice_fields[0], voice_fields[3]], label="Ready scripts")
+
+    for button, text in chips:
+        button.click(lambda current, text=text: (current or "") + text, script, script, api_visibility="private")
+    sampling = [preset, seed, temperature, top_p, top_k, max_frames]
+    outputs = [stream, final, report, take]
+
+    @gpu_call
+    def speak_script(text, director_note, preset, seed, temperature, top_p, top_k, max_frames, *voice_values,
+                     progress=gr.Progress()):
+        settings = director.settings(preset, seed, temperature, top_p, top_k, max_frames)
+        choices = _voice_choices(list(voice_values))
+        requests = director.scene_requests(director.script(text, director_note, choices), choices)
+        yield from _page_updates(director, director.speak(requests, settings, 1), progress)
+
+    @gpu_call
+    def revise_take(last_take, revision_note, preset, seed, temperature, top_p, top_k, max_frames,
+                    progress=gr.Progress()):
+        settings = director.settings(preset, seed, temperature, top_p, top_k, max_frames)
+        requests = director.revision_requests(last_take, revision_note)
+        yield from _page_updates(director, director.speak(requests, settings, last_take.number + 1), progress)
+
+    generate.click(speak_script, [script, note, *sampling, *voice_fields], outputs, api_name="generate",
+                   concurrency_limit=director.backend.concurrency, concurrency_id="take")
+    revise.click(revise_take, [take, revision_note, *sampling], outputs, api_name="revise",
+                 concurrency_limit=director.backend.concurrency, concurrency_id="take")
+
+
+TABS: list[tuple[str, Callable[[Director], None]]] = [("Direct a scene", build_scene_tab)]
+"""The page's tabs, in order: (title, build(director)); a build adds its components inside the tab."""
+
+
+def build_demo(backend: Backend) -> gr.Blocks:
+    """The demo page over a loaded backend (see `load_backend`)."""
+    director = Director(backend)
+    with gr.Blocks(title="Drama 3: directed speech") as demo:
+        gr.Markdown(
+            f"# Drama 3: directed speech\nModel: **{backend.service.model_name}**. Write a scene with "
+            "`<|speaker:N|>` turns, [directions] and `<tag>...</tag>` scoped tags, pick a voice per speaker "
+            "(or give your own clip and its transcript), generate, then revise the take with a note."
+        )
+        with gr.Tabs():
+            for title, build in TABS:
+                with gr.Tab(title):
+                    build(director)
+        gr.Markdown(LICENCE_NOTICE, elem_id="licence")
+    return demo
+
+
+def launch(model: str | None = None, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
+           device: str = "auto", max_batch: int = 4, **launch_kwargs):
+    """Load the model once, then serve the demo (queued: takes beyond the engine's batch wait)."""
+    backend = load_backend(model, device, max_batch)
+    demo = build_demo(backend)
+    demo.queue(default_concurrency_limit=backend.concurrency, max_size=64)
+    return demo.launch(server_name=host, server_port=port, share=share, **launch_kwargs)
