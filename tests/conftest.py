@@ -75,3 +75,26 @@ def codec64():
     """`tiny_codec()` in float64: equivalence tests compare to 1e-9, free of the float32 rounding
     that the random tiny codec amplifies (~1e-4 after its decoder)."""
     return tiny_codec().double()
+
+
+@pytest.fixture(scope="session")
+def demo_backend(tmp_path_factory):
+    """The Gradio demo's backend: drama3-tiny and its bundled voices on a running engine."""
+    pytest.importorskip("gradio")
+    from transformers_drama3.serving.demo import load_backend
+
+    backend = load_backend(device="cpu", max_batch=4)
+    yield backend
+    backend.service.engine.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_url(demo_backend):
+    """The demo page served on loopback (a free port), queued as `drama3 demo` queues it."""
+    from transformers_drama3.serving.demo import build_demo
+
+    demo = build_demo(demo_backend)
+    demo.queue(default_concurrency_limit=demo_backend.concurrency, max_size=16)
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True)
+    yield url.rstrip("/")
+    demo.close()

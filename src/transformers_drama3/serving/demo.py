@@ -408,6 +408,26 @@ def _page_updates(director: Director, updates: Iterator[TakeUpdate], progress) -
             yield (rate, int16_samples(update.audio)), gr.skip(), gr.skip(), gr.skip()
 
 
+def _voice_panel(director: Director, voices: list[str]) -> list:
+    """A voice per speaker, and each speaker's own clip and transcript folded away; returns the
+    fields as the handlers take them: (voice, clip, transcript) per speaker."""
+    names = director.voice_names
+    with gr.Row():
+        pickers = [
+            gr.Dropdown(voices, value=names[speaker % len(names)] if names else OWN_CLIP,
+                        label=f"Speaker {speaker} voice", elem_id=f"voice-{speaker}", min_width=100)
+            for speaker in range(SPEAKERS)
+        ]
+    fields = []
+    with gr.Accordion(f"Your own voices (choose {OWN_CLIP!r} above): a clip and what it says", open=False):
+        for speaker, picker in enumerate(pickers):
+            with gr.Row():
+                clip = gr.Audio(sources=["upload", "microphone"], type="numpy", label=f"Speaker {speaker} clip")
+                transcript = gr.Textbox(label=f"Speaker {speaker} transcript", placeholder="what the clip says", lines=3)
+            fields += [picker, clip, transcript]
+    return fields
+
+
 def build_scene_tab(director: Director) -> None:
     """The "Direct a scene" tab: script, chips, voices, sampling, the streamed take and its revision."""
     voices = [OWN_CLIP, *director.voice_names]
@@ -418,15 +438,7 @@ def build_scene_tab(director: Director) -> None:
             with gr.Row():
                 chips = [(gr.Button(label, size="sm", min_width=60), text) for label, text in INSERTS]
             note = gr.Textbox(label="Director's note", elem_id="note", placeholder="tense, hushed (written before every line)")
-            voice_fields = []
-            with gr.Accordion("Voices", open=True):
-                for speaker in range(SPEAKERS):
-                    default = director.voice_names[speaker % len(director.voice_names)] if director.voice_names else OWN_CLIP
-                    with gr.Row():
-                        voice = gr.Dropdown(voices, value=default, label=f"Speaker {speaker} voice", elem_id=f"voice-{speaker}", scale=1)
-                        clip = gr.Audio(sources=["upload", "microphone"], type="numpy", label=f"Speaker {speaker} clip", scale=2)
-                        transcript = gr.Textbox(label=f"Speaker {speaker} transcript", scale=2, placeholder="what the clip says")
-                    voice_fields += [voice, clip, transcript]
+            voice_fields = _voice_panel(director, voices)
             with gr.Accordion("Sampling", open=False):
                 preset = gr.Radio(list(PRESETS), value="model default", label="Preset")
                 seed = gr.Number(value=None, precision=0, label="Seed (empty: random)", elem_id="seed")
@@ -487,7 +499,7 @@ def build_demo(backend: Backend) -> gr.Blocks:
             for title, build in TABS:
                 with gr.Tab(title):
                     build(director)
-        gr.Markdown(LICENCE_NOTICE, elem_id="licence")
+        gr.Markdown(f"**{LICENCE_NOTICE}**", elem_id="licence")
     return demo
 
 
