@@ -1,0 +1,84 @@
+"""The demo's API endpoints with gradio_client, as a script would call them (no browser): a take
+streams and ends in a WAV file, the same seed gives the same take, a revision gives a second
+and different take, and bad input comes back as the error message naming its field."""
+
+import numpy as np
+import pytest
+import soundfile
+
+pytest.importorskip("gradio")
+gradio_client = pytest.importorskip("gradio_client")
+
+SCENE = "<|speaker:0|> Good morning to you. <|speaker:1|> Hello there."
+VOICES = ["A", None, "", "D", None, "", "B", None, "", "F", None, ""]  # (voice, clip, transcript) per speaker
+SAMPLING = ["model default", 5, 0, 0, 0, 24]  # preset, seed, temperature, top-p, top-k, max frames
+
+
+@pytest.fixture()
+def client(demo_url):
+    return gradio_client.Client(demo_url, verbose=False)
+
+
+def generate(client, text=SCENE, note="", sampling=SAMPLING, voices=VOICES):
+    job = client.submit(text, note, *sampling, *voices, api_name="/generate")
+    job.result(timeout=240)
+    return job.outputs()
+
+
+def take_of(outputs) -> tuple[np.ndarray, int, str]:
+    """(samples, rate, report) of the final take: the last update names its file and report."""
+    _, path, report = outputs[-1]
+    samples, rate = soundfile.read(path, dtype="float32")
+    return samples, rate, report
+
+
+def test_the_api_names_its_two_endpoints(client):
+    assert {"/generate", "/revise"} <= set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+
+
+@pytest.mark.slow
+def test_a_take_streams_chunks_then_ends_in_a_non_silent_wav(client):
+    outputs = generate(client)
+    streamed = [stream for stream, _, _ in outputs[:-1] if isinstance(stream, str)]
+    assert streamed and all(path.endswith(".m3u8") for path in streamed)  # the stream's playlist
+    samples, rate, report = take_of(outputs)
+    assert rate == 22050 and 0.5 < samples.size / rate < 10
+    assert np.sqrt(np.mean(samples**2)) > 0.01
+    assert report.startswith("**Take 1**") and "seed 5" in report and "real-time factor" in report
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_the_same_take(client):
+    first, _, _ = take_of(generate(client))
+    second, _, _ = take_of(generate(client))
+    np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.slow
+def test_revising_gives_a_second_different_take(client):
+    first, _, _ = take_of(generate(client))
+    job = client.submit("slower, more tired", *SAMPLING, api_name="/revise")
+    job.result(timeout=240)
+    second, _, report = take_of(job.outputs())
+    assert report.startswith("**Take 2**")
+    assert second.shape != first.shape or not np.array_equal(first, second)
+
+
+def test_revising_before_any_take_names_the_revision_note(client):
+    with pytest.raises(gradio_client.exceptions.AppError, match="^Revision note: there is no take"):
+        client.predict("slower", *SAMPLING, api_name="/revise")
+
+
+@pytest.mark.parametrize(
+    ("text", "voices", "field"),
+    [
+        ("", VOICES, "Script: nothing to say"),
+        ("<|speaker:9|> Hi.", VOICES, "Script: speaker 9 has no voice"),
+        ("<|speaker:1|> Hi.", ["A", None, "", "my clip", None, "", *VOICES[6:]], "Speaker 1 clip:"),
+    ],
+    ids=["empty script", "unknown speaker", "own voice without a clip"],
+)
+def test_bad_input_comes_back_as_the_message_naming_its_field(client, text, voices, field):
+    with pytest.raises(gradio_client.exceptions.AppError) as raised:
+        client.predict(text, "", *SAMPLING, *voices, api_name="/generate")
+    assert raised.value.message.startswith(field)
