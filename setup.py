@@ -7,13 +7,20 @@ HERE = Path(__file__).parent
 TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
 # `drama3 serve`: the OpenAI-compatible HTTP server (transformers_drama3.serving).
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29"]
+# `drama3 demo` and the Hugging Face Space: the Gradio app (transformers_drama3.serving.demo). Gradio is
+# pinned to the version the browser tests ran against; the Space's sdk_version is the same.
+GRADIO_VERSION = "6.31.0"
+DEMO = [f"gradio=={GRADIO_VERSION}", *SERVE]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
 # Instruments of the drama3-tiny evaluation: an offline ASR and a speaker encoder that ship their
 # models (resemblyzer's webrtcvad still imports pkg_resources, gone from setuptools 81).
 EVAL = ["pocketsphinx>=5.1", "resemblyzer>=0.1.4", "setuptools<81"]
 # The server's tests drive a live server with the official OpenAI client.
 SERVER_TESTS = [*SERVE, "httpx>=0.27", "openai>=1.40"]
-DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS]
+# The demo's tests drive it with gradio_client and with Debian's chromium through Playwright's
+# Python package (never `playwright install`: no browser download).
+DEMO_TESTS = [*DEMO, "gradio_client>=2.7", "playwright>=1.50", "pyyaml>=6"]
+DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS]
 
 setup(
     name="transformers-drama3",
@@ -43,9 +50,10 @@ setup(
         "gpu": GPU,
         "train": TRAIN,
         "serve": SERVE,
+        "demo": DEMO,
         "eval": EVAL,
         "dev": DEV + TRAIN + EVAL,
-        "all": GPU + TRAIN + SERVE + EVAL + DEV,
+        "all": GPU + TRAIN + SERVE + DEMO + EVAL + DEV,
     },
     entry_points={"console_scripts": ["drama3=drama3_cli:main"]},
     classifiers=[

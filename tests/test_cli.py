@@ -84,7 +84,10 @@ print("torch imported" if "torch" in sys.modules else "torch not imported")
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["say", "--help"], ["say"], ["nonsense"]], ids=["help", "say-help", "say-missing-text", "unknown-command"])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["say", "--help"], ["say"], ["nonsense"], ["demo", "--help"], ["demo", "--port", "x"]],
+    ids=["help", "say-help", "say-missing-text", "unknown-command", "demo-help", "demo-bad-port"],
+)
 def test_help_and_argument_errors_answer_without_importing_torch(argv):
     import subprocess
 
@@ -114,3 +117,18 @@ def test_a_speaker_without_a_reference_is_named_in_the_commands_own_flags(tmp_pa
     assert code == 2 and "speaker 1 has no reference" in error and "--voice" in error
     assert "strict_speakers" not in error and "Reference(" not in error and "speaker=" not in error
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_demo_passes_its_options_to_the_launch(monkeypatch):
+    pytest.importorskip("gradio")
+    from transformers_drama3.serving import demo
+
+    launched = []
+    monkeypatch.setattr(demo, "launch", lambda *args: launched.append(args))
+    assert main(["demo", "--model", "some/repo", "--host", "0.0.0.0", "--port", "7999", "--share"]) == 0
+    assert launched == [("some/repo", "0.0.0.0", 7999, True, "auto", 4)]
+
+
+def test_demo_refuses_a_port_below_one_before_loading_anything(capsys):
+    assert main(["demo", "--port", "0"]) == 2
+    assert "--port 0: expected a positive number" in capsys.readouterr().err

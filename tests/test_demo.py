@@ -1,6 +1,9 @@
 """The demo's logic without a browser: page fields -> checked engine requests, errors that name the
 field (as gr.Error, before any work), a take spoken turn by turn and its revision."""
 
+import sys
+import types
+
 import numpy as np
 import pytest
 import soundfile
@@ -14,8 +17,12 @@ from transformers_drama3.serving.demo import (  # noqa: E402
     Director,
     VoiceChoice,
     gpu_call,
+    on_zero_gpu,
 )
+from transformers_drama3.prompting import Script  # noqa: E402
+from transformers_drama3.serving.app import driven_events  # noqa: E402
 from transformers_drama3.serving.audio_formats import int16_samples  # noqa: E402
+from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, FramesEvent  # noqa: E402
 from transformers_drama3.tiny import shipped  # noqa: E402
 
 FRAMES = 16  # frame cap per request: enough to hear, cheap on a CPU
@@ -156,12 +163,49 @@ def test_a_take_streams_its_audio_and_its_revision_keeps_each_turns_take_in_cont
     assert all(0 < item.codes.shape[0] <= FRAMES for item in second.take.requests)
 
 
-def test_gpu_work_runs_unchanged_without_the_spaces_package():
-    def work(value):
-        return value + 1
+def work(value):
+    return value + 1
 
+
+def test_gpu_work_runs_unchanged_without_the_spaces_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "spaces", None)  # importing it raises ImportError
     assert gpu_call(work) is work
+
+
+def test_gpu_work_is_wrapped_with_spaces_gpu_where_that_package_is_installed(monkeypatch):
+    wrapped = []
+
+    def gpu(duration):
+        return lambda function: wrapped.append((function, duration)) or (lambda value: function(value) * 10)
+
+    monkeypatch.setitem(sys.modules, "spaces", types.SimpleNamespace(GPU=gpu))
+    assert gpu_call(work)(1) == 20 and wrapped[0][0] is work
+
+
+def test_a_folder_named_spaces_is_not_the_spaces_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "spaces", types.ModuleType("spaces"))  # no GPU attribute
+    assert gpu_call(work) is work
+
+
+def test_the_engine_is_stepped_by_the_caller_only_on_zero_gpu_hardware(monkeypatch):
+    monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
+    assert not on_zero_gpu()
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    assert on_zero_gpu()
 
 
 def test_the_voice_panel_offers_every_bundled_voice(director):
     assert director.voice_names == shipped.voices() and SPEAKERS >= 2
+
+
+@pytest.mark.slow
+def test_a_caller_stepping_an_engine_without_its_thread_gets_the_take_the_thread_gives(demo_backend):
+    service = demo_backend.service
+    references = service.voices.references("A")
+    job = service.job_of_rows(service.processor(Script("Good morning.", references)), None, {}, seed=4, max_new_tokens=12)
+    expected = service.engine.submit(job).result(timeout=120)
+    stepped = Drama3Engine(service.model, max_batch=2)  # never started: driven_events steps it
+    events = list(driven_events(stepped, stepped.submit(job)))
+    assert isinstance(events[-1], DoneEvent) and all(isinstance(event, FramesEvent) for event in events[:-1])
+    assert torch.equal(events[-1].codes, expected.codes)
+    assert torch.equal(torch.cat([event.frames for event in events[:-1]]), expected.codes)

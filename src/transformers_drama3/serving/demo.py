@@ -100,22 +100,25 @@ class Backend:
 
 
 def on_zero_gpu() -> bool:
-    """Whether this runs where Hugging Face's `spaces` package is importable (a Space)."""
-    try:
-        import spaces  # noqa: F401  (only on a Hugging Face Space)
-    except ImportError:
-        return False
-    return True
+    """Whether this runs on ZeroGPU hardware (Hugging Face sets SPACES_ZERO_GPU there)."""
+    return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
 
 
-def gpu_call(function: Callable) -> Callable:
-    """`function` wrapped with `spaces.GPU` on a Space (ZeroGPU lends the GPU for the call);
-    unchanged elsewhere."""
+def spaces_gpu() -> Callable | None:
+    """Hugging Face's `spaces.GPU` where its `spaces` package is installed (on a Space), else None.
+    (A folder named spaces/ on the path, such as this repository's, imports without it.)"""
     try:
         import spaces
     except ImportError:
-        return function
-    return spaces.GPU(duration=GPU_SECONDS)(function)
+        return None
+    return getattr(spaces, "GPU", None)
+
+
+def gpu_call(function: Callable) -> Callable:
+    """`function` wrapped with `spaces.GPU` where that exists (ZeroGPU lends the GPU for the call;
+    other Space hardware ignores it); unchanged elsewhere."""
+    decorator = spaces_gpu()
+    return function if decorator is None else decorator(duration=GPU_SECONDS)(function)
 
 
 def load_backend(model: str | None = None, device: str = "auto", max_batch: int = 4) -> Backend:
@@ -125,6 +128,8 @@ def load_backend(model: str | None = None, device: str = "auto", max_batch: int 
     source = model or os.environ.get(MODEL_VARIABLE) or None
     voices_dir = tempfile.mkdtemp(prefix="drama3-demo-voices-")
     driven = on_zero_gpu()
+    if driven and device == "auto":
+        device = "cuda"  # ZeroGPU: weights are placed on the GPU at start, used inside `gpu_call`s
     service = SpeechService.load(source, voices_dir, device=resolve_device(device), max_batch=max_batch,
                                  start_engine=not driven)
     if driven:  # one caller steps the engine at a time
