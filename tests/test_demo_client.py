@@ -14,8 +14,9 @@ VOICES = ["A", None, "", "D", None, "", "B", None, "", "F", None, ""]  # (voice,
 SAMPLING = ["model default", 5, 0, 0, 0, 24]  # preset, seed, temperature, top-p, top-k, max frames
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def client(demo_url):
+    """One client session for the module: its takes are kept server-side, so /revise revises them."""
     return gradio_client.Client(demo_url, verbose=False)
 
 
@@ -36,9 +37,15 @@ def test_the_api_names_its_two_endpoints(client):
     assert {"/generate", "/revise"} <= set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
 
 
+@pytest.fixture(scope="module")
+def first_take(client):
+    """The outputs of one /generate call of SCENE with seed 5."""
+    return generate(client)
+
+
 @pytest.mark.slow
-def test_a_take_streams_chunks_then_ends_in_a_non_silent_wav(client):
-    outputs = generate(client)
+def test_a_take_streams_chunks_then_ends_in_a_non_silent_wav(first_take):
+    outputs = first_take
     streamed = [stream for stream, _, _ in outputs[:-1] if isinstance(stream, str)]
     assert streamed and all(path.endswith(".m3u8") for path in streamed)  # the stream's playlist
     samples, rate, report = take_of(outputs)
@@ -48,15 +55,15 @@ def test_a_take_streams_chunks_then_ends_in_a_non_silent_wav(client):
 
 
 @pytest.mark.slow
-def test_the_same_seed_gives_the_same_take(client):
-    first, _, _ = take_of(generate(client))
+def test_the_same_seed_gives_the_same_take(client, first_take):
+    first, _, _ = take_of(first_take)
     second, _, _ = take_of(generate(client))
     np.testing.assert_array_equal(first, second)
 
 
 @pytest.mark.slow
-def test_revising_gives_a_second_different_take(client):
-    first, _, _ = take_of(generate(client))
+def test_revising_gives_a_second_different_take(client, first_take):
+    first, _, _ = take_of(first_take)  # the session's last take is this one, or its twin of the same seed
     job = client.submit("slower, more tired", *SAMPLING, api_name="/revise")
     job.result(timeout=240)
     second, _, report = take_of(job.outputs())
@@ -64,9 +71,10 @@ def test_revising_gives_a_second_different_take(client):
     assert second.shape != first.shape or not np.array_equal(first, second)
 
 
-def test_revising_before_any_take_names_the_revision_note(client):
+def test_revising_before_any_take_names_the_revision_note(demo_url):
+    fresh = gradio_client.Client(demo_url, verbose=False)  # a new session has no take
     with pytest.raises(gradio_client.exceptions.AppError, match="^Revision note: there is no take"):
-        client.predict("slower", *SAMPLING, api_name="/revise")
+        fresh.predict("slower", *SAMPLING, api_name="/revise")
 
 
 @pytest.mark.parametrize(

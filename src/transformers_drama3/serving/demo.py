@@ -29,7 +29,7 @@ import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -43,7 +43,7 @@ from ..long_form import resolve_scene_mode
 from ..prompting import Reference, Script, parse_text, revision, speaker_turns
 from .app import SpeechService, chunk_samples, driven_events
 from .audio_formats import encode, int16_samples
-from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
+from .engine import EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .protocol import Limits
 from .voices import VoiceReference
 
@@ -88,13 +88,19 @@ LICENCE_NOTICE = (
 # ---- the backend --------------------------------------------------------------------------------
 
 
+def threaded_events(handle):
+    """A request's events as the engine's scheduler thread sends them."""
+    return handle.events()
+
+
 @dataclass
 class Backend:
-    """What the app speaks with: the service, how a request's events are read, and how many
-    requests the page lets run at once (the engine decodes them in one batch)."""
+    """What the app speaks with: the service, how a request's events are read (`threaded_events`,
+    or `driven_events` where the caller steps the engine), how many requests the page lets run at
+    once (the engine decodes them in one batch) and how long one request may take (seconds)."""
 
     service: SpeechService
-    events: Callable = field(default=lambda handle: handle.events())
+    events: Callable = threaded_events
     concurrency: int = 4
     timeout: float = 600.0
 
@@ -151,7 +157,8 @@ class VoiceChoice:
     transcript: str = ""
 
     @property
-    def field(self) -> str:
+    def label(self) -> str:
+        """How the page names this speaker's fields."""
         return f"Speaker {self.speaker}"
 
 
@@ -252,33 +259,33 @@ class Director:
         if speakers[-1] >= len(voices):
             raise bad_input(f"Script: speaker {speakers[-1]} has no voice; the demo voices speakers 0-{len(voices) - 1}")
         references = [reference for speaker in speakers for reference in self.references(voices[speaker])]
+        source = text  # spoken as written, unless a note rewrites every line
         if note and note.strip():
             try:
-                lines = tuple(dataclasses.replace(line, note=note.strip()).checked("Director's note") for line in lines)
+                source = tuple(dataclasses.replace(line, note=note.strip()).checked("Director's note") for line in lines)
             except ValueError as error:
                 raise bad_input(str(error)) from None
-            text = None
         try:
-            return Script(text if text is not None else lines, tuple(references))
+            return Script(source, tuple(references))
         except ValueError as error:
             raise bad_input(f"Script: {error}") from None
 
     def references(self, choice: VoiceChoice) -> tuple[Reference, ...]:
         """A speaker's references, renumbered to its speaker: a bundled voice's, or its own clip's."""
         if choice.voice is None or choice.voice == "":
-            raise bad_input(f"{choice.field} voice: the script gives this speaker lines; choose a voice or {OWN_CLIP!r}")
+            raise bad_input(f"{choice.label} voice: the script gives this speaker lines; choose a voice or {OWN_CLIP!r}")
         if choice.voice != OWN_CLIP:
             if choice.voice not in self.service.voices:
-                raise bad_input(f"{choice.field} voice: no voice {choice.voice!r}; choose one of {self.voice_names}")
+                raise bad_input(f"{choice.label} voice: no voice {choice.voice!r}; choose one of {self.voice_names}")
             return tuple(reference.renumbered(choice.speaker) for reference in self.service.voices.references(choice.voice))
         if choice.clip is None:
-            raise bad_input(f"{choice.field} clip: upload or record a clip of this voice")
+            raise bad_input(f"{choice.label} clip: upload or record a clip of this voice")
         if not choice.transcript or not choice.transcript.strip():
-            raise bad_input(f"{choice.field} transcript: write what the clip says")
-        samples, rate = clip_samples(choice.clip, choice.field)
+            raise bad_input(f"{choice.label} transcript: write what the clip says")
+        samples, rate = clip_samples(choice.clip, choice.label)
         try:
             reference = self.service.voices.encode(
-                VoiceReference(samples, rate, choice.transcript.strip(), choice.speaker), f"{choice.field} clip"
+                VoiceReference(samples, rate, choice.transcript.strip(), choice.speaker), f"{choice.label} clip"
             )
         except ValueError as error:
             raise bad_input(str(error)) from None
