@@ -290,3 +290,17 @@ def test_drama3_serve_refuses_bad_options_by_name(capsys, tmp_path):
     assert "--max-batch 0" in capsys.readouterr().err
     assert main(["serve", "--voice", f"x={tmp_path}/missing.wav:{tmp_path}/missing.txt"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_voice_clip_far_too_short_for_its_transcript_is_refused_when_registered(server):
+    base = server[0]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    clip, transcript = shipped.reference_voice("D")
+    samples, rate = soundfile.read(clip, dtype="float32")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples[: rate // 10], rate, format="WAV")  # a tenth of a second for a sentence
+    audio = base64.b64encode(buffer.getvalue()).decode()
+    refused = httpx.post(base + "/v1/audio/voices", headers=headers, json={"name": "cut", "audio": audio, "text": transcript})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"].startswith("references[0].audio:")
+    assert "cut" not in [voice["id"] for voice in httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]]
