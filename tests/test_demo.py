@@ -11,11 +11,14 @@ import torch
 
 gr = pytest.importorskip("gradio")
 
+from transformers_drama3.serving.app import SpeechService  # noqa: E402
 from transformers_drama3.serving.demo import (  # noqa: E402
     OWN_CLIP,
     SPEAKERS,
+    Backend,
     Director,
     VoiceChoice,
+    build_demo,
     gpu_call,
     on_zero_gpu,
 )
@@ -209,3 +212,25 @@ def test_a_caller_stepping_an_engine_without_its_thread_gets_the_take_the_thread
     assert isinstance(events[-1], DoneEvent) and all(isinstance(event, FramesEvent) for event in events[:-1])
     assert torch.equal(events[-1].codes, expected.codes)
     assert torch.equal(torch.cat([event.frames for event in events[:-1]]), expected.codes)
+
+
+def test_a_model_without_bundled_voices_gets_a_page_of_own_clips_and_plain_examples(tiny_checkpoint, tmp_path):
+    folder, _, _ = tiny_checkpoint
+    service = SpeechService.load(folder, str(tmp_path / "voices"), max_batch=1)
+    try:
+        demo = build_demo(Backend(service))
+        pickers = [block for block in demo.blocks.values() if isinstance(block, gr.Dropdown)]
+        assert len(pickers) == SPEAKERS and all(picker.value == OWN_CLIP for picker in pickers)
+        (examples,) = [block for block in demo.blocks.values() if isinstance(block, gr.Dataset)]
+        assert all(len(sample) == 2 for sample in examples.samples)  # script and note, no bundled voice
+    finally:
+        service.engine.stop()
+
+
+def test_an_own_clip_clones_its_speaker_as_the_same_bundled_clip_does(director):
+    samples, rate, words = voice_a_clip()  # int16, as gradio hands over an upload or a recording
+    own = director.script("<|speaker:1|> Hi.", "", [VoiceChoice(0, "B"), own_clip(1, samples, rate, words)])
+    (reference,) = own.references
+    assert reference.speaker == 1 and reference.transcript == words
+    bundled_codes = director.service.voices.references("A")[0].audio
+    assert torch.equal(reference.audio.codes, bundled_codes)

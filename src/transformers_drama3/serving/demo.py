@@ -223,8 +223,8 @@ def clip_samples(clip: tuple, field_name: str) -> tuple[np.ndarray, int]:
     samples = np.asarray(samples)
     if samples.ndim == 2:
         samples = samples.mean(axis=1)
-    if np.issubdtype(samples.dtype, np.integer):
-        samples = samples.astype(np.float32) / float(np.iinfo(samples.dtype).max)
+    if np.issubdtype(samples.dtype, np.integer):  # scaled as soundfile reads integer PCM
+        samples = samples.astype(np.float32) / -float(np.iinfo(samples.dtype).min)
     if samples.size == 0:
         raise bad_input(f"{field_name} clip: the recording is empty")
     return samples.astype(np.float32), int(rate)
@@ -466,7 +466,10 @@ def build_scene_tab(director: Director) -> None:
             revision_note = gr.Textbox(label="Revision note", elem_id="revision-note", placeholder="slower, more tired")
             revise = gr.Button("Revise the take", elem_id="revise")
     take = gr.State(None)
-    gr.Examples([list(example) for example in EXAMPLES], inputs=[script, note, voice_fields[0], voice_fields[3]], label="Ready scripts")
+    if {voice for example in EXAMPLES for voice in example[2:]} <= set(director.voice_names):
+        gr.Examples([list(example) for example in EXAMPLES], [script, note, voice_fields[0], voice_fields[3]], label="Ready scripts")
+    else:  # a model without drama3-tiny's voices: the scripts alone
+        gr.Examples([list(example[:2]) for example in EXAMPLES], [script, note], label="Ready scripts")
 
     for button, text in chips:
         button.click(lambda current, text=text: (current or "") + text, script, script, api_visibility="private")
