@@ -416,7 +416,7 @@ def _page_updates(director: Director, updates: Iterator[TakeUpdate], progress) -
         progress(None, desc=f"request {update.request + 1}: {update.frames} frames, {seconds:.1f} s of audio")
         if update.take is not None:
             yield gr.skip(), update.path, update.report, update.take
-        elif update.audio is not None:
+        elif update.audio is not None:  # int16: gradio would scale float chunks each to its own peak
             yield (rate, int16_samples(update.audio)), gr.skip(), gr.skip(), gr.skip()
 
 
