@@ -90,3 +90,16 @@ def test_bad_input_comes_back_as_the_message_naming_its_field(client, text, voic
     with pytest.raises(gradio_client.exceptions.AppError) as raised:
         client.predict(text, "", *SAMPLING, *voices, api_name="/generate")
     assert raised.value.message.startswith(field)
+
+
+@pytest.mark.slow
+def test_concurrent_users_each_get_their_own_take(demo_url):
+    """Three sessions ask for the same take at once: they share the engine's batch, and their
+    streams carry equal chunks, which must not collide on the way to the page."""
+    clients = [gradio_client.Client(demo_url, verbose=False) for _ in range(3)]
+    sampling = ["model default", 11, 0, 0, 0, 16]
+    jobs = [client.submit("Hello there.", "", *sampling, *VOICES, api_name="/generate") for client in clients]
+    reports = [job.result(timeout=240)[2] for job in jobs]
+    assert all(report.startswith("**Take 1**") and "seed 11" in report for report in reports)
+    paths = [job.result()[1] for job in jobs]
+    assert len(set(paths)) == 3 and all(soundfile.info(path).frames > 0 for path in paths)

@@ -42,7 +42,7 @@ from ..loading import resolve_device
 from ..long_form import resolve_scene_mode
 from ..prompting import Reference, Script, parse_text, revision, speaker_turns
 from .app import SpeechService, chunk_samples, driven_events
-from .audio_formats import encode, int16_samples
+from .audio_formats import encode
 from .engine import EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .protocol import Limits
 from .voices import VoiceReference
@@ -416,8 +416,10 @@ def _page_updates(director: Director, updates: Iterator[TakeUpdate], progress) -
         progress(None, desc=f"request {update.request + 1}: {update.frames} frames, {seconds:.1f} s of audio")
         if update.take is not None:
             yield gr.skip(), update.path, update.report, update.take
-        elif update.audio is not None:  # int16: gradio would scale float chunks each to its own peak
-            yield (rate, int16_samples(update.audio)), gr.skip(), gr.skip(), gr.skip()
+        elif update.audio is not None:
+            # WAV bytes, 16-bit: gradio scales float arrays each to its own peak, and writes arrays to
+            # a cache file named by their content, which two streams with an equal chunk would share
+            yield encode(update.audio, rate, "wav"), gr.skip(), gr.skip(), gr.skip()
 
 
 def _voice_panel(director: Director, voices: list[str]) -> list:
