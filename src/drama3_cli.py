@@ -29,6 +29,23 @@ DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2
 MAX_CHARS = 4096
 """Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
+THREADS_HELP = (
+    "CPU threads to decode with: auto (default) picks them from the model's size and the cores other "
+    "programs leave idle (one thread for drama3-tiny, or on a busy machine); N uses N"
+)
+
+
+def thread_count(value: str):
+    """`--threads`: "auto" or a positive number of threads."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or a positive number of threads")
+    return count
 
 
 def add_say(subparsers) -> None:
@@ -75,6 +92,7 @@ def add_say(subparsers) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quiet", action="store_true", help="no progress bars (loading or speaking)")
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)
 
 
 def add_table(subparsers) -> None:
@@ -101,6 +119,7 @@ def add_serve(subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)
 
 
 def add_demo(subparsers) -> None:

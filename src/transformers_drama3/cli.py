@@ -72,6 +72,7 @@ def run_say(args) -> int:
                     progress=not args.quiet,
                     preset=args.preset,
                     scene=None if args.scene == "auto" else args.scene,
+                    threads=args.threads,
                     **sampling,
                 )
             finally:
@@ -252,7 +253,7 @@ def run_serve(args) -> int:
     device = resolve_device(args.device)
     get_service, _ = serve_in_background(
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
-        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache,
+        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
     )
     app = create_app(get_service, ServerSettings(api_key=args.api_key, request_timeout=args.timeout))
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)

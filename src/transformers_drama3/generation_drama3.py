@@ -48,6 +48,7 @@ from transformers.utils import ModelOutput
 from .codec.streaming import stream_decode_windows
 from .configuration_drama3 import Drama3Config
 from .prompting.text import is_cjk
+from .threads import check_threads, resolve_threads, torch_threads
 
 # ----------------------------------------------------------------------------- published constants
 
@@ -825,7 +826,7 @@ def split_lines(take: torch.Tensor, line_boundaries: Sequence[int]) -> list[torc
 
 
 _OWN_ARGUMENTS = (
-    "seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly", "audio_separator_token_id",
+    "seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly", "audio_separator_token_id", "threads",
 )
 
 
@@ -1170,6 +1171,7 @@ def generate(
     audio_separator_token_id: int | None = None,
     speak_span: torch.Tensor | None = None,
     boundaries_left: torch.Tensor | None = None,
+    threads: int | str | None = "auto",
     **kwargs,
 ):
     """Speak: prompt rows in, takes out (see the module docstring for the loop and the sampler).
@@ -1198,6 +1200,9 @@ def generate(
         speak_span, boundaries_left: the layout's metadata on the processor's rows (`[batch, 2]`
             rows of the text of the turn to speak, `[batch]` line boundaries still to draw); rows
             given without them are read from their token ids.
+        threads: CPU threads to decode with: "auto" (default) picks them from the model's size and
+            the idle cores (`threads.decode_threads`), an int is used as given, None leaves torch's
+            count alone; torch's count is restored afterwards. "auto" leaves a model on CUDA alone.
         **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
 
     Returns:
@@ -1208,15 +1213,17 @@ def generate(
         raise ValueError(f"regenerate_on_anomaly={regenerate_on_anomaly!r}; expected 0 (off) or a positive number of attempts")
     if streamer is not None and regenerate_on_anomaly:
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
+    check_threads(threads)
     check_codec_matches(model.config, codec)
     call = _set_up(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
         None if streamer is None else "streamer",
     )
-    output = _run(model, *call.prompt, call.request, seed, codec, streamer)
-    if regenerate_on_anomaly:
-        output = _regenerate(model, call.prompt, call.request, seed, codec, output, regenerate_on_anomaly)
+    with torch_threads(resolve_threads(model, threads)):
+        output = _run(model, *call.prompt, call.request, seed, codec, streamer)
+        if regenerate_on_anomaly:
+            output = _regenerate(model, call.prompt, call.request, seed, codec, output, regenerate_on_anomaly)
     if call.return_dict:
         return output
     return output.audio if codec is not None else output.audio_codes
@@ -1238,6 +1245,7 @@ def stream(
     audio_separator_token_id: int | None = None,
     speak_span: torch.Tensor | None = None,
     boundaries_left: torch.Tensor | None = None,
+    threads: int | str | None = "auto",
     **kwargs,
 ) -> Iterator[AudioChunk]:
     """Speak one prompt and yield `AudioChunk`s as frames are produced.
@@ -1249,6 +1257,7 @@ def stream(
     its line boundaries in `chunk.line_boundaries`; together they are `generate`'s. Arguments as
     in `generate`.
     """
+    check_threads(threads)
     check_codec_matches(model.config, codec)
     call = _set_up(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
@@ -1259,9 +1268,11 @@ def stream(
     _, steps = _start(model, *call.prompt, call.request, seed)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
-    for step in steps:
-        yield from waveform_streamer.step(clicks, step)
-    yield from waveform_streamer.finish()
+    # torch keeps the count per thread: the caller's code between chunks runs with it too.
+    with torch_threads(resolve_threads(model, threads)):
+        for step in steps:
+            yield from waveform_streamer.step(clicks, step)
+        yield from waveform_streamer.finish()
 
 
 # ----------------------------------------------------------------------------- the model's methods

@@ -69,12 +69,12 @@ class SpeechService:
     @classmethod
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
-             start_engine: bool = True):
+             start_engine: bool = True, threads: int | str | None = "auto"):
         """Load a model (default: the bundled drama3-tiny, with its voices A, B, D, F registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
         steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
-        that asked for it)."""
+        that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`)."""
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
         model, processor = load_model_and_processor(source, device, "auto")
@@ -88,7 +88,7 @@ class SpeechService:
         cache = PrefixCache() if prefix_cache else None
         metrics.prefix_cache = cache
         engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
-                              on_finish=lambda handle, outcome: metrics.count(outcome))
+                              on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads)
         if start_engine:
             engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))

@@ -44,6 +44,7 @@ from .decoding import (
     slot_tower_step,
     target_text_tokens,
 )
+from ..threads import check_threads, resolve_threads
 from .slot_pool import SlotPool
 from .slots import SlotBatch
 
@@ -177,15 +178,20 @@ class Drama3Engine:
         batch_state: `batch_state(max_batch)` makes the running batch's state: `SlotPool`
             (default: preallocated slots written in place) or `compact_batch` (the plain
             reference: one growing cache, re-padded when a request joins).
+        threads: CPU threads the scheduler decodes with: "auto" (default) chooses them from the
+            model's size and the idle cores each time work arrives after an idle spell
+            (`threads.decode_threads`); an int is used as given; None leaves torch's count alone.
     """
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
-                 batch_state=None):
+                 batch_state=None, threads: int | str | None = "auto"):
+        check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue}; expected 0 or more")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.threads = threads
         self.prefill = prefill or prefill_alone
         self.on_finish = on_finish
         self.stats = EngineStats()
@@ -246,10 +252,16 @@ class Drama3Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
+                was_idle = self.idle
                 while self._running and not self._waiting and not self._slots:
                     self._lock.wait()
                 if not self._running:
                     return
+            if was_idle:
+                # torch keeps the thread count per thread: set it here, in the scheduler's own thread
+                count = resolve_threads(self.model, self.threads)
+                if count is not None:
+                    torch.set_num_threads(count)
             self.step()
 
     def step(self) -> None:
