@@ -93,18 +93,18 @@ class Drama3TowerAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         cache: DynamicCache | None,
     ) -> torch.Tensor:
-        """x: [batch, rows, dim]; attention_mask: bool [batch, 1, rows, keys] (True = attend)."""
+        """x: [batch, rows, dim]; rotary: cos, sin [batch, 1, rows, rotary_dim / 2] of the rows'
+        positions (`tower_rotary`); attention_mask: bool [batch, 1, rows, keys] (True = attend)."""
         batch, rows, _ = x.shape
         q, gate, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
         q = self.q_norm(q.view(batch, rows, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(batch, rows, self.n_kv, self.head_dim)).transpose(1, 2)
         v = v.view(batch, rows, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions[:, None], self.rotary_dim, self.rope_base)  # [batch, 1, rows, half]
-        q, k = apply_interleaved_rope(q, cos, sin), apply_interleaved_rope(k, cos, sin)
+        q, k = apply_interleaved_rope(q, *rotary), apply_interleaved_rope(k, *rotary)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_index)
         out = F.scaled_dot_product_attention(
@@ -137,8 +137,8 @@ class Drama3TowerBlock(nn.Module):
         self.attention_norm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = Qwen3_5MoeRMSNorm(config.dim, eps=config.norm_eps)
 
-    def forward(self, x, positions, attention_mask, cache):
-        x = x + self.attention(self.attention_norm(x), positions, attention_mask, cache)
+    def forward(self, x, rotary, attention_mask, cache):
+        x = x + self.attention(self.attention_norm(x), rotary, attention_mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -169,18 +169,20 @@ class Drama3TowerLayer(GradientCheckpointingLayer):
         self,
         hidden: torch.Tensor,
         codes: torch.Tensor,
-        is_audio: torch.Tensor,
-        positions: torch.Tensor,
+        audio_weight: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         cache: DynamicCache | None,
         extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden: [batch, rows, dim]; codes, is_audio: [batch, rows]; extra: [batch, rows, dim]."""
-        e = self.embedding(codes.clamp(0, self.codebook_size - 1)) * is_audio[..., None].to(hidden.dtype)
+        """hidden: [batch, rows, dim]; codes: [batch, rows]; audio_weight: [batch, rows, 1] in
+        hidden's dtype, 1 where the labelled frame is audio (`audio_weights`); rotary: the rows'
+        (cos, sin) (`tower_rotary`); extra: [batch, rows, dim]."""
+        e = self.embedding(codes.clamp(0, self.codebook_size - 1)) * audio_weight
         if extra is not None:
             e = e + extra
         u = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(hidden)), dim=-1))
-        return self.final_layernorm(self.transformer_layer(u, positions, attention_mask, cache))
+        return self.final_layernorm(self.transformer_layer(u, rotary, attention_mask, cache))
 
 
 class Drama3SharedTowerLayer(Drama3TowerLayer):
@@ -241,6 +243,12 @@ class Drama3Model(nn.Module):
 
 
 # ----------------------------------------------------------------------------- masks and positions
+
+
+def audio_weights(is_audio: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [batch, rows] -> [batch, rows, 1] in `dtype`: the factor of each row's code embedding
+    in the tower (0 where the labelled frame is not audio), cast once for all its layers."""
+    return is_audio[..., None].to(dtype)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, past_length: int = 0) -> torch.Tensor:
@@ -444,10 +452,16 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
     def speech_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head restricted to the semantic band + eos: reads only those rows of the head.
 
-        hidden: [..., dim] -> [..., codebook_size + 1] (last index = eos).
+        hidden: [..., dim] -> [..., codebook_size + 1] (last index = eos). The band is one
+        contiguous block of rows, so it is read through a view of the weight: gathering its rows
+        (`lm_head.weight[speech_token_ids()]`) would copy 4096 x hidden weights on every frame, and
+        a copy kept between calls would go stale when the weights change (loading, a LoRA merge,
+        an optimiser step); a view never does.
         """
-        rows = self.speech_token_ids(hidden.device)
-        return F.linear(hidden, self.lm_head.weight[rows])
+        weight = self.lm_head.weight
+        start, end, eos = self.config.semantic_start_token_id, self.config.semantic_end_token_id, self.config.eos_token_id
+        band = F.linear(hidden, weight[start : end + 1])
+        return torch.cat((band, F.linear(hidden, weight[eos : eos + 1])), dim=-1)
 
     def embed_rows(self, input_ids: torch.Tensor, audio_codes: torch.Tensor | None) -> torch.Tensor:
         """Partial codebook fusion: backbone input for rows [batch, rows].
@@ -468,6 +482,12 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
 
     # -- the tower ------------------------------------------------------------------------------
 
+    def tower_rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [batch, 1, rows, rotary_dim / 2] of row `positions` [batch, rows]: every tower
+        layer rotates by the same angles, so a step computes them once, not once per layer."""
+        tower = self.config.audio_decoder_config
+        return rope_cos_sin(positions[:, None], tower.rotary_dim, tower.rope_base)
+
     def run_tower(
         self,
         hidden: torch.Tensor,
@@ -487,14 +507,15 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
         Returns [batch, rows, num_codebooks - 1, codebook_size].
         """
         extra = self.unseen_codebooks(input_ids, audio_codes).to(hidden.dtype)
+        audio_weight, rotary = audio_weights(label_is_audio, hidden.dtype), self.tower_rotary(positions)
         for index, layer in enumerate(self.audio_decoder_mtp_shared.layers):
             hidden = layer(
-                hidden, label_codes[..., 0], label_is_audio, positions, attention_mask, cache,
+                hidden, label_codes[..., 0], audio_weight, rotary, attention_mask, cache,
                 extra if index == 0 else None,
             )
         logits = []
         for index, (layer, head) in enumerate(zip(self.audio_decoder_mtp.layers, self.audio_decoder_mtp.heads)):
-            hidden = layer(hidden, label_codes[..., index], label_is_audio, positions, attention_mask, cache)
+            hidden = layer(hidden, label_codes[..., index], audio_weight, rotary, attention_mask, cache)
             logits.append(head(hidden))
         return torch.stack(logits, dim=2)
 
@@ -518,13 +539,14 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
         Returns codes [batch, 1, num_codebooks] of the next frame.
         """
         extra = self.unseen_codebooks(input_ids, audio_codes).to(hidden.dtype)
+        audio_weight, rotary = audio_weights(is_audio, hidden.dtype), self.tower_rotary(positions)
         for index, layer in enumerate(self.audio_decoder_mtp_shared.layers):
             hidden = layer(
-                hidden, semantic_code, is_audio, positions, attention_mask, cache, extra if index == 0 else None
+                hidden, semantic_code, audio_weight, rotary, attention_mask, cache, extra if index == 0 else None
             )
         codes = [semantic_code]
         for index, (layer, head) in enumerate(zip(self.audio_decoder_mtp.layers, self.audio_decoder_mtp.heads)):
-            hidden = layer(hidden, codes[-1], is_audio, positions, attention_mask, cache)
+            hidden = layer(hidden, codes[-1], audio_weight, rotary, attention_mask, cache)
             codes.append(sample(head(hidden), index + 1))
         return torch.stack(codes, dim=-1)
 

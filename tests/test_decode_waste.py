@@ -1,0 +1,72 @@
+"""What one decode step no longer repeats: a copy of the restricted lm_head rows, per-layer casts."""
+
+import collections
+
+import torch
+from generation_helpers import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from transformers_drama3.generation_drama3 import Drama3Cache
+from transformers_drama3.modeling_drama3 import tower_attention_mask
+
+
+def gathered_speech_logits(model, hidden):
+    """The plain reference: gather the semantic band + eos rows of lm_head, then one product."""
+    return torch.nn.functional.linear(hidden, model.lm_head.weight[model.speech_token_ids(hidden.device)])
+
+
+def test_speech_logits_equal_the_gathered_rows_product():
+    model = tiny_model(seed=0)
+    hidden = torch.randn(3, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model.speech_logits(hidden), gathered_speech_logits(model, hidden))
+
+
+def test_speech_logits_follow_a_weight_changed_in_place():
+    model = tiny_model(seed=0)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    before = model.speech_logits(hidden)
+    with torch.no_grad():
+        model.lm_head.weight.data.mul_(-2.0)  # what a merge writing through `.data` does
+    after = model.speech_logits(hidden)
+    torch.testing.assert_close(after, gathered_speech_logits(model, hidden))
+    torch.testing.assert_close(after, -2.0 * before)
+
+
+def test_speech_logits_follow_weights_loaded_from_another_model():
+    model, other = tiny_model(seed=0), tiny_model(seed=5)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    model.speech_logits(hidden)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(model.speech_logits(hidden), gathered_speech_logits(other, hidden))
+
+
+class CastCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tower_step_casts(model) -> int:
+    """dtype casts (`_to_copy`) of one float32 tower step after a 4-row prefill."""
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(4, model.config.semantic_start_token_id, (1, 4), generator=generator)
+    codes = torch.zeros(1, 4, model.config.num_codebooks, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    cache = Drama3Cache.empty(model.config)
+    with torch.no_grad():
+        hidden = model.prefill(ids, codes, mask, cache)[:, -1:]
+        counter = CastCounter()
+        with counter:
+            model.tower_step(hidden, ids[:, -1:], codes[:, -1:], ids[:, -1:] * 0, mask, cache,
+                             lambda logits, index: logits[:, -1].argmax(-1, keepdim=True))
+    return counter.ops[torch.ops.aten._to_copy]
+
+
+def test_a_tower_step_casts_once_per_step_not_once_per_layer():
+    shallow = tiny_model(seed=0, tower={"shared_enrichment_layers": 1, "n_layer": 1})
+    deep = tiny_model(seed=0, tower={"shared_enrichment_layers": 4, "n_layer": 4})
+    assert tower_step_casts(deep) == tower_step_casts(shallow)
