@@ -14,9 +14,16 @@ import socket
 # there to save seconds): the tests prove the device router keeps such a process working on a CPU.
 os.environ.setdefault("DRAMA3_KERNEL_PACKAGES", "1")
 
-import numpy as np
-import pytest
-import torch
+import torch  # noqa: E402  (imports no triton)
+
+# Without CUDA the package's own Triton kernels run on CPU tensors in Triton's interpreter
+# (tests/test_fused_kernels.py); it must be chosen before triton is first imported. With CUDA
+# they run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from codec_helpers import tiny_codec
 from generation_helpers import load_bundled_tiny, tiny_speech_bundle

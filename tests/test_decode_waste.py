@@ -7,6 +7,7 @@ from generation_helpers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformers_drama3.generation_drama3 import Drama3Cache
+from transformers_drama3.kernels.fused_step import filtered_probabilities, top_k_filtered_probabilities
 from transformers_drama3.modeling_drama3 import tower_attention_mask
 
 
@@ -70,3 +71,12 @@ def test_a_tower_step_casts_once_per_step_not_once_per_layer():
     shallow = tiny_model(seed=0, tower={"shared_enrichment_layers": 1, "n_layer": 1})
     deep = tiny_model(seed=0, tower={"shared_enrichment_layers": 4, "n_layer": 4})
     assert tower_step_casts(deep) == tower_step_casts(shallow)
+
+
+def test_a_capped_draw_sorting_only_its_top_k_gives_the_full_sorts_distribution():
+    logits = torch.randn(5, 4096, generator=torch.Generator().manual_seed(6)) * 4
+    for temperature, top_k, top_p, keep_crossing in ((1.0, 30, 0.9, False), (0.7, 30, 0.7, True), (1.0, 3, 1.0, False)):
+        fast = top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        reference = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        assert torch.equal(fast > 0, reference > 0)
+        torch.testing.assert_close(fast, reference)

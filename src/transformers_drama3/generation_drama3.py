@@ -47,6 +47,9 @@ from transformers.utils import ModelOutput
 
 from .codec.streaming import stream_decode_windows
 from .configuration_drama3 import Drama3Config
+from .kernels import fused_step
+# The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
+from .kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities
 from .prompting.text import is_cjk
 from .threads import check_threads, resolve_threads, torch_threads
 
@@ -59,7 +62,6 @@ RAS_TOP_P = 0.95
 RAS_TOP_K = 30
 CODEBOOK_TOP_K = 30
 """The codebook heads never keep more than this many candidates."""
-MIN_TEMPERATURE = 1e-5
 EMPTY_WINDOW_SLOT = -1
 """Fills the RAS window where a row is padding; equals no token id."""
 
@@ -196,34 +198,6 @@ def _check_sampling_values(changes: dict, max_new_tokens) -> None:
 # ----------------------------------------------------------------------------- the sampler
 
 
-def filtered_probabilities(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    keep_crossing: bool,
-) -> torch.Tensor:
-    """The distribution a draw samples from: logits `[..., V]` -> probabilities `[..., V]` (float32).
-
-    Temperature first, then top-p over the full softmax, then top-k; rank 0 is always kept.
-    `keep_crossing` keeps the token whose cumulative mass first exceeds top-p (main token);
-    otherwise it is dropped (codebook heads).
-    """
-    scaled = logits.float() / max(temperature, MIN_TEMPERATURE)
-    probabilities = torch.softmax(scaled, dim=-1)
-    sorted_probabilities, order = probabilities.sort(dim=-1, descending=True, stable=True)
-    cumulative = sorted_probabilities.cumsum(dim=-1)
-    mass_before = cumulative - sorted_probabilities if keep_crossing else cumulative
-    dropped = mass_before > top_p
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    if top_k is not None:
-        dropped |= ranks >= top_k
-    dropped &= ranks > 0
-    kept = sorted_probabilities.masked_fill(dropped, 0.0)
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(kept).scatter(-1, order, kept)
-
-
 def exponential_race(
     probabilities: torch.Tensor,
     generators: Sequence[torch.Generator] | None,
@@ -236,9 +210,19 @@ def exponential_race(
     With generators, row b draws only `widths[b]` numbers (default V; the candidates after them
     must have probability 0), and nothing at all where `drawing[b]` is False (its index is then
     meaningless). So what an item draws never depends on what else is in the batch."""
+    return (probabilities / race_noise(probabilities, generators, widths, drawing)).argmax(dim=-1)
+
+
+def race_noise(
+    probabilities: torch.Tensor,
+    generators: Sequence[torch.Generator] | None,
+    widths: torch.Tensor | None = None,
+    drawing: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Exp(1) numbers `exponential_race` divides by, `[batch, V]` like `probabilities` (`inf`
+    past an item's width, 1 where it does not draw)."""
     if generators is None:
-        noise = torch.empty_like(probabilities).exponential_()
-        return (probabilities / noise).argmax(dim=-1)
+        return torch.empty_like(probabilities).exponential_()
     size = probabilities.shape[-1]
     device = probabilities.device
     rows = []
@@ -249,7 +233,7 @@ def exponential_race(
         width = size if widths is None else int(widths[item])
         row = torch.empty(width, device=device).exponential_(generator=generator)
         rows.append(torch.cat((row, torch.full((size - width,), float("inf"), device=device))))
-    return (probabilities / torch.stack(rows)).argmax(dim=-1)
+    return torch.stack(rows)
 
 
 class Drama3Sampler:
@@ -285,7 +269,11 @@ class Drama3Sampler:
         self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
 
     def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None):
-        probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
+        if top_k is None:
+            probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        else:
+            probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
         return exponential_race(probabilities, self.generators, widths, drawing)
 
     def main_token(self, logits: torch.Tensor) -> torch.Tensor:
@@ -316,6 +304,11 @@ class Drama3Sampler:
         settings = self.settings
         if not settings.do_sample:
             return logits.argmax(dim=-1)[:, None]
+        if fused_step.use_kernel(logits):
+            # one fused kernel for the filtered draw, over the noise the reference would divide by
+            noise = race_noise(torch.empty(logits.shape, device=logits.device), self.generators, drawing=drawing)
+            codes = fused_step.filtered_race(logits, noise, settings.temperature, settings.codebook_top_k, settings.top_p, False)
+            return codes[:, None]
         codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing)
         return codes[:, None]
 

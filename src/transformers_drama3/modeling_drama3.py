@@ -40,6 +40,7 @@ from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 from .prompting import IGNORE_INDEX
 from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
 from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
+from .kernels import fused_step
 from .saving import save_published
 from .rope import apply_interleaved_rope, rope_cos_sin
 
@@ -178,11 +179,17 @@ class Drama3TowerLayer(GradientCheckpointingLayer):
         """hidden: [batch, rows, dim]; codes: [batch, rows]; audio_weight: [batch, rows, 1] in
         hidden's dtype, 1 where the labelled frame is audio (`audio_weights`); rotary: the rows'
         (cos, sin) (`tower_rotary`); extra: [batch, rows, dim]."""
-        e = self.embedding(codes.clamp(0, self.codebook_size - 1)) * audio_weight
-        if extra is not None:
-            e = e + extra
-        u = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(hidden)), dim=-1))
-        return self.final_layernorm(self.transformer_layer(u, rotary, attention_mask, cache))
+        if fused_inference(hidden, self.embedding, self.enorm, self.hnorm):
+            injected = fused_step.tower_injection(
+                self.embedding.weight, codes, audio_weight, extra, hidden, self.enorm.weight, self.hnorm.weight,
+                self.enorm.eps,
+            )
+        else:
+            e = self.embedding(codes.clamp(0, self.codebook_size - 1)) * audio_weight
+            if extra is not None:
+                e = e + extra
+            injected = torch.cat((self.enorm(e), self.hnorm(hidden)), dim=-1)
+        return self.final_layernorm(self.transformer_layer(self.eh_proj(injected), rotary, attention_mask, cache))
 
 
 class Drama3SharedTowerLayer(Drama3TowerLayer):
@@ -243,6 +250,14 @@ class Drama3Model(nn.Module):
 
 
 # ----------------------------------------------------------------------------- masks and positions
+
+
+def fused_inference(tensor: torch.Tensor, *modules: nn.Module) -> bool:
+    """Whether a fused kernel (`kernels.fused_step`) computes what `modules` would for `tensor`:
+    on CUDA, without autograd (the kernels have no backward), and only for the plain modules they
+    restate (a PEFT-wrapped or replaced module runs its own forward)."""
+    plain = (nn.Embedding, Qwen3_5MoeRMSNorm)
+    return fused_step.use_kernel(tensor) and not torch.is_grad_enabled() and all(type(m) in plain for m in modules)
 
 
 def audio_weights(is_audio: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -468,7 +483,13 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
 
         Audio rows: (E_text[main] + sum_{k=1..K} E_cb[k][c_k]) / sqrt(1 + K); text rows: E_text[main].
         """
-        text = self.backbone.embed_tokens(input_ids)
+        text_table, codebook_table = self.backbone.embed_tokens, self.audio_decoder.codebook_embeddings
+        if audio_codes is not None and self.backbone_codebooks and fused_inference(input_ids, text_table, codebook_table):
+            return fused_step.partial_codebook_fusion(
+                text_table.weight, codebook_table.weight, input_ids, audio_codes[..., 1 : 1 + self.backbone_codebooks],
+                self.config.semantic_start_token_id, self.config.semantic_end_token_id, self.audio_decoder.codebook_size,
+            )
+        text = text_table(input_ids)
         if audio_codes is None or self.backbone_codebooks == 0:
             return text
         acoustic = self.audio_decoder.sum_codebooks(audio_codes, 1, 1 + self.backbone_codebooks)
