@@ -1,0 +1,237 @@
+"""Drama 3 decode speed on one GPU at the published width (random weights), in under ten minutes.
+
+    PYTHONPATH=src python benchmarks/gpu.py                 # on a CUDA machine (one H200: ~5 min)
+    PYTHONPATH=src python benchmarks/gpu.py --dry-run       # the same code at a tiny width, CPU, seconds
+
+The published model is too large to build at all 40 backbone layers in a few minutes, so each
+measurement builds the published width (hidden 2048, 256 experts of which 8 per token, the
+13-layer tower, the full vocabulary) at two backbone depths (`--depths`, default 4 and 8 layers,
+keeping the 3 Gated DeltaNet : 1 attention pattern) and extrapolates the time per step linearly to
+the published 40 layers: step(40) = step(a) + (40 - a) / (b - a) * (step(b) - step(a)).
+
+For each expert format (bf16; FP8: the routed experts stored as float8 e4m3 with one scale per
+output row, dequantised to bf16 for the experts a step uses, so each step reads one byte per expert
+weight - weight-only FP8, not the published block-scaled FP8 matmul) and each mode (eager;
+`torch.compile` of the backbone and tower modules, dynamic shapes, no CUDA graphs - the decode
+loop's growing caches do not allow them yet), it prints for batch 1 and `--batch`:
+
+  ms per step, frames/s of all items, and frames/s against the paper's 271 frames/s (one H200,
+  batch 1) and S2's 177,
+
+plus the time to first audio of one stream (prefill of `--prompt-rows` rows + 10 frames, without
+the codec) at the published depth (extrapolated the same way). eos is masked out, so every run
+makes exactly `--frames` frames. Prints only; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+from transformers_drama3.generation_drama3 import Drama3Sampler, SamplingSettings, decode_steps, prompt_window
+
+PAPER_FRAMES_PER_SECOND = 271.0
+"""The paper's Drama 3 decode speed on one H200 (batch 1)."""
+S2_FRAMES_PER_SECOND = 177.0
+"""The paper's figure for Fish Audio S2 on the same GPU."""
+PUBLISHED_LAYERS = 40
+FIRST_AUDIO_FRAMES = 10
+
+# A width that runs the same code in seconds on a CPU (--dry-run).
+DRY_RUN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                    vocab_size=512 + 256)
+DRY_RUN_TOWER = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", nargs=2, type=int, default=[4, 8],
+                        help="two backbone depths to extrapolate from (multiples of 4)")
+    parser.add_argument("--batch", type=int, default=16, help="the batched run's size (batch 1 always runs)")
+    parser.add_argument("--frames", type=int, default=32, help="frames per timed run")
+    parser.add_argument("--prompt-rows", type=int, default=256)
+    parser.add_argument("--experts", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
+    arguments = parser.parse_args(argv)
+    low, high = arguments.depths
+    if not (0 < low < high and low % 4 == 0 and high % 4 == 0):
+        # whole groups of 3 Gated DeltaNet + 1 attention layers: the mix of the published 40
+        parser.error(f"--depths {low} {high}: expected two multiples of 4, the first smaller")
+    for name in ("batch", "frames", "prompt_rows"):
+        if getattr(arguments, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(arguments, name)}: expected a positive number")
+    if arguments.frames < 2:
+        parser.error("--frames: at least 2 (the first frame includes the prefill)")
+    return arguments
+
+
+def published_config(layers: int, dry_run: bool) -> Drama3Config:
+    """The published config (or the dry run's tiny width) with `layers` backbone layers."""
+    text = dict(DRY_RUN_TEXT) if dry_run else {}
+    text["num_hidden_layers"] = layers
+    if dry_run:
+        return Drama3Config(text_config=text, audio_decoder_config=DRY_RUN_TOWER, semantic_start_token_id=512,
+                            eos_token_id=2)
+    return Drama3Config(text_config=text)
+
+
+def build(layers: int, device: str, dtype: torch.dtype, dry_run: bool) -> Drama3ForSpeechGeneration:
+    """A random model at the published width; eos masked out of the restricted logits."""
+    config = published_config(layers, dry_run)
+    with torch.device(device):
+        model = Drama3ForSpeechGeneration(config).to(dtype).eval()
+    eos_index = config.codebook_size
+    speech_logits = model.speech_logits
+
+    def without_eos(hidden):
+        logits = speech_logits(hidden)
+        logits[..., eos_index] = float("-inf")
+        return logits
+
+    model.speech_logits = without_eos
+    return model
+
+
+class Fp8StoredExperts(torch.nn.Module):
+    """The routed experts of one layer stored in float8 e4m3 with one float32 scale per output row;
+    a step dequantises only the experts its tokens reach. Same maths as transformers' eager experts."""
+
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name).data
+            scale = weight.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            self.register_buffer(f"{name}_fp8", (weight.float() / scale).to(torch.float8_e4m3fn))
+            self.register_buffer(f"{name}_scale", scale)
+        self.compute_dtype = experts.gate_up_proj.dtype
+
+    def weight(self, name: str, expert: int) -> torch.Tensor:
+        stored, scale = getattr(self, f"{name}_fp8")[expert], getattr(self, f"{name}_scale")[expert]
+        return (stored.to(torch.float32) * scale).to(self.compute_dtype)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = torch.nn.functional.linear(hidden_states[token], self.weight("gate_up_proj", expert)).chunk(2, -1)
+            expert_out = torch.nn.functional.linear(self.act_fn(gate) * up, self.weight("down_proj", expert))
+            out.index_add_(0, token, (expert_out * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def store_experts_in_fp8(model: Drama3ForSpeechGeneration) -> None:
+    for layer in model.backbone.layers:
+        layer.mlp.experts = Fp8StoredExperts(layer.mlp.experts)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def compile_modules(model: Drama3ForSpeechGeneration) -> None:
+    """torch.compile the backbone's layers and the tower's (dynamic shapes: the caches grow)."""
+    for layer in model.backbone.layers:
+        layer.compile(dynamic=True)
+    for layer in model.tower_layers:
+        layer.compile(dynamic=True)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_run(model, batch: int, rows: int, frames: int, device: str) -> tuple[float, float]:
+    """(seconds to the 10th frame from the start, including the prefill; seconds per step after it)."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.semantic_start_token_id, (batch, rows), generator=generator).to(device)
+    audio_codes = torch.zeros(batch, rows, model.config.num_codebooks, dtype=torch.long, device=device)
+    mask = torch.ones_like(input_ids)
+    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(device), prompt_window(input_ids, mask))
+    steps = decode_steps(model, input_ids, audio_codes, mask, sampler, torch.full((batch,), max(frames, FIRST_AUDIO_FRAMES)))
+    synchronize(device)
+    started = time.perf_counter()
+    first_audio = float("nan")
+    marks = []
+    for index, _ in enumerate(steps):
+        synchronize(device)
+        marks.append(time.perf_counter())
+        if index + 1 == FIRST_AUDIO_FRAMES:
+            first_audio = marks[-1] - started
+    per_step = (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
+    return first_audio, per_step
+
+
+def extrapolate(low: tuple[int, float], high: tuple[int, float], layers: int = PUBLISHED_LAYERS) -> float:
+    """The value at `layers` on the line through (depth, value) pairs `low` and `high`."""
+    (a, at_a), (b, at_b) = low, high
+    return at_a + (layers - a) / (b - a) * (at_b - at_a)
+
+
+def measure(arguments, depth: int, experts: str, mode: str, device: str, dtype) -> dict[int, tuple[float, float]]:
+    """{batch: (time to first audio, seconds per step)} of one model."""
+    torch.manual_seed(0)
+    model = build(depth, device, dtype, arguments.dry_run)
+    if experts == "fp8":
+        store_experts_in_fp8(model)
+    if mode == "compiled":
+        compile_modules(model)
+    results = {}
+    with torch.no_grad():
+        timed_run(model, 1, 16, 3, device)  # warm-up (and the first compilations)
+        for batch in sorted({1, arguments.batch}):
+            if mode == "compiled":
+                timed_run(model, batch, arguments.prompt_rows, 3, device)  # compile this batch's shapes
+            results[batch] = timed_run(model, batch, arguments.prompt_rows, arguments.frames, device)
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results
+
+
+def report(experts: str, mode: str, low_depth: int, high_depth: int, low: dict, high: dict, layers: int) -> None:
+    for batch in low:
+        per_step = extrapolate((low_depth, low[batch][1]), (high_depth, high[batch][1]), layers)
+        first_audio = extrapolate((low_depth, low[batch][0]), (high_depth, high[batch][0]), layers)
+        frames_per_second = batch / per_step
+        print(
+            f"  {experts:>4} {mode:>8} batch {batch:>2}: {per_step * 1e3:7.2f} ms per step at {layers} layers "
+            f"({low[batch][1] * 1e3:.2f} at {low_depth}, {high[batch][1] * 1e3:.2f} at {high_depth}); "
+            f"{frames_per_second:7.1f} frames/s = {frames_per_second / PAPER_FRAMES_PER_SECOND:.2f}x the paper's "
+            f"{PAPER_FRAMES_PER_SECOND:.0f}, {frames_per_second / S2_FRAMES_PER_SECOND:.2f}x S2's {S2_FRAMES_PER_SECOND:.0f}; "
+            f"first audio {first_audio * 1e3:.0f} ms"
+        )
+
+
+def main(argv=None) -> None:
+    arguments = parse_arguments(argv)
+    started = time.perf_counter()
+    if arguments.dry_run:
+        device, dtype = "cpu", torch.float32
+        torch.set_num_threads(1)  # a tiny width gains nothing from threads (see threads.py)
+    elif torch.cuda.is_available():
+        device, dtype = "cuda", torch.bfloat16
+    else:
+        raise SystemExit("benchmarks/gpu.py: no CUDA device; run with --dry-run to check the script on the CPU")
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: tiny width, float32 for bf16)"
+    low_depth, high_depth = arguments.depths
+    print(f"{name}, torch {torch.__version__}; backbone depths {low_depth} and {high_depth} extrapolated to "
+          f"{PUBLISHED_LAYERS}; prompt {arguments.prompt_rows} rows, {arguments.frames} frames per run")
+    for experts in arguments.experts:
+        for mode in arguments.modes:
+            low = measure(arguments, low_depth, experts, mode, device, dtype)
+            high = measure(arguments, high_depth, experts, mode, device, dtype)
+            report(experts, mode, low_depth, high_depth, low, high, PUBLISHED_LAYERS)
+            print(f"    ({time.perf_counter() - started:.0f} s so far)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
