@@ -1,27 +1,37 @@
-"""Decode speed of Drama 3 generation on this machine (random weights, float32).
+"""Decode speed of Drama 3 generation on this machine (random weights, float32), in one run.
 
     PYTHONPATH=src python benchmarks/generate.py [--configs small medium] [--batches 1 4 16]
-                                                 [--frames 16] [--prompt-rows 128] [--threads N]
+                                                 [--frames 16] [--prompt-rows 128] [--no-codec]
+                                                 [--no-busy] [--busy-seconds 120]
 
 For each config prints:
+  - ATen ops and dtype casts (`_to_copy`) of one decode step (batch 1), counted by a dispatch mode;
+  - decode ms per frame at 1 thread, torch's default count and the count `threads.decode_threads`
+    chooses, on the machine as it is and with one core kept busy by a spinner process (a child
+    that spins for at most `--busy-seconds`, killed when the comparison ends);
   - prefill time of one prompt of `--prompt-rows` rows;
-  - frames per second of one stream and of batches of 4 and 16 (frames of all items / time);
-  - time to first audio of one stream: prefill + the first 10-frame window + its codec decode
-    (the codec at its published sizes, random weights);
-  - decode time per frame (batch 1) against the memory-bandwidth floor: the bytes of weights
-    one frame reads (backbone without the unused routed experts, the top-k experts of each
-    layer, the restricted lm_head rows, the whole tower and its heads) divided by the copy
-    bandwidth measured here. A ratio of 1 would be a decode bound only by reading weights.
+  - frames per second of batches of 1, 4 and 16 (frames of all items / time) against the
+    memory-bandwidth floor of that batch: the bytes of weights one step reads (backbone without
+    the routed experts, the routed experts the batch's tokens reach - top-k of each token,
+    `E (1 - (1 - k/E)^B)` distinct experts expected for B tokens - the restricted lm_head rows,
+    the tower and its heads) divided by the copy bandwidth measured here, and the part of the
+    step the floor leaves (per-op overhead and compute);
+  - time to first audio of one stream: prefill + the first 10-frame window + its codec decode.
 eos is masked out so every run makes exactly `--frames` frames. Prints only; asserts nothing.
 """
 
 import argparse
+import collections
+import subprocess
+import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.generation_drama3 import Drama3Sampler, SamplingSettings, decode_steps, prompt_window
+from transformers_drama3.threads import available_cores, busy_cores_elsewhere, decode_threads, torch_threads
 
 CONFIGS = {
     # ~20M parameters: the tiny test model's shape, a little wider
@@ -60,23 +70,29 @@ def build(name: str) -> Drama3ForSpeechGeneration:
     return model
 
 
-def weights_read_per_frame(model: Drama3ForSpeechGeneration) -> int:
-    """Bytes of parameters one decode step reads (batch 1)."""
+def distinct_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts `tokens` tokens reach, each routed to `top_k` of `experts` at random."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def weights_read_per_step(model: Drama3ForSpeechGeneration, batch: int = 1) -> int:
+    """Bytes of parameters one decode step of `batch` items reads (each weight once per step)."""
     text = model.config.text_config
     element = next(model.parameters()).element_size()
+    expert_share = distinct_experts(text.num_experts, text.num_experts_per_tok, batch) / text.num_experts
     total = 0
     for name, parameter in model.named_parameters():
         if name.startswith(("lm_head", "audio_decoder.codebook_embeddings")) or "embed_tokens" in name:
             continue
-        if "embedding" in name:  # tower embeddings: one row each
-            total += parameter.shape[-1] * element
+        if "embedding" in name:  # tower embeddings: one row per item
+            total += batch * parameter.shape[-1] * element
         elif ".mlp.experts." in name:
-            total += parameter.numel() * element * text.num_experts_per_tok // text.num_experts
+            total += int(parameter.numel() * element * expert_share)
         else:
             total += parameter.numel() * element
     rows = model.config.codebook_size + 1
     total += rows * model.config.hidden_size * element  # restricted lm_head
-    total += (1 + model.config.num_codebooks) * model.config.hidden_size * element  # embedding rows of one row
+    total += batch * (1 + model.config.num_codebooks) * model.config.hidden_size * element  # embedding rows
     return total
 
 
@@ -119,9 +135,55 @@ def time_to_first_audio(model, rows: int) -> float:
 
     codec = Drama3CodecModel(Drama3CodecConfig(semantic_codebook_size=model.config.codebook_size)).eval()
     input_ids, audio_codes, mask = prompt_of(model, 1, rows)
-    for chunk in model.stream(input_ids, audio_codes, mask, codec=codec, seed=0, max_new_tokens=10):
+    for chunk in model.stream(input_ids, audio_codes, mask, codec=codec, seed=0, max_new_tokens=10, threads=None):
         return chunk.elapsed
     return float("nan")
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(model) -> tuple[int, int]:
+    """(ATen ops, `_to_copy` casts) of one decode step of batch 1, after a few warm steps."""
+    input_ids, audio_codes, mask = prompt_of(model, 1, 16)
+    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
+    steps = decode_steps(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8))
+    next(steps), next(steps)
+    counter = OpCounter()
+    with counter:
+        next(steps)
+    return sum(counter.ops.values()), counter.ops[torch.ops.aten._to_copy]
+
+
+SPINNER = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+
+
+def busy_core(seconds: float) -> subprocess.Popen:
+    """A child process that keeps one core busy for at most `seconds` (the caller kills it sooner)."""
+    return subprocess.Popen([sys.executable, "-c", SPINNER.format(seconds=seconds)])
+
+
+def per_frame_at(model, threads: int, frames: int, rows: int) -> float:
+    with torch_threads(threads):
+        return run(model, 1, rows, frames)[1]
+
+
+def thread_comparison(model, frames: int, rows: int, label: str) -> None:
+    """ms per frame (batch 1) at 1 thread, torch's default and the chosen count."""
+    chosen = decode_threads(model)
+    default = available_cores()
+    counts = {"1 thread": 1, f"default ({default})": default, f"chosen ({chosen})": chosen}
+    timings = {name: per_frame_at(model, count, frames, rows) for name, count in counts.items()}
+    one = timings["1 thread"]
+    shown = ", ".join(f"{name} {value * 1e3:.1f} ms ({one / value:.2f}x)" for name, value in timings.items())
+    print(f"  {label}: {shown}  [speed vs 1 thread]")
 
 
 @torch.no_grad()
@@ -131,33 +193,43 @@ def main():
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--prompt-rows", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-codec", action="store_true", help="skip the time-to-first-audio run")
+    parser.add_argument("--no-busy", action="store_true", help="skip the comparison with a busy core")
+    parser.add_argument("--busy-seconds", type=float, default=120.0, help="the spinner's longest life")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     bandwidth = copy_bandwidth()
-    print(f"threads {torch.get_num_threads()}, copy bandwidth {bandwidth / 1e9:.1f} GB/s read")
+    print(f"{available_cores()} cores, {busy_cores_elsewhere()} busy with other processes now; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s read; torch {torch.__version__}")
     for name in args.configs:
         torch.manual_seed(0)
         model = build(name)
         parameters = sum(p.numel() for p in model.parameters())
-        weights = weights_read_per_frame(model)
-        print(f"\n[{name}] {parameters / 1e6:.0f}M parameters, {weights / 1e6:.0f} MB of weights read per frame")
+        print(f"\n[{name}] {parameters / 1e6:.0f}M parameters, {weights_read_per_step(model) / 1e6:.0f} MB of weights "
+              f"read per frame (batch 1)")
         run(model, 1, 8, 2)  # warm-up
-        per_frame_single = None
-        for batch in args.batches:
-            prefill, per_frame = run(model, batch, args.prompt_rows, args.frames)
-            if batch == 1:
-                per_frame_single = per_frame
-                print(f"  prefill of {args.prompt_rows} rows: {prefill * 1e3:.0f} ms")
-            print(f"  batch {batch:>2}: {batch / per_frame:7.1f} frames/s ({per_frame * 1e3:.0f} ms per step)")
-        if per_frame_single is not None:
-            floor = weights / bandwidth
-            print(f"  decode per frame {per_frame_single * 1e3:.1f} ms vs bandwidth floor {floor * 1e3:.2f} ms "
-                  f"({floor / per_frame_single:.1%} of the floor's speed)")
-        if not args.no_codec:
-            print(f"  time to first audio (10 frames + codec window): {time_to_first_audio(model, args.prompt_rows):.2f} s")
+        ops, casts = ops_per_step(model)
+        print(f"  one decode step: {ops} ATen ops, {casts} dtype casts (_to_copy)")
+        thread_comparison(model, max(4, args.frames // 2), args.prompt_rows, "as the machine is")
+        if not args.no_busy:
+            spinner = busy_core(args.busy_seconds)
+            try:
+                time.sleep(0.2)
+                thread_comparison(model, max(4, args.frames // 2), args.prompt_rows, "one core busy     ")
+            finally:
+                spinner.kill()
+                spinner.wait()
+        threads = decode_threads(model)
+        with torch_threads(threads):
+            for batch in args.batches:
+                prefill, per_step = run(model, batch, args.prompt_rows, args.frames)
+                if batch == 1:
+                    print(f"  prefill of {args.prompt_rows} rows: {prefill * 1e3:.0f} ms ({threads} thread(s) from here on)")
+                floor = weights_read_per_step(model, batch) / bandwidth
+                print(f"  batch {batch:>2}: {batch / per_step:7.1f} frames/s, {per_step * 1e3:6.1f} ms per step; "
+                      f"bandwidth floor {floor * 1e3:6.1f} ms ({floor / per_step:5.1%} of the floor's speed; "
+                      f"{(per_step - floor) * 1e3:.1f} ms above it)")
+            if not args.no_codec:
+                print(f"  time to first audio (10 frames + codec window): {time_to_first_audio(model, args.prompt_rows):.2f} s")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ with one busy core. So:
 
     threads = min(cores not busy with other processes, weight bytes read per frame / BYTES_PER_THREAD)
 
-at least 1. `BYTES_PER_THREAD` is measured (benchmarks/generate.py prints 1 vs default vs chosen):
-below it a second thread did not pay. Busy cores are counted from the kernel's count of runnable
-tasks, sampled a few times, less this process's own runnable threads. On CUDA the count is left
-alone (the CPU only launches kernels).
+at least 1. `BYTES_PER_THREAD` is a first setting, not yet measured on an idle machine: the 68 MB
+per frame small config never gained from a second thread here (on a shared machine), drama3-tiny
+not even on a quiet 2-core machine, and the benchmark
+(benchmarks/generate.py prints 1 vs default vs chosen) is how to move it. Busy cores are counted
+from the kernel's count of runnable tasks, sampled a few times, less this process's own runnable
+threads. On CUDA the count is left alone (the CPU only launches kernels).
 
 `decode_threads(model)` is the choice; `torch_threads(count)` applies a count to a block in the
 calling thread and restores the previous one after it (torch keeps the count per thread). An int
