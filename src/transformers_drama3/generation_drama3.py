@@ -544,6 +544,28 @@ def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) 
     return torch.cat((logits, separator), dim=-1)
 
 
+@dataclass
+class DecodeState:
+    """Where a decode run stands between steps.
+
+    cache: its `Drama3Cache`; hidden [batch, 1, dim]: the backbone output of the open row (the
+    last row fed, whose next row is not drawn yet); ids [batch, 1] / codes [batch, 1,
+    num_codebooks]: that row; mask [batch, rows fed]."""
+
+    cache: Drama3Cache
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    codes: torch.Tensor
+    mask: torch.Tensor
+
+
+def prefilled(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, attention_mask: torch.Tensor) -> DecodeState:
+    """A fresh cache filled with a prompt (input_ids [batch, rows], ...); its last row is open."""
+    cache = Drama3Cache.empty(model.config)
+    hidden = model.prefill(input_ids, audio_codes, attention_mask, cache)[:, -1:]
+    return DecodeState(cache, hidden, input_ids[:, -1:], audio_codes[:, -1:], attention_mask)
+
+
 def decode_steps(
     model,
     input_ids: torch.Tensor,
@@ -553,29 +575,43 @@ def decode_steps(
     budgets: torch.Tensor,
     separators: LineSeparators | None = None,
 ) -> Iterator[FrameStep]:
-    """Prefill once, then one step per main token until every item has ended.
+    """Prefill once, then one step per main token until every item has ended (`decode_from`).
 
     input_ids [batch, rows], audio_codes [batch, rows, num_codebooks], attention_mask [batch, rows]
-    (left padding); budgets [batch] frames each item may produce. With `separators` (and a sampler
-    whose candidates end with the separator), an item may draw `<|audio_separator|>` while it has
-    line boundaries left: that step makes no frame and draws no code, and the separator goes back
-    in as a text row with zero codes, as in the training rows. Items that ended keep stepping with
-    the batch (their outputs are ignored): every item's computation is independent of the others',
-    so a batch produces what each prompt produces alone.
+    (left padding); budgets [batch] frames each item may produce."""
+    state = prefilled(model, input_ids, audio_codes, attention_mask)
+    yield from decode_from(model, state, sampler, budgets, separators)
+
+
+def decode_from(
+    model,
+    state: DecodeState,
+    sampler: Drama3Sampler,
+    budgets: torch.Tensor,
+    separators: LineSeparators | None = None,
+) -> Iterator[FrameStep]:
+    """One step per main token from `state` until every item has ended; `state` follows along (after
+    the run its open row is the last row fed: the last frame before eos, or, for an item that used
+    its budget, the frame before its last one, whose last frame was never fed).
+
+    budgets [batch] frames each item may produce. With `separators` (and a sampler whose candidates
+    end with the separator), an item may draw `<|audio_separator|>` while it has line boundaries
+    left: that step makes no frame and draws no code, and the separator goes back in as a text row
+    with zero codes, as in the training rows. Items that ended keep stepping with the batch (their
+    outputs are ignored): every item's computation is independent of the others', so a batch
+    produces what each prompt produces alone.
     """
     config = model.config
-    cache = Drama3Cache.empty(config)
-    hidden = model.prefill(input_ids, audio_codes, attention_mask, cache)[:, -1:]
-    current_ids, current_codes, mask = input_ids[:, -1:], audio_codes[:, -1:], attention_mask
-    batch = input_ids.shape[0]
-    produced_count = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
-    active = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
-    budgets = budgets.to(input_ids.device)
+    batch = state.ids.shape[0]
+    device = state.ids.device
+    produced_count = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    budgets = budgets.to(device)
     if separators is not None:
-        separators = LineSeparators(separators.token_id, separators.left.to(input_ids.device).clone())
+        separators = LineSeparators(separators.token_id, separators.left.to(device).clone())
     step = 0
     while True:
-        main_ids = sampler.main_token(main_logits(model, hidden, separators))  # [batch, 1]
+        main_ids = sampler.main_token(main_logits(model, state.hidden, separators))  # [batch, 1]
         eos = main_ids[:, 0] == config.eos_token_id
         boundary = torch.zeros_like(eos) if separators is None else active & (main_ids[:, 0] == separators.token_id)
         speaking = active & ~eos & ~boundary
@@ -585,10 +621,12 @@ def decode_steps(
             def sample(logits, codebook_index, drawing=speaking):
                 return sampler.codebook(logits, codebook_index, drawing)
 
-            frames = model.tower_step(hidden, current_ids, current_codes, semantic, mask, cache, sample, ~boundary)
+            frames = model.tower_step(
+                state.hidden, state.ids, state.codes, semantic, state.mask, state.cache, sample, ~boundary
+            )
             frames = frames.masked_fill(boundary[:, None, None], 0)
         else:
-            frames = current_codes.new_zeros(batch, 1, config.num_codebooks)
+            frames = state.codes.new_zeros(batch, 1, config.num_codebooks)
         if separators is not None:
             separators.left -= boundary.long()
         produced_count += speaking.long()
@@ -597,9 +635,9 @@ def decode_steps(
         yield FrameStep(step, main_ids[:, 0], frames[:, 0], speaking, ended, eos & ended, boundary)
         if not active.any():
             return
-        mask = torch.cat((mask, mask.new_ones(batch, 1)), dim=1)
-        hidden = model.decode_row(main_ids, frames, mask, cache)
-        current_ids, current_codes = main_ids, frames
+        state.mask = torch.cat((state.mask, state.mask.new_ones(batch, 1)), dim=1)
+        state.hidden = model.decode_row(main_ids, frames, state.mask, state.cache)
+        state.ids, state.codes = main_ids, frames
         step += 1
 
 
@@ -740,6 +778,15 @@ class WaveformStreamer:
         while len(self.pending) >= self.window:
             chunks.append(self._emit(self.window, is_last=False))
             self.window = next(self.windows) if self.windows is not None else 1
+        return chunks
+
+    def end_window(self) -> list[AudioChunk]:
+        """Emit the frames pushed so far as a short window and start the window schedule again
+        (10, 10, 12, ...): a turn of streaming text input ended, and its audio must not wait for
+        frames of a turn whose text may not have arrived yet."""
+        chunks = [self._emit(len(self.pending), is_last=False)] if self.pending else []
+        self.windows = default_stream_windows() if self.codec is not None else None
+        self.window = next(self.windows) if self.windows is not None else 1
         return chunks
 
     def finish(self) -> list[AudioChunk]:

@@ -598,6 +598,46 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
         )
         return hidden
 
+    def extend(
+        self,
+        open_hidden: torch.Tensor,
+        open_ids: torch.Tensor,
+        open_codes: torch.Tensor,
+        input_ids: torch.Tensor,
+        audio_codes: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Drama3Cache,
+    ) -> torch.Tensor:
+        """Append rows to a filled cache and return their backbone output [batch, new, dim].
+
+        A filled cache ends with an *open row*: the last row fed, which the tower has not seen yet
+        because the row after it was not known (what `prefill` and `decode_row` leave). open_hidden
+        [batch, 1, dim] is its backbone output, open_ids [batch, 1] / open_codes [batch, 1,
+        num_codebooks] the row itself. input_ids [batch, new] / audio_codes [batch, new,
+        num_codebooks] are the new rows; attention_mask [batch, past + new] covers all of them.
+
+        The backbone runs over the new rows from the cache (the Gated DeltaNet layers continue from
+        their conv and recurrent states, attention from the cached keys); the tower is teacher-forced
+        over the open row and every new row but the last, each labelled with the row after it. The
+        cache is then what `prefill` of all the rows leaves, up to float rounding, and the last new
+        row is the open row.
+        """
+        new = input_ids.shape[1]
+        past = attention_mask.shape[1] - new
+        positions = positions_from_mask(attention_mask)
+        hidden = self._cached_backbone(input_ids, audio_codes, attention_mask, positions[:, past:], cache)
+        self.run_tower(
+            torch.cat((open_hidden, hidden[:, :-1]), dim=1),
+            torch.cat((open_ids, input_ids[:, :-1]), dim=1),
+            torch.cat((open_codes, audio_codes[:, :-1]), dim=1),
+            audio_codes,
+            self.is_semantic(input_ids) & attention_mask[:, past:].bool(),
+            positions[:, past - 1 : -1],
+            tower_attention_mask(attention_mask[:, :-1], new),
+            cache.tower,
+        )
+        return hidden
+
     def decode_row(
         self,
         input_ids: torch.Tensor,

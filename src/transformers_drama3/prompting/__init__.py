@@ -6,6 +6,7 @@
 - `chunking`: long text cut into chunks, the one place a request's text is normalised.
 - `layout`: the segments every layout is built of (the one place the prompt structure is written).
 - `encoding`: layout -> rows, with the layout's metadata (turn to speak, line boundaries).
+- `text_stream`: text arriving in pieces cut into the streaming chunks as soon as they are final.
 - `parsing`: rows -> the request they encode.
 """
 
@@ -93,6 +94,7 @@ from .script import (  # noqa: F401
     SceneScript,
     Script,
     StreamingScript,
+    StreamingTurn,
     Take,
     as_lines,
     as_reference,
@@ -106,6 +108,11 @@ from .script import (  # noqa: F401
     turn_parts,
     turn_text,
     turn_source,
+)
+from .text_stream import (  # noqa: F401
+    TextChunk,
+    TextStreamChunker,
+    settled_length,
 )
 from .parsing import (  # noqa: F401
     Message,

@@ -657,15 +657,40 @@ class StreamingScript:
             parts += lines_parts(self.chunks[index + 1])
         return parts
 
+    def open_turn_segments(self, index: int) -> list[Segment]:
+        """The turn that speaks chunk `index`: its user message (chunk + look-ahead), then the
+        start of its voice turn; the rows end here until the take is drawn."""
+        return [*user_segments(self.turn_parts(index), speak=True), VOICE_START]
+
     def layout(self, context: LayoutContext) -> list[Segment]:
         segments = system_segments(self.references, context)
         for index, clip in enumerate(self.spoken):
             codes = context.codes_of(clip, f"spoken[{index}]", False)
             segments += take_segments(self.turn_parts(index), codes, supervised=True)
         if len(self.spoken) < len(self.chunks):
-            segments += user_segments(self.turn_parts(len(self.spoken)), speak=True)
-            segments.append(VOICE_START)
+            segments += self.open_turn_segments(len(self.spoken))
         return segments
+
+
+@dataclass(frozen=True)
+class StreamingTurn:
+    """The rows a streaming script gains when turn `index` opens after turn `index - 1` was spoken:
+    that take's `<|im_end|>`, then `script.open_turn_segments(index)`.
+
+    Rows of `StreamingScript(chunks, spoken=takes[:index])` = rows of `StreamingScript(chunks)`
+    (the system turn and turn 0), then for each k < index: take k's frames and the rows of
+    `StreamingTurn(script, k + 1)`. Speaking text as it arrives extends a cache with these rows
+    instead of building the whole prompt again (`generation_text_stream`)."""
+
+    script: StreamingScript
+    index: int
+
+    def __post_init__(self):
+        if not 0 < self.index < len(self.script.chunks):
+            raise ValueError(f"index: turn {self.index} does not follow a spoken turn of {len(self.script.chunks)} chunks")
+
+    def layout(self, context: LayoutContext) -> list[Segment]:
+        return [SUPERVISED_TURN_END, *self.script.open_turn_segments(self.index)]
 
 
 Request = Union[Script, Infill, StreamingScript]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling_drama3 import tower_attention_mask
 from .decoding import Drama3Cache
 from .engine import SpeechJob, prefill_alone
 from .slots import SlotBatch
@@ -74,24 +73,10 @@ def continue_prefill(model, prefix: PrefixState, input_ids: torch.Tensor, audio_
     state: the same state `prefill_alone` leaves for the whole prompt (P + S backbone keys, P + S - 1
     tower keys, the backbone output of the last row)."""
     cache = copy.deepcopy(prefix.cache)
-    past, new = prefix.rows, input_ids.shape[1]
-    mask = torch.ones(1, past + new, dtype=torch.long, device=input_ids.device)
-    positions = torch.arange(past, past + new, device=input_ids.device)[None]
-    hidden = model.backbone(
-        inputs_embeds=model.embed_rows(input_ids, audio_codes),
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache.backbone,
-        use_cache=True,
-    ).last_hidden_state  # [1, S, dim]
-    # The tower is teacher-forced over rows P - 1 .. P + S - 2, each labelled with the next row.
-    tower_hidden = torch.cat((prefix.last_hidden, hidden[:, :-1]), dim=1)
-    tower_ids = torch.cat((prefix.input_ids[:, -1:], input_ids[:, :-1]), dim=1)
-    tower_codes = torch.cat((prefix.audio_codes[:, -1:], audio_codes[:, :-1]), dim=1)
-    model.run_tower(
-        tower_hidden, tower_ids, tower_codes, audio_codes, model.is_semantic(input_ids),
-        positions - 1, tower_attention_mask(mask[:, :-1], new), cache.tower,
-    )
+    mask = torch.ones(1, prefix.rows + input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+    hidden = model.extend(
+        prefix.last_hidden, prefix.input_ids[:, -1:], prefix.audio_codes[:, -1:], input_ids, audio_codes, mask, cache
+    )  # [1, S, dim]
     return SlotBatch(cache, hidden[:, -1:], input_ids[:, -1:], audio_codes[:, -1:], mask)
 
 
