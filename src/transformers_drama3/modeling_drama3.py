@@ -35,6 +35,7 @@ from .checkpoint_files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 # Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
 from .generation_drama3 import Drama3Cache, Drama3GenerationMixin, drama3_generation_config
+from .generation_text_stream import Drama3TextStreamingMixin
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 # The label of an unsupervised row: defined once, by the rows that carry it.
 from .prompting import IGNORE_INDEX
@@ -342,7 +343,7 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
         self.model.language_model._init_weights(module)
 
 
-class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin):
+class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Drama3TextStreamingMixin):
     """Drama 3 with its speech heads: lm_head for text and semantic tokens, the Codebook-MTP tower for
     the acoustic codes.
 

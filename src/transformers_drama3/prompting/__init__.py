@@ -94,6 +94,7 @@ from .script import (  # noqa: F401
     SceneScript,
     Script,
     StreamingScript,
+    StreamingSystemTurn,
     StreamingTurn,
     Take,
     as_lines,

@@ -673,24 +673,39 @@ class StreamingScript:
 
 
 @dataclass(frozen=True)
-class StreamingTurn:
-    """The rows a streaming script gains when turn `index` opens after turn `index - 1` was spoken:
-    that take's `<|im_end|>`, then `script.open_turn_segments(index)`.
+class StreamingSystemTurn:
+    """The system turn of a streaming script (its references): the rows before any text arrives."""
 
-    Rows of `StreamingScript(chunks, spoken=takes[:index])` = rows of `StreamingScript(chunks)`
-    (the system turn and turn 0), then for each k < index: take k's frames and the rows of
-    `StreamingTurn(script, k + 1)`. Speaking text as it arrives extends a cache with these rows
-    instead of building the whole prompt again (`generation_text_stream`)."""
+    references: Sequence[Reference] = ()
+
+    def __post_init__(self):
+        _checked_common(self)
+
+    def layout(self, context: LayoutContext) -> list[Segment]:
+        return system_segments(self.references, context)
+
+
+@dataclass(frozen=True)
+class StreamingTurn:
+    """The rows a streaming script gains when turn `index` opens: after the system turn for turn 0,
+    after take `index - 1` (then starting with that take's `<|im_end|>`) for the others; then
+    `script.open_turn_segments(index)`.
+
+    Rows of `StreamingScript(chunks, references, spoken=takes[:index])` = rows of
+    `StreamingSystemTurn(references)`, `StreamingTurn(script, 0)`, then for each k < index take k's
+    frames and `StreamingTurn(script, k + 1)`. Speaking text as it arrives extends a cache with these
+    rows instead of building the whole prompt again (`generation_text_stream`)."""
 
     script: StreamingScript
     index: int
 
     def __post_init__(self):
-        if not 0 < self.index < len(self.script.chunks):
-            raise ValueError(f"index: turn {self.index} does not follow a spoken turn of {len(self.script.chunks)} chunks")
+        if not 0 <= self.index < len(self.script.chunks):
+            raise ValueError(f"index: no turn {self.index} in a streaming script of {len(self.script.chunks)} chunks")
 
     def layout(self, context: LayoutContext) -> list[Segment]:
-        return [SUPERVISED_TURN_END, *self.script.open_turn_segments(self.index)]
+        after_take = [SUPERVISED_TURN_END] if self.index else []
+        return [*after_take, *self.script.open_turn_segments(self.index)]
 
 
 Request = Union[Script, Infill, StreamingScript]
