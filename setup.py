@@ -6,7 +6,8 @@ HERE = Path(__file__).parent
 
 TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
 # `drama3 serve`: the OpenAI-compatible HTTP server (transformers_drama3.serving).
-SERVE = ["fastapi>=0.110", "uvicorn>=0.29"]
+# websockets: the WebSocket transport uvicorn uses for `/v1/audio/speech/stream`.
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12"]
 # `drama3 demo` and the Hugging Face Space: the Gradio app (transformers_drama3.serving.demo). Gradio is
 # pinned to the version the browser tests ran against; the Space's sdk_version is the same.
 GRADIO_VERSION = "6.31.0"

@@ -10,6 +10,13 @@ voice and cached), queued on the engine and answered whole (offline codec decode
 streamed (the codec's streaming decoder, window by window; `stream_format` "audio" sends raw
 bytes, "sse" sends `speech.audio.delta` / `speech.audio.done` events). A client that disconnects
 cancels its request, which frees its slot at the engine's next step.
+
+`/v1/audio/speech/stream` is a WebSocket for text that is still arriving (an LLM's output): the
+client sends `start` (the speech fields, no input), `text` pieces and `done`; the server speaks
+each streaming chunk as soon as its look-ahead is known (`model.stream_text`) and sends binary
+audio and JSON events per chunk. Each text stream runs in its own thread beside the batch engine
+(its cache is extended turn by turn, which the slot pool does not do), at most
+`ServerSettings.max_text_streams` at once.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import dataclasses
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -28,19 +36,30 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..generation_drama3 import WaveformStreamer, resolve_settings
+from ..generation_drama3 import AudioChunk, WaveformStreamer, resolve_settings
+from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..loading import load_model_and_processor
-from ..prompting import Reference, Script, parse_text
+from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
 from ..tiny import shipped
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
 from .decoding import decode_audio
 from .engine import DoneEvent, Drama3Engine, EngineStopped, ErrorEvent, FramesEvent, QueueFull, SpeechJob
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
-from .protocol import ApiError, Limits, SpeechParams, parse_speech, parse_voice_upload
+from .protocol import (
+    ApiError,
+    Limits,
+    SpeechParams,
+    TextStreamParams,
+    parse_message,
+    parse_speech,
+    parse_stream_start,
+    parse_text_message,
+    parse_voice_upload,
+)
 from .voices import VoiceReference, VoiceStore, reference_file_voice, register_bundled_voices
 
 POLL_SECONDS = 0.25
@@ -55,6 +74,26 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)
     request_timeout: float = 300.0
     max_body_bytes: int = 32 * 2**20
+    max_text_streams: int = 4
+
+
+class TextStreamSlots:
+    """How many text streams may run at once, and how many do."""
+
+    def __init__(self, limit: int):
+        self.limit, self.active = limit, 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.active >= self.limit:
+                return False
+            self.active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.active -= 1
 
 
 class SpeechService:
@@ -146,6 +185,14 @@ class SpeechService:
         return SpeechJob(
             rows["input_ids"].to(device), rows["audio_codes"].to(device), settings,
             seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
+        )
+
+    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop):
+        """`model.stream_text` for a checked `start` message: its items (audio chunks, events)."""
+        return self.model.stream_text(
+            pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
+            max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
+            **params.sampling,
         )
 
     def waveform(self, codes: torch.Tensor) -> np.ndarray:
@@ -296,7 +343,179 @@ def create_app(get_service, settings: ServerSettings | None = None):
         headers = {**headers, "X-Finish-Reason": event.finish_reason, "X-Anomalies": ",".join(event.anomalies)}
         return Response(data, media_type=MEDIA_TYPES[params.response_format], headers=headers)
 
+    slots = TextStreamSlots(settings.max_text_streams)
+    app.state.text_streams = slots
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket):
+        await websocket.accept()
+        try:
+            if settings.api_key is not None and websocket.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
+            service = service_or_503()
+            start = parse_message(await _receive(websocket), "messages[0]")
+            params = parse_stream_start(start, settings.limits, lambda voice_id: voice_id in service.voices, 4 * CHUNK_BYTES)
+            references = await asyncio.to_thread(service.references_of, params)
+            try:
+                resolve_settings(getattr(service.model, "generation_config", None), None, None,
+                                 {**params.sampling, "max_new_tokens": params.max_new_tokens})
+            except ValueError as error:
+                raise ApiError(400, str(error)) from None
+            if not slots.acquire():
+                service.metrics.count("rejected")
+                raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None, "queue_full")
+            try:
+                await _run_text_stream(websocket, service, params, references, settings)
+            finally:
+                slots.release()
+        except ApiError as error:
+            await _close_with_error(websocket, error)
+        except WebSocketDisconnect:
+            pass
+
     return app
+
+
+_END = object()
+_CANCEL = object()
+
+
+async def _receive(websocket: WebSocket):
+    """The next message's text (or bytes); raises WebSocketDisconnect when the client has gone."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    return message.get("text") if message.get("text") is not None else message.get("bytes")
+
+
+async def _close_with_error(websocket: WebSocket, error: ApiError) -> None:
+    """Send the error in OpenAI's shape, then close with code 4000 + its HTTP status."""
+    try:
+        await websocket.send_json({"type": "error", **error.body()})
+        await websocket.close(code=4000 + error.status)
+    except (WebSocketDisconnect, RuntimeError):
+        pass  # the client has gone already
+
+
+def _event_message(item) -> dict:
+    if isinstance(item, ChunkStarted):
+        return {"type": "chunk.started", "index": item.index, "text": item.text, "look_ahead": item.look_ahead,
+                "final_at": item.final_at, "started_at": item.started_at}
+    return {"type": "chunk.done", "index": item.index, "frames": item.frames, "finish_reason": item.finish_reason,
+            "final_at": item.final_at, "first_audio_at": item.first_audio_at, "delay": item.delay}
+
+
+async def _run_text_stream(websocket: WebSocket, service: SpeechService, params: TextStreamParams, references, settings):
+    """Pieces from the client go to `model.stream_text` in a worker thread; its audio (16-bit PCM)
+    and events come back. A client that goes away, or a session past the time limit, stops the
+    worker at its next frame or piece."""
+    loop = asyncio.get_running_loop()
+    pieces: queue.Queue = queue.Queue()
+    outbox: asyncio.Queue = asyncio.Queue()
+    cancelled, timed_out = threading.Event(), threading.Event()
+    deadline = time.perf_counter() + settings.request_timeout
+    seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
+
+    def stop() -> bool:
+        if time.perf_counter() > deadline:
+            timed_out.set()
+        return cancelled.is_set() or timed_out.is_set()
+
+    def text():
+        while True:
+            try:
+                piece = pieces.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if stop():
+                    raise TextStreamCancelled("the text stream was cancelled") from None
+                continue
+            if piece is _END:
+                return
+            if piece is _CANCEL:
+                raise TextStreamCancelled("the text stream was cancelled")
+            yield piece
+
+    def work():
+        outcome = None
+        try:
+            for item in service.text_stream(params, references, seed, text(), stop):
+                message = item
+                if isinstance(item, AudioChunk):
+                    audio = item.audio.detach().cpu().float().numpy()
+                    message = pcm16(audio) if audio.size else None
+                elif isinstance(item, (ChunkStarted, ChunkSpoken)):
+                    message = _event_message(item)
+                if message is not None:
+                    loop.call_soon_threadsafe(outbox.put_nowait, message)
+        except TextStreamCancelled:
+            outcome = ApiError(504, "the text stream ran past its time limit", None, "timeout") if timed_out.is_set() else _CANCEL
+        except ValueError as error:
+            outcome = ApiError(400, str(error), "text")
+        except Exception as error:  # a failed stream fails its client, not the server
+            outcome = ApiError(500, f"generation failed: {type(error).__name__}: {error}", None, "error")
+        loop.call_soon_threadsafe(outbox.put_nowait, (_END, outcome))
+
+    async def receive():
+        index, received = 1, 0
+        try:
+            while True:
+                message = parse_message(await _receive(websocket), f"messages[{index}]")
+                piece = parse_text_message(message, received, settings.limits, index)
+                index += 1
+                if piece is None:
+                    pieces.put(_END)
+                    return
+                received += len(piece)
+                pieces.put(piece)
+        except ApiError as error:
+            cancelled.set()
+            pieces.put(_CANCEL)
+            await outbox.put((_END, error))
+        except WebSocketDisconnect:
+            cancelled.set()
+            pieces.put(_CANCEL)
+
+    rate = service.processor.sampling_rate
+    await websocket.send_json({"type": "ready", "sample_rate": rate, "seed": seed, "response_format": params.response_format})
+    if params.response_format == "wav":
+        await websocket.send_bytes(streaming_wav_header(rate))
+    worker = asyncio.ensure_future(asyncio.to_thread(work))
+    receiver = asyncio.ensure_future(receive())
+    started, first, frames, chunks = time.perf_counter(), None, 0, 0
+    try:
+        while True:
+            message = await outbox.get()
+            if isinstance(message, bytes):
+                first = time.perf_counter() - started if first is None else first
+                await websocket.send_bytes(message)
+            elif isinstance(message, dict):
+                if message["type"] == "chunk.done":
+                    frames, chunks = frames + message["frames"], chunks + 1
+                await websocket.send_json(message)
+            else:
+                outcome = message[1]
+                break
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        outcome = _CANCEL  # the client went away while audio was being sent
+    if outcome is not None:
+        cancelled.set()
+    pieces.put(_CANCEL)  # a worker still waiting for text stops
+    receiver.cancel()
+    await worker
+    if outcome is _CANCEL:
+        service.metrics.count("cancelled")
+        return
+    if isinstance(outcome, ApiError):
+        service.metrics.count("timeout" if outcome.status == 504 else "error")
+        raise outcome
+    service.metrics.count("eos")
+    if first is not None:
+        service.metrics.observe_first_audio(first)
+    try:
+        await websocket.send_json({"type": "done", "frames": frames, "chunks": chunks, "seed": seed})
+        await websocket.close(code=1000)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass  # the client left after the last audio
 
 
 def _observe(service, handle, first_audio: float, samples: int) -> None:
@@ -382,4 +601,4 @@ def serve_in_background(source, voices_dir, **load_kwargs):
     return (lambda: holder.get("service")), thread
 
 
-__all__ = ["ServerSettings", "SpeechService", "create_app", "serve_in_background", "VoiceReference"]
+__all__ = ["ServerSettings", "SpeechService", "TextStreamSlots", "create_app", "serve_in_background", "VoiceReference"]

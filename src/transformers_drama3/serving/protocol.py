@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass, field
 
 from .audio_formats import STREAMABLE, supported_formats
@@ -180,13 +181,6 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         )
     if stream_format and response_format not in STREAMABLE:
         raise ApiError(400, f"response_format: streaming sends {list(STREAMABLE)}; got {response_format!r}", "response_format")
-    sampling = {}
-    for name, low, high, integer, low_open in (
-        ("temperature", 0.0, 10.0, False, False), ("top_p", 0.0, 1.0, False, True), ("top_k", 0, 1_000_000, True, False),
-    ):
-        value = _number(body, name, low, high, integer, low_open)
-        if value is not None:
-            sampling[name] = value
     return SpeechParams(
         model=model,
         input=text,
@@ -196,9 +190,95 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         stream_format=stream_format,
         references=parse_references(body.get("references"), limits, is_voice),
         seed=_number(body, "seed", 0, MAX_SEED, integer=True),
-        sampling=sampling,
+        sampling=_sampling(body),
         max_new_tokens=_number(body, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
     )
+
+
+def _sampling(body: dict) -> dict:
+    """The sampling fields given: temperature, top_p, top_k."""
+    sampling = {}
+    for name, low, high, integer, low_open in (
+        ("temperature", 0.0, 10.0, False, False), ("top_p", 0.0, 1.0, False, True), ("top_k", 0, 1_000_000, True, False),
+    ):
+        value = _number(body, name, low, high, integer, low_open)
+        if value is not None:
+            sampling[name] = value
+    return sampling
+
+
+# ---- the text stream (WebSocket /v1/audio/speech/stream) ----------------------------------------------
+
+STREAM_AUDIO_FORMATS = ("pcm", "wav")
+MIN_CHUNK_BYTES = 8
+"""The smallest `chunk_bytes` a text stream may ask for (smaller chunks would cut inside words)."""
+
+
+@dataclass
+class TextStreamParams:
+    """A checked `start` message of a text stream: the speech fields of `/v1/audio/speech` but the
+    text, which arrives in `text` messages; chunk_bytes: the streaming chunk size (None: the
+    published ~300 bytes)."""
+
+    model: str | None
+    voice: str | None
+    response_format: str
+    references: list = field(default_factory=list)
+    seed: int | None = None
+    sampling: dict = field(default_factory=dict)
+    max_new_tokens: int | None = None
+    chunk_bytes: int | None = None
+
+
+def parse_message(raw, location: str = "message") -> dict:
+    """A text frame of the stream -> its JSON object with a string `type`."""
+    if not isinstance(raw, str):
+        raise ApiError(400, f"{location}: expected a JSON text message; got binary data", location)
+    try:
+        message = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"{location}: not JSON ({error})", location) from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ApiError(400, f"{location}: expected an object with a \"type\" (start, text, done)", f"{location}.type")
+    return message
+
+
+def parse_stream_start(message: dict, limits: Limits, is_voice, max_chunk_bytes: int) -> TextStreamParams:
+    """Check the `start` message: `voice`, `references`, `seed`, `temperature`, `top_p`, `top_k`,
+    `max_new_tokens` (per chunk), `response_format` ("pcm" or "wav"), `chunk_bytes`."""
+    if message.get("type") != "start":
+        raise ApiError(400, f"type: the first message must be {{\"type\": \"start\", ...}}; got {message.get('type')!r}", "type")
+    if "input" in message:
+        raise ApiError(400, "input: a text stream sends its text in {\"type\": \"text\"} messages", "input")
+    response_format = _string(message, "response_format") or "pcm"
+    if response_format not in STREAM_AUDIO_FORMATS:
+        raise ApiError(400, f"response_format: {response_format!r}; a text stream sends {list(STREAM_AUDIO_FORMATS)}", "response_format")
+    return TextStreamParams(
+        model=_string(message, "model"),
+        voice=parse_voice(message.get("voice")),
+        response_format=response_format,
+        references=parse_references(message.get("references"), limits, is_voice),
+        seed=_number(message, "seed", 0, MAX_SEED, integer=True),
+        sampling=_sampling(message),
+        max_new_tokens=_number(message, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
+        chunk_bytes=_number(message, "chunk_bytes", MIN_CHUNK_BYTES, max_chunk_bytes, integer=True),
+    )
+
+
+def parse_text_message(message: dict, received: int, limits: Limits, index: int) -> str | None:
+    """A `text` message -> its text, or None for `done`. `received`: characters so far; the whole
+    text is held to the input limit of `/v1/audio/speech`."""
+    kind = message["type"]
+    if kind == "done":
+        return None
+    if kind != "text":
+        raise ApiError(400, f"type: expected \"text\" or \"done\"; got {kind!r}", "type")
+    text = message.get("text")
+    if not isinstance(text, str):
+        raise ApiError(400, f"text: message {index} must carry a string; got {type(text).__name__}", "text")
+    if received + len(text) > limits.max_input_chars:
+        raise ApiError(413, f"input: {received + len(text)} characters; at most {limits.max_input_chars}", "input")
+    return text
 
 
 def parse_voice_upload(body, limits: Limits) -> tuple[str, str, list[VoiceReference]]:
