@@ -10,6 +10,7 @@ from .collators import (
     LineByLineCollator,
     ReferencePool,
     RowCollator,
+    StreamingCollator,
     TTSCollator,
 )
 from .data import PreparationReport, load_speech_records, prepare_dataset

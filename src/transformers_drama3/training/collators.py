@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from ..generation_drama3 import SEED_STRIDE
-from ..prompting import Infill, Line, LineByLineScript, PromptRows, Reference, Script, Take
+from ..prompting import Infill, Line, LineByLineScript, PromptRows, Reference, Script, StreamingScript, Take
 
 DEFAULT_SEAM_FRAMES = 4
 DEFAULT_SEAM_WEIGHT = 2.0
@@ -178,6 +178,25 @@ class LineByLineCollator(RowCollator):
             lines=lines,
             references=references,
             target=[as_codes(turn["codes"]) for turn in turns],
+            strict_speakers=bool(references),
+        )
+
+
+class StreamingCollator(RowCollator):
+    """Streaming text input (designed from the paper): `example["turns"]` = [{"text", "codes"}, ...]
+    are the chunks in order with their audio [, "references"]. Turn k's user message holds chunk k,
+    `<|interleave|>` and chunk k + 1 as look-ahead; every assistant turn is supervised (they are
+    all the model's own output). These are the rows `model.stream_text` extends its cache with."""
+
+    def request(self, example, rng):
+        turns = example["turns"]
+        references = [
+            Reference(r["text"], as_codes(r["codes"]), speaker=int(r["speaker"])) for r in example.get("references") or ()
+        ]
+        return StreamingScript(
+            chunks=[turn["text"] for turn in turns],
+            references=references,
+            spoken=[as_codes(turn["codes"]) for turn in turns],
             strict_speakers=bool(references),
         )
 
