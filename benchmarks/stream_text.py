@@ -1,6 +1,6 @@
 """Streaming text input on drama3-tiny: how soon speech starts, and how far it lags behind the text.
 
-    python benchmarks/stream_text.py [--words-per-second 5] [--chunk-bytes 60] [--voice B]
+    python benchmarks/stream_text.py [--words-per-second 5] [--chunk-bytes 60] [--voice B] [--words N]
 
 A producer thread feeds a long text word by word at `--words-per-second` (an LLM emits 20-50 words
 a second, a typist 1-2, speech runs at ~2.5) into `model.stream_text`, which reads the pieces as it
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=60)
     parser.add_argument("--voice", default="B")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--words", type=int, default=None, help="feed only the first N words of the text")
     args = parser.parse_args()
 
     model = AutoModel.from_pretrained(TINY_MODEL_PATH, dtype="float32").eval()
@@ -98,7 +99,8 @@ def main() -> None:
     audio, words_said = reference_voice(args.voice)
     references = [Reference(words_said, audio)]
     extends = timed_extend(model)
-    words = [word + " " for word in TEXT.split()]
+    text = " ".join(TEXT.split()[: args.words])
+    words = [word + " " for word in text.split()]
     pieces, arrivals = queue.Queue(), []
     producer = threading.Thread(target=feed, args=(words, args.words_per_second, pieces, arrivals), daemon=True)
     rate = processor.sampling_rate
@@ -150,7 +152,7 @@ def main() -> None:
     print(f"\naudio {total_audio:.2f} s; the player waited {gaps:.2f} s for audio after it started "
           f"(underruns); the last chunk started playing {playback[spoken[-1].index] - arrivals[-1]:.2f} s after the last word")
 
-    chunks = list(StreamingScript.from_text(TEXT, max_bytes=args.chunk_bytes).chunks)
+    chunks = list(StreamingScript.from_text(text, max_bytes=args.chunk_bytes).chunks)
     takes = [event.take.T for event in spoken]
     rebuilt = rebuilt_prefill_seconds(model, processor, references, chunks, takes)
     turn_extends = extends[: len(spoken)]

@@ -38,12 +38,25 @@ def test_generation_imports_nothing_above_it():
     assert not [name for name in ours if name.split(".")[0] in above]
 
 
+def test_text_streaming_imports_nothing_above_generation():
+    # it drives the processor it is given (duck typed) and builds rows with prompting, below it
+    above = ("modeling_drama3", "processing_drama3", "long_form", "pipeline_drama3", "training", "serving")
+    ours = [internal(name) for name, _ in imports_of(PACKAGE / "generation_text_stream.py") if internal(name) is not None]
+    assert {"generation_drama3", "prompting"} <= set(ours)
+    assert not [name for name in ours if name.split(".")[0] in above]
+
+
+def test_the_model_gets_stream_text_from_generation_text_stream():
+    ours = {internal(name): top for name, top in imports_of(PACKAGE / "modeling_drama3.py") if internal(name)}
+    assert ours.get("generation_text_stream") is True
+
+
 def test_the_model_gets_its_cache_and_generate_from_generation():
     ours = {internal(name): top for name, top in imports_of(PACKAGE / "modeling_drama3.py") if internal(name)}
     assert ours.get("generation_drama3") is True
 
 
-@pytest.mark.parametrize("module", ["generation_drama3.py", "long_form.py", "modeling_drama3.py"])
+@pytest.mark.parametrize("module", ["generation_drama3.py", "generation_text_stream.py", "long_form.py", "modeling_drama3.py"])
 def test_no_import_is_hidden_inside_a_function(module):
     hidden = [name for name, top in imports_of(PACKAGE / module) if not top and name != "__future__"]
     assert hidden == []
