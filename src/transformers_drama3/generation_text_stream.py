@@ -44,6 +44,7 @@ from .generation_drama3 import (
     ClickFilter,
     DecodeState,
     Drama3Sampler,
+    FrameStep,
     SamplingSettings,
     WaveformStreamer,
     _split_kwargs,
@@ -213,54 +214,78 @@ def stream_text(
             _check_stop(stop)
             chunks += stream.pull()
         if turn >= len(chunks):
-            break
+            return
         if turn == 0:
             streamer.started = stream.started
-        script = StreamingScript(
-            [chunk.lines for chunk in chunks[: turn + 2]], references, strict_speakers=strict_speakers
-        )
+        script = StreamingScript([chunk.lines for chunk in chunks[: turn + 2]], references, strict_speakers=strict_speakers)
         rows = processor.rows(StreamingTurn(script, turn))
-        if last_step is not None and not last_step.eos[0]:
+        if last_step is not None and not bool(last_step.eos[0]):
             _feed_last_frame(model, state, last_step)
-        ids, codes = rows.input_ids[None].to(device), rows.audio_codes[None].to(device)
-        _extend(model, state, ids, codes)
+        ids = rows.input_ids[None].to(device)
+        _extend(model, state, ids, rows.audio_codes[None].to(device))
         recent = _recent(recent, ids)
-        chunk = chunks[turn]
-        text = render_lines(chunk.lines)
         look_ahead = render_lines(chunks[turn + 1].lines) if turn + 1 < len(chunks) else ""
-        started_at = stream.now()
-        final_at = stream.final_at[turn]
-        yield ChunkStarted(turn, text, look_ahead, chunk.piece, final_at, started_at)
+        started = ChunkStarted(
+            turn, render_lines(chunks[turn].lines), look_ahead, chunks[turn].piece, stream.final_at[turn], stream.now()
+        )
+        yield started
         seconds = expected_seconds_of_tokens(speak_span_tokens(torch.tensor([rows.speak_span])))
-        budget = frame_budgets(seconds, model.config.frame_rate, max_new_tokens)
         sampler = Drama3Sampler(
             settings, model.speech_token_ids(device), prompt_window(recent, torch.ones_like(recent)),
             item_generators(_turn_seed(seed, turn), 1, device),
         )
-        clicks, take, first_audio_at, heard = ClickFilter(), [], None, 0
+        drawn = _Turn(int(frame_budgets(seconds, model.config.frame_rate, max_new_tokens)[0]))
         last_turn = stream.ended and turn + 1 == len(chunks)
-        for step in decode_from(model, state, sampler, budget):
-            _check_stop(stop)
-            if bool(step.produced[0]):
-                take.append(step.frames[0])
-            for audio in streamer.step(clicks, step):
-                first_audio_at = stream.now() if first_audio_at is None else first_audio_at
-                heard += audio.codes.shape[0]
-                yield audio
-            last_step = step
-        finish_reason = "eos" if bool(last_step.eos[0]) else "length"
-        ending = streamer.finish() if last_turn else streamer.end_window()
-        for audio in ending:
-            if audio.codes.numel():
-                first_audio_at = stream.now() if first_audio_at is None else first_audio_at
-                heard += audio.codes.shape[0]
-        yield from ending
-        take = torch.stack(take) if take else torch.zeros(0, model.config.num_codebooks, dtype=torch.long, device=device)
+        yield from _speak_turn(model, state, sampler, streamer, stream, stop, last_turn, drawn)
+        last_step = drawn.last_step
+        take = drawn.codes(model.config.num_codebooks, device)
         recent = _recent(recent, take[:, 0][None] + model.config.semantic_start_token_id)
         yield ChunkSpoken(
-            turn, text, chunk.piece, final_at, started_at, first_audio_at, heard, take, finish_reason, int(budget[0])
+            turn, started.text, started.piece, started.final_at, started.started_at, drawn.first_audio_at,
+            drawn.heard, take, "eos" if bool(last_step.eos[0]) else "length", drawn.budget,
         )
         turn += 1
+
+
+@dataclass
+class _Turn:
+    """What one turn drew: its frames as drawn, the frames sent out as audio, when the first
+    audible chunk came out (seconds from the first piece), and its last decode step."""
+
+    budget: int
+    frames: list[torch.Tensor] = field(default_factory=list)
+    heard: int = 0
+    first_audio_at: float | None = None
+    last_step: FrameStep | None = None
+
+    def sent(self, chunk: AudioChunk, now: float) -> None:
+        self.heard += chunk.codes.shape[0] if chunk.codes.numel() else 0
+        audible = chunk.codes.numel() and (chunk.audio is None or chunk.audio.numel())
+        if audible and self.first_audio_at is None:
+            self.first_audio_at = now
+
+    def codes(self, num_codebooks: int, device) -> torch.Tensor:
+        """The take as drawn: [frames, num_codebooks]."""
+        if not self.frames:
+            return torch.zeros(0, num_codebooks, dtype=torch.long, device=device)
+        return torch.stack(self.frames)
+
+
+def _speak_turn(model, state, sampler, streamer, stream, stop, last_turn: bool, drawn: _Turn) -> Iterator[AudioChunk]:
+    """Draw one turn's take from `state` (the decode loop of `generate()`) and yield its audio; the
+    turn's audio ends with it (the stream's last chunk after the last turn)."""
+    clicks = ClickFilter()
+    for step in decode_from(model, state, sampler, torch.tensor([drawn.budget])):
+        _check_stop(stop)
+        if bool(step.produced[0]):
+            drawn.frames.append(step.frames[0])
+        drawn.last_step = step
+        for chunk in streamer.step(clicks, step):
+            drawn.sent(chunk, stream.now())
+            yield chunk
+    for chunk in streamer.finish() if last_turn else streamer.end_window():
+        drawn.sent(chunk, stream.now())
+        yield chunk
 
 
 def _check_stop(stop: Callable[[], bool] | None) -> None:
