@@ -40,9 +40,9 @@ TEXT = (
 )
 
 
-def feed(words: list[str], rate: float, pieces: queue.Queue, arrivals: list[float]) -> None:
-    """Put word i on the queue at i / rate seconds; the arrival times are noted (seconds)."""
-    start = time.perf_counter()
+def feed(words: list[str], rate: float, pieces: queue.Queue, arrivals: list[float], start: float) -> None:
+    """Put word i on the queue at `start` + i / rate seconds; the arrival times are noted (seconds
+    from `start`)."""
     for index, word in enumerate(words):
         delay = start + index / rate - time.perf_counter()
         if delay > 0:
@@ -52,8 +52,11 @@ def feed(words: list[str], rate: float, pieces: queue.Queue, arrivals: list[floa
     pieces.put(None)
 
 
-def from_queue(pieces: queue.Queue):
+def from_queue(pieces: queue.Queue, first_read: list[float]):
+    """The pieces as `stream_text` reads them; notes when it reads the first (its clock starts there)."""
     while (piece := pieces.get()) is not None:
+        if not first_read:
+            first_read.append(time.perf_counter())
         yield piece
 
 
@@ -102,12 +105,14 @@ def main() -> None:
     text = " ".join(TEXT.split()[: args.words])
     words = [word + " " for word in text.split()]
     pieces, arrivals = queue.Queue(), []
-    producer = threading.Thread(target=feed, args=(words, args.words_per_second, pieces, arrivals), daemon=True)
+    start = time.perf_counter()
+    producer = threading.Thread(target=feed, args=(words, args.words_per_second, pieces, arrivals, start), daemon=True)
+    first_read: list[float] = []
     rate = processor.sampling_rate
 
     started, spoken, audio_at = {}, [], []  # audio_at: (seconds since the first piece, samples)
     producer.start()
-    for item in model.stream_text(from_queue(pieces), processor=processor, references=references,
+    for item in model.stream_text(from_queue(pieces, first_read), processor=processor, references=references,
                                   codec=processor.codec, seed=args.seed, max_bytes=args.chunk_bytes):
         if isinstance(item, ChunkStarted):
             started[item.index] = item
@@ -116,6 +121,14 @@ def main() -> None:
         elif isinstance(item, AudioChunk) and item.audio.numel():
             audio_at.append((item.elapsed, item.audio.numel(), len(spoken)))
     producer.join()
+    # stream_text's times count from its reading the first piece (after it prefilled the references):
+    # move them to the producer's clock
+    offset = first_read[0] - start
+    audio_at = [(at + offset, samples, chunk) for at, samples, chunk in audio_at]
+    for event in spoken:
+        event.final_at += offset
+        event.started_at += offset
+        event.first_audio_at = None if event.first_audio_at is None else event.first_audio_at + offset
 
     # the player: starts at the first audio, plays each audio chunk when it is out and the previous one has ended
     playback, gaps, last_end = {}, 0.0, None
@@ -129,7 +142,7 @@ def main() -> None:
     words_before = 0
     print(f"drama3-tiny, {len(words)} words fed at {args.words_per_second:g} words/s, chunks of ~{args.chunk_bytes} bytes")
     print(f"time from the first text piece to the first audio: {audio_at[0][0]:.2f} s "
-          f"(the text was complete at {arrivals[-1]:.2f} s)")
+          f"(the text was complete at {arrivals[-1]:.2f} s; the references' prefill ended at {offset:.2f} s)")
     # piece in: when the piece that made the chunk final arrived (the producer's clock); read: when
     # stream_text read it (it reads text only when a turn needs more); delay: first audio - piece in
     print(f"\n{'chunk':>5} {'words':>5} {'piece in':>8} {'read':>6} {'turn':>6} {'audio':>6} {'delay':>6} "
@@ -146,7 +159,7 @@ def main() -> None:
         print(f"{event.index:>5} {count:>5} {piece_in:8.2f} {event.final_at:6.2f} {event.started_at:6.2f} "
               f"{_f(event.first_audio_at)} {_f(delay)} {seconds:5.2f} {last_word:9.2f} {_f(plays)} {_f(lag)}")
     frames = sum(event.frames for event in spoken)
-    print(f"\nspeed: {frames} frames in {audio_at[-1][0]:.1f} s = {frames / audio_at[-1][0]:.1f} frames/s "
+    print(f"\nspeed: {frames} frames by {audio_at[-1][0]:.1f} s = {frames / audio_at[-1][0]:.1f} frames/s "
           f"({frames / audio_at[-1][0] / model.config.frame_rate:.2f}x real time)")
     total_audio = sum(samples for _, samples, _ in audio_at) / rate
     print(f"\naudio {total_audio:.2f} s; the player waited {gaps:.2f} s for audio after it started "
