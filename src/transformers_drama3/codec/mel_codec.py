@@ -334,6 +334,22 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         empty = codes.new_zeros(codes.shape[0], 0, dtype=torch.float32)
         return torch.cat([empty, *pieces], dim=-1) if pieces else empty, state
 
+    @torch.no_grad()
+    def synthesize(self, log_mel: torch.Tensor) -> torch.Tensor:
+        """log-mel `[batch, n_mels, frames * m]` -> audio `[batch, frames * hop_length]`, by the same
+        block-by-block Griffin-Lim as `decode`: `synthesize(dequantize(codes))` is `decode(codes)`
+        before its clamp to [-1, 1]. Given `log_mel(audio)` it measures the spectral representation
+        and the vocoder without the quantiser."""
+        per_block = self.config.block_frames * self.config.mel_frames_per_frame
+        state = self._start_state(log_mel.shape[0], log_mel.device)
+        pieces = []
+        for start in range(0, log_mel.shape[-1], per_block):
+            audio, state = self._synthesize_block(log_mel[..., start : start + per_block].float(), state)
+            pieces.append(audio)
+        if state.carry is not None:
+            pieces.append(self._stream_tail(state.carry))
+        return torch.cat([log_mel.new_zeros(log_mel.shape[0], 0, dtype=torch.float32), *pieces], dim=-1)
+
     # -- public API ------------------------------------------------------------------------
 
     @torch.no_grad()
