@@ -20,8 +20,6 @@ import argparse
 import json
 import random
 import re
-import shutil
-import subprocess
 import wave
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +30,12 @@ from xml.sax.saxutils import escape
 import numpy as np
 from tqdm.auto import tqdm
 
+from transformers_drama3.evaluation.espeak import ESPEAK, ESPEAK_RATE, INSTALL_HINT, espeak_available, espeak_pcm  # noqa: F401
 from transformers_drama3.feature_extraction_drama3 import read_audio
 from .sentences import english_sentence, spanish_sentence
 
-SAMPLING_RATE = 22050  # what espeak-ng writes; the corpus keeps it
+SAMPLING_RATE = ESPEAK_RATE  # what espeak-ng writes; the corpus keeps it
 PAUSE_MS = 400
-ESPEAK = "espeak-ng"
-INSTALL_HINT = "install it with `apt-get install -y espeak-ng` (Debian package espeak-ng 1.51)"
 
 # style -> (speed factor, pitch offset); espeak pitch is 0-99
 STYLES = {"fast": (1.35, 0), "slow": (0.7, 0), "high": (1.0, 25), "low": (1.0, -25)}
@@ -159,20 +156,8 @@ def plain_transcript(directed_text: str) -> str:
 # ---- synthesis ----------------------------------------------------------------------------------
 
 
-def espeak_available() -> bool:
-    return shutil.which(ESPEAK) is not None
-
-
-def _espeak(ssml: str, voice_name: str, pitch: int, speed: int) -> np.ndarray:
-    """One espeak-ng call in SSML mode; returns int16 samples [time] at SAMPLING_RATE."""
-    command = [ESPEAK, "-m", "-v", voice_name, "-p", str(pitch), "-s", str(speed), "--stdout", ssml]
-    raw = subprocess.run(command, capture_output=True, check=True).stdout
-    # espeak streams a RIFF header with placeholder sizes: read the fixed 44-byte PCM header.
-    if raw[:4] != b"RIFF" or int.from_bytes(raw[24:28], "little") != SAMPLING_RATE:
-        raise RuntimeError(f"{ESPEAK} -v {voice_name} did not write {SAMPLING_RATE} Hz WAV")
-    return np.frombuffer(raw[44:], dtype="<i2").copy()
-
-
+# espeak-ng itself is called by the package (`transformers_drama3.evaluation.espeak`): `drama3
+# eval` renders its originals with the same call, so a corpus and an evaluation hear the same voice.
 def synthesize(directed_text: str, voice: Voice) -> np.ndarray:
     """Speak directed text in `voice` with espeak-ng; int16 samples [time] at 22.05 kHz."""
     directed = parse_directed(directed_text)
@@ -192,7 +177,7 @@ def synthesize(directed_text: str, voice: Voice) -> np.ndarray:
         ssml = " ".join(pause if p is PAUSE else escape(p) for p in segment.pieces)
         variant = voice.whisper_variant if segment.whisper else voice.variant
         name = f"{segment.language or voice.language}+{variant}"
-        parts.append(_espeak(f"<speak>{ssml}</speak>", name, pitch, speed))
+        parts.append(espeak_pcm(f"<speak>{ssml}</speak>", name, pitch, speed))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
 
 

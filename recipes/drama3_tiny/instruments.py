@@ -64,28 +64,6 @@ def transcribe(waveform, sampling_rate: int) -> str:
     return asr.transcribe(waveform, sampling_rate)
 
 
-@lru_cache(maxsize=1)
-def _pocketsphinx():
-    try:
-        from pocketsphinx import Decoder
-    except ImportError as error:
-        raise ImportError("transcribe_pocketsphinx needs pocketsphinx: pip install pocketsphinx==5.1.1") from error
-    return Decoder(samprate=SCORING_RATE, loglevel="FATAL")
-
-
-def transcribe_pocketsphinx(waveform, sampling_rate: int) -> str:
-    """What pocketsphinx (5.x, its bundled en-us model) hears; lower-case words. The audio goes
-    through `prepare` (16 kHz, dither) and is decoded as one utterance."""
-    audio = prepare(waveform, sampling_rate)
-    pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype("<i2")
-    decoder = _pocketsphinx()
-    decoder.start_utt()
-    decoder.process_raw(pcm.tobytes(), no_search=False, full_utt=True)
-    decoder.end_utt()
-    hypothesis = decoder.hyp()
-    return hypothesis.hypstr if hypothesis is not None else ""
-
-
 # ---- speaker ------------------------------------------------------------------------------------
 
 

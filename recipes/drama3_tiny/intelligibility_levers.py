@@ -31,6 +31,7 @@ import json
 import math
 import tempfile
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ from transformers_drama3.evaluation.espeak import ESPEAK_RATE, TINY_VOICES, spea
 from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES, resynthesize, speak_with_model
 from transformers_drama3.files import write_text_atomic
 from transformers_drama3.tiny import shipped
+from .instruments import SCORING_RATE, prepare
 
 # ---- codec levers -------------------------------------------------------------------------------
 
@@ -219,12 +221,33 @@ def lm_levers(voices: list[str]) -> list[dict]:
 # ---- recognisers --------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1)
+def _pocketsphinx():
+    try:
+        from pocketsphinx import Decoder
+    except ImportError as error:
+        raise ImportError("transcribe_pocketsphinx needs pocketsphinx: pip install pocketsphinx==5.1.1") from error
+    return Decoder(samprate=SCORING_RATE, loglevel="FATAL")
+
+
+def transcribe_pocketsphinx(waveform, sampling_rate: int) -> str:
+    """What pocketsphinx (5.x, its bundled en-us model; no longer an instrument of the evaluation)
+    hears; lower-case words. The audio goes through `prepare` (16 kHz, dither) and is decoded as
+    one utterance."""
+    audio = prepare(waveform, sampling_rate)
+    pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype("<i2")
+    decoder = _pocketsphinx()
+    decoder.start_utt()
+    decoder.process_raw(pcm.tobytes(), no_search=False, full_utt=True)
+    decoder.end_utt()
+    hypothesis = decoder.hyp()
+    return hypothesis.hypstr if hypothesis is not None else ""
+
+
 def recognisers(voices: list[str], sentences: int) -> list[dict]:
     """Whisper and pocketsphinx side by side on the same originals, resyntheses and outputs: does
     pocketsphinx still tell a good rendering from a bad one?"""
     from transformers_drama3.loading import load_model_and_processor
-
-    from . import instruments as I
 
     model, processor = load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False)
     rate = processor.codec.sampling_rate
@@ -237,7 +260,7 @@ def recognisers(voices: list[str], sentences: int) -> list[dict]:
                      "outputs": (speak_with_model(model, processor, text, shipped.reference_voice(voice), seed=index)[0], rate)}
             for kind, (waveform, waveform_rate) in audio.items():
                 heard["whisper", kind].append((asr.transcribe(waveform, waveform_rate), text))
-                heard["pocketsphinx", kind].append((I.transcribe_pocketsphinx(waveform, waveform_rate), text))
+                heard["pocketsphinx", kind].append((transcribe_pocketsphinx(waveform, waveform_rate), text))
     return [{"recogniser": name, **{kind: asr.corpus_wer(heard[name, kind]) for kind in ("originals", "resyntheses", "outputs")},
              "utterances": len(heard[name, "originals"])} for name in ("whisper", "pocketsphinx")]
 

@@ -56,12 +56,12 @@ def _word_forms(word: str) -> list[str]:
 
 
 def normalize_text(text: str) -> list[str]:
-    """The words scored: directions, tags and pauses removed, lower case, punctuation dropped
-    (apostrophes inside words kept), numbers spelled out."""
+    """The words scored: directions, tags and pauses removed, lower case, punctuation and
+    apostrophes dropped (a recogniser's "Monday's" is the text's "Mondays"), numbers spelled out."""
     text = _CONTROL.sub(" ", _STYLE_PREFIX.sub(" ", text)).lower()
     text = re.sub(r"(\d),(\d)", r"\1\2", text)  # 1,000 -> 1000
-    text = re.sub(r"[^\w\s']", " ", text)
-    words = [word.strip("'") for word in text.split() if word.strip("'")]
+    text = re.sub(r"[^\w\s']", " ", text).replace("'", "")  # it's -> its, Monday's -> mondays
+    words = text.split()
     return [form for word in words for form in _word_forms(word)]
 
 
