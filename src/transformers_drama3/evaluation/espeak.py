@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from typing import NamedTuple
+from xml.sax.saxutils import escape
 
 import numpy as np
 
@@ -55,7 +56,5 @@ def espeak_pcm(ssml: str, voice: str, pitch: int, speed: int) -> np.ndarray:
 
 def speak(text: str, voice: EspeakVoice) -> np.ndarray:
     """Plain English `text` in `voice`: float32 samples [time] at `ESPEAK_RATE`."""
-    from xml.sax.saxutils import escape
-
     pcm = espeak_pcm(f"<speak>{escape(text)}</speak>", voice.voice, voice.pitch, voice.speed)
     return pcm.astype(np.float32) / 32768.0
