@@ -2,7 +2,7 @@
 
     python -m recipes.drama3_tiny.intelligibility_levers codec [--voices A,B,D,F] [--sentences 8] [--fit-utterances 150] [--json out.json]
     python -m recipes.drama3_tiny.intelligibility_levers lm [--voices A,B,D,F] [--json out.json]
-    python -m recipes.drama3_tiny.intelligibility_levers recognisers [--voices A,B,D,F] [--sentences 8]
+    python -m recipes.drama3_tiny.intelligibility_levers recognisers [--voices A,B,D,F] [--sentences 12]
 
 `codec`: the held-out sentences of `drama3 eval` (everyday English, no corpus holds them), spoken
 by espeak-ng in each voice, go through variants of the log-mel codec and Whisper tiny.en writes
@@ -18,7 +18,7 @@ down what it hears. Variants, each a row:
 `lm`: drama3-tiny speaks sentences of 1, 3, 6 and 10 or more words, and held-out sentences of its
 own corpus grammar; per group the WER of the outputs and the median duration over espeak's, and
 the seconds of "Hello." per voice.
-`recognisers`: Whisper and pocketsphinx on the same originals, resyntheses and outputs.
+`recognisers`: Whisper and pocketsphinx on the same originals and resyntheses, per voice.
 
 Everything runs on one CPU thread; the numbers go into docs/tiny_codec.md and the recipe README.
 """
@@ -245,30 +245,28 @@ def transcribe_pocketsphinx(waveform, sampling_rate: int) -> str:
 
 
 def recognisers(voices: list[str], sentences: int) -> list[dict]:
-    """Whisper and pocketsphinx side by side on the same originals, resyntheses and outputs: does
-    pocketsphinx still tell a good rendering from a bad one?"""
-    from transformers_drama3.loading import load_model_and_processor
-
-    model, processor = load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False)
-    rate = processor.codec.sampling_rate
-    heard = {(name, kind): [] for name in ("whisper", "pocketsphinx") for kind in ("originals", "resyntheses", "outputs")}
+    """Whisper and pocketsphinx side by side on the same espeak originals and codec resyntheses,
+    per voice: does pocketsphinx still tell a good rendering from a worse one?"""
+    codec = Drama3MelCodecModel.from_pretrained(f"{shipped.TINY_MODEL_PATH}/codec").eval()
+    rows = []
     for voice in voices:
-        for index, text in enumerate(HELDOUT_SENTENCES[:sentences]):
+        heard = {(name, kind): [] for name in ("whisper", "pocketsphinx") for kind in ("originals", "resyntheses")}
+        for text in tqdm(HELDOUT_SENTENCES[:sentences], desc=f"voice {voice}", leave=False):
             original = speak(text, TINY_VOICES[voice])
             audio = {"originals": (original, ESPEAK_RATE),
-                     "resyntheses": (resynthesize(processor.codec, original, ESPEAK_RATE), rate),
-                     "outputs": (speak_with_model(model, processor, text, shipped.reference_voice(voice), seed=index)[0], rate)}
-            for kind, (waveform, waveform_rate) in audio.items():
-                heard["whisper", kind].append((asr.transcribe(waveform, waveform_rate), text))
-                heard["pocketsphinx", kind].append((transcribe_pocketsphinx(waveform, waveform_rate), text))
-    return [{"recogniser": name, **{kind: asr.corpus_wer(heard[name, kind]) for kind in ("originals", "resyntheses", "outputs")},
-             "utterances": len(heard[name, "originals"])} for name in ("whisper", "pocketsphinx")]
+                     "resyntheses": (resynthesize(codec, original, ESPEAK_RATE), codec.sampling_rate)}
+            for kind, (waveform, rate) in audio.items():
+                heard["whisper", kind].append((asr.transcribe(waveform, rate), text))
+                heard["pocketsphinx", kind].append((transcribe_pocketsphinx(waveform, rate), text))
+        for name in ("whisper", "pocketsphinx"):
+            rows.append({"voice": voice, "recogniser": name, "utterances": sentences,
+                         **{kind: asr.corpus_wer(heard[name, kind]) for kind in ("originals", "resyntheses")}})
+    return rows
 
 
 def recogniser_table(rows: list[dict]) -> str:
-    lines = ["| recogniser | WER espeak originals | WER codec resyntheses | WER model outputs | utterances |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['recogniser']} | {r['originals']:.1%} | {r['resyntheses']:.1%} | {r['outputs']:.1%} | {r['utterances']} |"
+    lines = ["| voice | recogniser | WER espeak originals | WER codec resyntheses | utterances |", "|---|---|---|---|---|"]
+    lines += [f"| {r['voice']} | {r['recogniser']} | {r['originals']:.1%} | {r['resyntheses']:.1%} | {r['utterances']} |"
               for r in rows]
     return "\n".join(lines)
 
