@@ -220,7 +220,8 @@ def test_a_model_without_bundled_voices_gets_a_page_of_own_clips_and_plain_examp
     try:
         demo = build_demo(Backend(service))
         pickers = [block for block in demo.blocks.values() if isinstance(block, gr.Dropdown)]
-        assert len(pickers) == SPEAKERS and all(picker.value == OWN_CLIP for picker in pickers)
+        assert len(pickers) == SPEAKERS + 1  # a voice per speaker, and the "Speak as it arrives" tab's voice
+        assert all(picker.value == OWN_CLIP for picker in pickers)
         (examples,) = [block for block in demo.blocks.values() if isinstance(block, gr.Dataset)]
         assert all(len(sample) == 2 for sample in examples.samples)  # script and note, no bundled voice
     finally:

@@ -187,10 +187,12 @@ class SpeechService:
             seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
         )
 
-    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop):
-        """`model.stream_text` for a checked `start` message: its items (audio chunks, events)."""
+    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None):
+        """`model.stream_text` for a checked `start` message: its items (audio chunks, events);
+        sampling as the model's generation config says, then `preset`, then the message's fields."""
         return self.model.stream_text(
             pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
+            preset=preset,
             max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
             **params.sampling,
         )

@@ -18,13 +18,19 @@ On a ZeroGPU Space the GPU exists only inside a call wrapped with `spaces.GPU`, 
 engine has no scheduler thread and the wrapped call steps it (`driven_events`); elsewhere the
 engine's own thread runs every request and concurrent users share its batch.
 
+"Speak as it arrives" is streaming text input: a text is fed word by word on a clock, as a language
+model would stream it, to `model.stream_text` (the server's WebSocket path), and its audio plays
+while later words are still arriving.
+
 The page is a list of tabs (`TABS`): a new mode is one more `(title, build)` pair.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -37,14 +43,15 @@ import numpy as np
 import torch
 
 from ..files import atomic_output
-from ..generation_drama3 import WaveformStreamer
+from ..generation_drama3 import AudioChunk, WaveformStreamer
+from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..loading import resolve_device
 from ..long_form import resolve_scene_mode
-from ..prompting import Reference, Script, parse_text, revision, speaker_turns
+from ..prompting import CHUNK_BYTES, Reference, Script, parse_text, revision, speaker_turns
 from .app import SpeechService, chunk_samples, driven_events
 from .audio_formats import encode
 from .engine import EngineStopped, ErrorEvent, FramesEvent, QueueFull
-from .protocol import Limits
+from .protocol import MIN_CHUNK_BYTES, Limits, TextStreamParams
 from .voices import VoiceReference
 
 MODEL_VARIABLE = "DRAMA3_MODEL"
@@ -212,6 +219,66 @@ class TakeUpdate:
     report: str = ""
 
 
+WORDS_PER_SECOND = (0.5, 50.0)
+"""The feed rates the "Speak as it arrives" tab offers (words per second; people speak ~2.5)."""
+
+
+class ArrivingText:
+    """A text released one word at a time on a clock, as a language model streams its tokens:
+    word i (with the spaces after it) arrives `i / words_per_second` seconds after the first word
+    is asked for. Iterating waits for each word's arrival, so whoever reads it (`stream_text`)
+    cannot see a word before it exists."""
+
+    def __init__(self, text: str, words_per_second: float, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.words = tuple(re.findall(r"\S+\s*", text.strip()))
+        self.words_per_second = words_per_second
+        self.clock, self.sleep = clock, sleep
+        self.started: float | None = None
+        self.read = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self.read == len(self.words):
+            raise StopIteration
+        if self.started is None:
+            self.started = self.clock()
+        wait = self.started + self.arrival(self.read) - self.clock()
+        if wait > 0:
+            self.sleep(wait)
+        self.read += 1
+        return self.words[self.read - 1]
+
+    def arrival(self, index: int) -> float:
+        """Seconds from the first word to the arrival of word `index`."""
+        return index / self.words_per_second
+
+    def now(self) -> float:
+        """Seconds since the first word arrived (0 before it)."""
+        return 0.0 if self.started is None else self.clock() - self.started
+
+    def arrived(self) -> int:
+        """Words arrived by now (whether or not the model has read them yet)."""
+        if self.started is None:
+            return 0
+        return min(len(self.words), math.floor(self.now() * self.words_per_second) + 1)
+
+
+@dataclass
+class ArrivalUpdate:
+    """What the "Speak as it arrives" tab streams: a waveform chunk [samples], the words arrived,
+    the chunks spoken so far (`ChunkSpoken`, or `ChunkStarted` for the one being spoken), and at
+    the end the whole take's file and a report."""
+
+    audio: np.ndarray | None
+    arrived: int
+    chunks: list
+    path: str | None = None
+    report: str = ""
+
+
 def bad_input(message: str) -> gr.Error:
     """An error the page shows as a message naming the field (never a stack trace)."""
     return gr.Error(message, print_exception=False)
@@ -314,6 +381,70 @@ class Director:
             return take.revised(note.strip())
         except ValueError as error:
             raise bad_input(f"Revision note: {error}") from None
+
+    def arriving_text(self, text: str, words_per_second, chunk_bytes) -> ArrivingText:
+        """The checked text of the "Speak as it arrives" tab, as a feed (speaker 0 only: one voice)."""
+        if not text or not text.strip():
+            raise bad_input("Text: nothing to say; type or paste a few sentences")
+        if len(text) > self.limits.max_input_chars:
+            raise bad_input(f"Text: {len(text)} characters; at most {self.limits.max_input_chars}")
+        try:
+            lines = parse_text(text, "Text")
+        except ValueError as error:
+            raise bad_input(str(error)) from None
+        others = sorted({line.speaker for line in lines} - {0})
+        if others:
+            raise bad_input(f"Text: speaker {others[0]} has no voice here; this tab speaks with one voice (speaker 0)")
+        low, high = WORDS_PER_SECOND
+        if words_per_second is None or not low <= words_per_second <= high:
+            raise bad_input(f"Words per second: {words_per_second!r}; expected {low} to {high}")
+        if chunk_bytes is None or not MIN_CHUNK_BYTES <= chunk_bytes <= CHUNK_BYTES:
+            raise bad_input(f"Chunk size: {chunk_bytes!r}; expected {MIN_CHUNK_BYTES} to {CHUNK_BYTES} bytes")
+        return ArrivingText(text, float(words_per_second))
+
+    def speak_as_it_arrives(self, feed: ArrivingText, voice: VoiceChoice, settings: TakeSettings,
+                            chunk_bytes: int) -> Iterator[ArrivalUpdate]:
+        """Feed the text to `model.stream_text` as it arrives (the server's text-stream path) and
+        stream its audio; chunk k is spoken once chunk k + 1 is known, while later words arrive."""
+        references = self.references(voice)
+        params = TextStreamParams(
+            model=None, voice=None, response_format="pcm", seed=settings.seed,
+            sampling={name: value for name, value in settings.sampling.items() if value is not None},
+            max_new_tokens=settings.max_new_tokens, chunk_bytes=int(chunk_bytes),
+        )
+        heard, chunks = [], []
+        started = time.perf_counter()
+        items = self.service.text_stream(params, references, settings.seed, feed, None, preset=settings.preset)
+        try:
+            for item in items:
+                audio = None
+                if isinstance(item, ChunkStarted):
+                    chunks.append(item)
+                elif isinstance(item, ChunkSpoken):
+                    chunks[-1] = item
+                elif isinstance(item, AudioChunk) and item.audio is not None and item.audio.numel():
+                    audio = item.audio.detach().cpu().float().numpy()
+                    heard.append(audio)
+                yield ArrivalUpdate(audio, feed.arrived(), list(chunks))
+        except ValueError as error:  # text the whole-text checks cannot see (e.g. a chunk the layout refuses)
+            raise bad_input(f"Text: {error}") from None
+        waveform = np.concatenate(heard) if heard else np.zeros(0, dtype=np.float32)
+        report = self.arrival_report(feed, chunks, waveform, time.perf_counter() - started)
+        yield ArrivalUpdate(None, feed.arrived(), chunks, self.save(waveform, 1), report)
+
+    def arrival_report(self, feed: ArrivingText, chunks: list, waveform: np.ndarray, elapsed: float) -> str:
+        """When the first audio came against when the text arrived, and the real-time factor."""
+        seconds = waveform.size / self.service.processor.sampling_rate
+        first = next((chunk.first_audio_at for chunk in chunks if chunk.first_audio_at is not None), None)
+        last_word = feed.arrival(len(feed.words) - 1)
+        if first is None:
+            timing = "no audio"
+        elif first < last_word:
+            timing = f"first audio at {first:.2f} s, before the text was complete (its last word arrived at {last_word:.2f} s)"
+        else:
+            timing = f"first audio at {first:.2f} s, after the whole text (its last word arrived at {last_word:.2f} s)"
+        factor = f"{elapsed / seconds:.2f}" if seconds else "n/a"
+        return f"**{len(chunks)} chunks**, {seconds:.2f} s of audio: {timing} · real-time factor {factor}"
 
     def settings(self, preset: str, seed, temperature, top_p, top_k, max_frames) -> TakeSettings:
         """Sampling of a take; 0 (or empty) leaves a value to the preset. No seed: a random one,
@@ -499,7 +630,88 @@ def build_scene_tab(director: Director) -> None:
                  concurrency_limit=director.backend.concurrency, concurrency_id="take")
 
 
-TABS: list[tuple[str, Callable[[Director], None]]] = [("Direct a scene", build_scene_tab)]
+def _timeline(feed: ArrivingText, chunks: list) -> str:
+    """The chunks as a table: their text, when it was complete, when its audio started, the delay."""
+    rows = ["| chunk | text | text complete at | first audio at | delay |", "|---|---|---|---|---|"]
+    for chunk in chunks:
+        final = feed.arrival(chunk.piece)
+        if isinstance(chunk, ChunkSpoken) and chunk.first_audio_at is not None:
+            audio, delay = f"{chunk.first_audio_at:.2f} s", f"{chunk.first_audio_at - final:.2f} s"
+        else:
+            audio, delay = ("speaking..." if isinstance(chunk, ChunkStarted) else "no audio"), ""
+        text = chunk.text.replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {chunk.index} | {text} | {final:.2f} s | {audio} | {delay} |")
+    return "\n".join(rows)
+
+
+def _arrival_updates(director: Director, feed: ArrivingText, updates: Iterator[ArrivalUpdate], progress) -> Iterator[tuple]:
+    """(streamed chunk, text arrived, timeline, final file, report) for gradio."""
+    rate = director.service.processor.sampling_rate
+    for update in updates:
+        progress(None, desc=f"{update.arrived} of {len(feed.words)} words arrived, {len(update.chunks)} chunks started")
+        arrived = "".join(feed.words[: update.arrived])
+        text = f"**{update.arrived} of {len(feed.words)} words have arrived:** {arrived}"
+        if update.path is not None:
+            yield gr.skip(), text, _timeline(feed, update.chunks), update.path, update.report
+        else:
+            audio = encode(update.audio, rate, "wav") if update.audio is not None else gr.skip()
+            yield audio, text, _timeline(feed, update.chunks), gr.skip(), gr.skip()
+
+
+ARRIVING_EXAMPLE = (
+    "Good evening, and welcome back. Tonight we look at how the river changed the town, "
+    "from the first bridge to the floods of last spring. [pause] It is a story of patience."
+)
+
+
+def build_text_stream_tab(director: Director) -> None:
+    """The "Speak as it arrives" tab: a text fed word by word (a simulated language model) is
+    spoken while it arrives; the timeline shows each chunk's text and when its audio started."""
+    names = director.voice_names
+    with gr.Row():
+        with gr.Column(scale=3):
+            text = gr.Textbox(label="Text (fed word by word, as a language model streams it)", lines=5,
+                              value=ARRIVING_EXAMPLE, elem_id="arriving-text")
+            with gr.Row():
+                voice = gr.Dropdown([*names, OWN_CLIP], value=names[0] if names else OWN_CLIP, label="Voice",
+                                    elem_id="arriving-voice", min_width=100)
+                rate = gr.Slider(*WORDS_PER_SECOND, value=4, step=0.5, label="Words per second", elem_id="arriving-rate")
+                chunk_bytes = gr.Slider(MIN_CHUNK_BYTES, CHUNK_BYTES, value=60, step=4,
+                                        label="Chunk size (bytes; the published model uses 300)", elem_id="arriving-chunk")
+            with gr.Accordion(f"Your own voice (choose {OWN_CLIP!r} above): a clip and what it says", open=False):
+                with gr.Row():
+                    clip = gr.Audio(sources=["upload", "microphone"], type="numpy", label="Speaker 0 clip")
+                    transcript = gr.Textbox(label="Speaker 0 transcript", placeholder="what the clip says", lines=3)
+            seed = gr.Number(value=None, precision=0, label="Seed (empty: random)", elem_id="arriving-seed")
+            start = gr.Button("Stream it", variant="primary", elem_id="arriving-start")
+            gr.Markdown(
+                "Chunk k is spoken as soon as chunk k + 1 is known (the look-ahead the streaming layout "
+                "needs), so the audio starts while the rest of the text is still arriving. drama3-tiny was "
+                "not trained on the streaming layout: it shows the timing, the published model the voice."
+            )
+        with gr.Column(scale=2):
+            stream = gr.Audio(label="Speech (streaming)", streaming=True, autoplay=True, interactive=False,
+                              elem_id="arriving-stream")
+            final = gr.Audio(label="Whole take (download)", type="filepath", interactive=False, elem_id="arriving-final")
+            report = gr.Markdown(elem_id="arriving-report")
+    arrived = gr.Markdown(elem_id="arriving-arrived")
+    timeline = gr.Markdown(elem_id="arriving-timeline")
+
+    @gpu_call
+    def speak_arriving(text, voice, clip, transcript, rate, chunk_bytes, seed, progress=gr.Progress()):
+        settings = director.settings("model default", seed, 0, 0, 0, 0)
+        feed = director.arriving_text(text, rate, chunk_bytes)
+        choice = VoiceChoice(0, voice, clip, transcript)
+        yield from _arrival_updates(director, feed, director.speak_as_it_arrives(feed, choice, settings, chunk_bytes), progress)
+
+    start.click(speak_arriving, [text, voice, clip, transcript, rate, chunk_bytes, seed], [stream, arrived, timeline, final, report],
+                api_name="speak_as_it_arrives", concurrency_limit=director.backend.concurrency, concurrency_id="take")
+
+
+TABS: list[tuple[str, Callable[[Director], None]]] = [
+    ("Direct a scene", build_scene_tab),
+    ("Speak as it arrives", build_text_stream_tab),
+]
 """The page's tabs, in order: (title, build(director)); a build adds its components inside the tab."""
 
 
