@@ -8,7 +8,6 @@ them: a test that edits weights or replaces a method builds its own (`tiny_model
 
 import os
 import random
-import socket
 
 # The suite runs with the kernel packages bound even without CUDA (an import normally skips them
 # there to save seconds): the tests prove the device router keeps such a process working on a CPU.
@@ -28,6 +27,7 @@ import pytest  # noqa: E402
 from codec_helpers import tiny_codec
 from generation_helpers import load_bundled_tiny, tiny_speech_bundle
 from model_helpers import tiny_model
+from network_helpers import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -103,9 +103,7 @@ def demo_url(demo_backend):
 
     demo = build_demo(demo_backend)
     demo.queue(default_concurrency_limit=demo_backend.concurrency, max_size=16)
-    with socket.socket() as probe:  # a free port: a demo the user runs may hold gradio's default
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # a demo the user runs may hold gradio's default port
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield url.rstrip("/")
     demo.close()

@@ -6,7 +6,6 @@ import base64
 import io
 import json
 import re
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from network_helpers import free_port
 import soundfile
 
 openai = pytest.importorskip("openai")
@@ -25,12 +25,6 @@ from transformers_drama3.tiny import shipped  # noqa: E402
 API_KEY = "test-key"
 FRAMES = 24  # cap on every test request: drama3-tiny frames are cheap, but there are many requests
 LSB = 1 / 32767
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

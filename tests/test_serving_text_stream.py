@@ -4,12 +4,12 @@ audio before the text is complete, a client that leaves cancels its stream, bad 
 with their field."""
 
 import json
-import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from network_helpers import free_port
 
 uvicorn = pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
@@ -24,12 +24,6 @@ TEXT = "Good morning to you. The sun is up, and the birds sing. We walk to the r
 # 20 frames a chunk: more than one block of drama3-tiny's codec, which holds back 8 frames of audio
 START = {"type": "start", "voice": "A", "seed": 3, "max_new_tokens": 20, "chunk_bytes": 24}
 LSB = 1 / 32767
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
