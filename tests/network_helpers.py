@@ -1,6 +1,9 @@
 """Loopback helpers for the tests that run a live server (HTTP, WebSocket, the demo page)."""
 
+import contextlib
 import socket
+import threading
+import time
 
 LOOPBACK = "127.0.0.1"
 
@@ -10,3 +13,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind((LOOPBACK, 0))
         return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving_on_loopback(app, start_timeout: float = 30.0):
+    """Run an ASGI app with uvicorn in a background thread on a free loopback port; yields the port
+    once the server has started, and stops it on exit."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + start_timeout
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -6,14 +6,13 @@ import base64
 import io
 import json
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
-from network_helpers import free_port
+from network_helpers import serving_on_loopback
 import soundfile
 
 openai = pytest.importorskip("openai")
@@ -36,16 +35,8 @@ def server(tmp_path_factory):
     service.model.set_experts_implementation("eager")  # the grouped-GEMM experts take no float64
     service.model.double()
     app = create_app(lambda: service, ServerSettings(api_key=API_KEY, request_timeout=120))
-    port = free_port()
-    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not instance.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", service
-    instance.should_exit = True
-    thread.join(timeout=10)
+    with serving_on_loopback(app) as port:
+        yield f"http://127.0.0.1:{port}", service
     service.engine.stop()
 
 

@@ -4,12 +4,11 @@ audio before the text is complete, a client that leaves cancels its stream, bad 
 with their field."""
 
 import json
-import threading
 import time
 
 import numpy as np
 import pytest
-from network_helpers import free_port
+from network_helpers import serving_on_loopback
 
 uvicorn = pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
@@ -30,16 +29,8 @@ LSB = 1 / 32767
 def server(tmp_path_factory):
     service = SpeechService.load(None, str(tmp_path_factory.mktemp("voices")), max_batch=4, max_queue=8)
     app = create_app(lambda: service, ServerSettings(api_key=API_KEY, request_timeout=120, max_text_streams=2))
-    port = free_port()
-    instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not instance.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"ws://127.0.0.1:{port}/v1/audio/speech/stream", service, app
-    instance.should_exit = True
-    thread.join(timeout=10)
+    with serving_on_loopback(app) as port:
+        yield f"ws://127.0.0.1:{port}/v1/audio/speech/stream", service, app
     service.engine.stop()
 
 
