@@ -78,5 +78,6 @@ def test_a_capped_draw_sorting_only_its_top_k_gives_the_full_sorts_distribution(
     for temperature, top_k, top_p, keep_crossing in ((1.0, 30, 0.9, False), (0.7, 30, 0.7, True), (1.0, 3, 1.0, False)):
         fast = top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
         reference = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        # the same softmax, and the same cumulative sum over the same top_k sorted values: bitwise
         assert torch.equal(fast > 0, reference > 0)
         torch.testing.assert_close(fast, reference)

@@ -139,7 +139,14 @@ def race_inputs(seed: int, rows: int = 6, vocab: int = 300):
 def test_filtered_race_kernel_draws_what_the_reference_draws(interpreted, temperature, top_k, top_p, keep_crossing):
     logits, noise = race_inputs(6)
     drawn = interpreted.filtered_race_triton(logits, noise, temperature, top_k, top_p, keep_crossing)
-    assert torch.equal(drawn, fused_step.filtered_race_reference(logits, noise, temperature, top_k, top_p, keep_crossing))
+    expected = fused_step.filtered_race_reference(logits, noise, temperature, top_k, top_p, keep_crossing)
+    # The two paths compute the race's scores p_i / noise_i with different float arithmetic, so a row
+    # may only pick differently where its two winners score equal within float32 rounding.
+    scores = fused_step.filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing) / noise
+    for row in torch.nonzero(drawn != expected).flatten().tolist():
+        best, picked = scores[row, expected[row]], scores[row, drawn[row]]
+        torch.testing.assert_close(picked, best, rtol=1e-5, atol=1e-7, msg=f"row {row}: not a rounding tie")
+    assert (drawn == expected).float().mean() >= 5 / 6
 
 
 def test_filtered_race_kernel_at_a_tiny_temperature_is_greedy(interpreted):
