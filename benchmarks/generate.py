@@ -2,10 +2,14 @@
 
     PYTHONPATH=src python benchmarks/generate.py [--configs small medium] [--batches 1 4 16]
                                                  [--frames 16] [--prompt-rows 128] [--no-codec]
-                                                 [--no-busy] [--busy-seconds 120]
+                                                 [--no-busy] [--busy-seconds 120] [--no-compile]
 
 For each config prints:
   - ATen ops and dtype casts (`_to_copy`) of one decode step (batch 1), counted by a dispatch mode;
+  - the static decode step (`cache_implementation="static"`) against the eager loop: its ATen ops
+    per step, ms per frame eager on fixed shapes, and compiled by `torch.compile(fullgraph=True)`
+    (the graph's ops and the kernels inductor made of them; compile time is printed apart and not
+    counted); skipped with `--no-compile`;
   - decode ms per frame at 1 thread, torch's default count and the count `threads.decode_threads`
     chooses, on the machine as it is and with one core kept busy by a spinner process (a child
     that spins for at most `--busy-seconds`, killed when the comparison ends);
@@ -27,10 +31,19 @@ import sys
 import time
 
 import torch
+from torch._inductor import metrics
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import CompileConfig
 
-from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
-from transformers_drama3.generation_drama3 import Drama3Sampler, SamplingSettings, decode_steps, prompt_window
+from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration, static_decoding
+from transformers_drama3.generation_drama3 import (
+    Drama3Sampler,
+    SamplingSettings,
+    decode_steps,
+    prefilled,
+    prompt_window,
+    static_decode_steps,
+)
 from transformers_drama3.threads import available_cores, busy_cores_elsewhere, decode_threads, torch_threads
 
 CONFIGS = {
@@ -114,13 +127,26 @@ def prompt_of(model, batch: int, rows: int):
     return input_ids, torch.zeros(batch, rows, model.config.num_codebooks, dtype=torch.long), torch.ones_like(input_ids)
 
 
-def run(model, batch: int, rows: int, frames: int) -> tuple[float, float]:
+COMPILED = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode=None)
+"""The CPU's compile: one graph per step (CUDA graphs are a GPU's; `benchmarks/gpu.py`)."""
+
+
+def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path: str):
+    """The decode steps of one path: "eager" (the reference loop), "static" (fixed shapes, not
+    compiled) or "compiled" (the static step through `torch.compile`)."""
+    if path == "eager":
+        return decode_steps(model, input_ids, audio_codes, mask, sampler, budgets)
+    compile_config = COMPILED if path == "compiled" else None
+    return static_decode_steps(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config)
+
+
+def run(model, batch: int, rows: int, frames: int, path: str = "eager") -> tuple[float, float]:
     """(prefill seconds, decode seconds) for `frames` frames of a batch."""
     input_ids, audio_codes, mask = prompt_of(model, batch, rows)
     sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
     budgets = torch.full((batch,), frames)
     started = time.perf_counter()
-    steps = decode_steps(model, input_ids, audio_codes, mask, sampler, budgets)
+    steps = steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path)
     next(steps)  # prefill + first frame
     first = time.perf_counter()
     for _ in steps:
@@ -150,16 +176,53 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(model) -> tuple[int, int]:
+def ops_per_step(model, path: str = "eager") -> tuple[int, int]:
     """(ATen ops, `_to_copy` casts) of one decode step of batch 1, after a few warm steps."""
     input_ids, audio_codes, mask = prompt_of(model, 1, 16)
     sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
-    steps = decode_steps(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8))
+    steps = steps_of(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8), path)
     next(steps), next(steps)
     counter = OpCounter()
     with counter:
         next(steps)
     return sum(counter.ops.values()), counter.ops[torch.ops.aten._to_copy]
+
+
+def graph_of_one_step(model) -> tuple[int, int, int]:
+    """(graphs, graph breaks, ops in the graphs) of one static step, as `torch._dynamo.explain` sees it."""
+    input_ids, audio_codes, mask = prompt_of(model, 1, 16)
+    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
+    state = prefilled(model, input_ids, audio_codes, mask)
+    length = static_decoding.static_length(32)
+    cache = static_decoding.Drama3StaticCache.from_filled(state.cache, length)
+    static = static_decoding.StaticDecodeState.opened(
+        state.hidden, state.ids, state.codes, mask, length, torch.full((1,), 8), None
+    )
+    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, input_ids.device)
+    explained = torch._dynamo.explain(static_decoding.static_step)(model, cache, sampler, static, noise, None)
+    return explained.graph_count, explained.graph_break_count, explained.op_count
+
+
+def static_comparison(model, frames: int, rows: int, compile_it: bool) -> None:
+    """The static step against the eager loop, batch 1, at the current thread count."""
+    static_ops, _ = ops_per_step(model, "static")
+    graphs, breaks, graph_ops = graph_of_one_step(model)
+    print(f"  static step: {static_ops} ATen ops eager; torch._dynamo: {graphs} graph(s), {breaks} graph break(s), "
+          f"{graph_ops} ops in the graph")
+    eager = run(model, 1, rows, frames, "eager")[1]
+    static = run(model, 1, rows, frames, "static")[1]
+    shown = f"  ms per frame: eager loop {eager * 1e3:.1f}, static step {static * 1e3:.1f} ({eager / static:.2f}x)"
+    if compile_it:
+        torch._dynamo.reset()
+        metrics.reset()
+        started = time.perf_counter()
+        run(model, 1, rows, 2, "compiled")  # compiles (same batch and cache length class as the timed run)
+        compile_seconds = time.perf_counter() - started
+        kernels = metrics.generated_kernel_count
+        compiled = run(model, 1, rows, frames, "compiled")[1]
+        shown += (f", compiled {compiled * 1e3:.1f} ({eager / compiled:.2f}x)  [speed vs eager; compile "
+                  f"{compile_seconds:.0f} s, {kernels} generated kernels]")
+    print(shown)
 
 
 SPINNER = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
@@ -196,6 +259,7 @@ def main():
     parser.add_argument("--no-codec", action="store_true", help="skip the time-to-first-audio run")
     parser.add_argument("--no-busy", action="store_true", help="skip the comparison with a busy core")
     parser.add_argument("--busy-seconds", type=float, default=120.0, help="the spinner's longest life")
+    parser.add_argument("--no-compile", action="store_true", help="time the static step eager only (compiling takes minutes)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{available_cores()} cores, {busy_cores_elsewhere()} busy with other processes now; "
@@ -220,6 +284,7 @@ def main():
                 spinner.wait()
         threads = decode_threads(model)
         with torch_threads(threads):
+            static_comparison(model, args.frames, args.prompt_rows, not args.no_compile)
             for batch in args.batches:
                 prefill, per_step = run(model, batch, args.prompt_rows, args.frames)
                 if batch == 1:

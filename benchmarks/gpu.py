@@ -10,10 +10,21 @@ keeping the 3 Gated DeltaNet : 1 attention pattern) and extrapolates the time pe
 the published 40 layers: step(40) = step(a) + (40 - a) / (b - a) * (step(b) - step(a)).
 
 For each expert format (bf16; FP8: the routed experts stored as float8 e4m3 with one scale per
-output row, dequantised to bf16 for the experts a step uses, so each step reads one byte per expert
-weight - weight-only FP8, not the published block-scaled FP8 matmul) and each mode (eager;
-`torch.compile` of the backbone and tower modules, dynamic shapes, no CUDA graphs - the decode
-loop's growing caches do not allow them yet), it prints for batch 1 and `--batch`:
+output row, the experts each token reaches gathered and dequantised to bf16, so each step reads one
+byte per expert weight it uses - weight-only FP8, not the published block-scaled FP8 matmul) and
+each mode it prints for batch 1 and `--batch`. The modes (`--modes`):
+
+  eager     the reference decode loop (dynamic caches that grow by a row per step);
+  static    the static decode step (`cache_implementation="static"`: preallocated caches, fixed
+            shapes), not compiled;
+  graph     the static step captured whole by `torch.compile(fullgraph=True)` with the
+            `cudagraphs` backend: one CUDA graph replayed per step, no code generation, so it
+            builds in seconds (`aot_eager` on the dry run's CPU);
+  compiled  the static step through inductor with CUDA graphs (`mode="reduce-overhead"`, what
+            `generate(cache_implementation="static")` does on a GPU by default); inductor's
+            compile takes minutes per depth and batch size, so it is not in the default modes.
+
+It prints:
 
   ms per step, frames/s of all items, and frames/s against the paper's 271 frames/s (one H200,
   batch 1) and S2's 177,
@@ -32,7 +43,16 @@ import time
 import torch
 
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
-from transformers_drama3.generation_drama3 import Drama3Sampler, SamplingSettings, decode_steps, prompt_window
+from transformers import CompileConfig
+
+from transformers_drama3.generation_drama3 import (
+    Drama3Sampler,
+    SamplingSettings,
+    decode_steps,
+    prompt_window,
+    static_decode_steps,
+)
+from transformers_drama3.static_decoding import default_compile_config
 
 PAPER_FRAMES_PER_SECOND = 271.0
 """The paper's Drama 3 decode speed on one H200 (batch 1)."""
@@ -48,6 +68,8 @@ DRY_RUN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
                     vocab_size=512 + 256)
 DRY_RUN_TOWER = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
 
+MODES = ("eager", "static", "graph", "compiled")
+
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,7 +79,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=32, help="frames per timed run")
     parser.add_argument("--prompt-rows", type=int, default=256)
     parser.add_argument("--experts", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=list(MODES))
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
     low, high = arguments.depths
@@ -117,14 +139,21 @@ class Fp8StoredExperts(torch.nn.Module):
         stored, scale = getattr(self, f"{name}_fp8")[expert], getattr(self, f"{name}_scale")[expert]
         return (stored.to(torch.float32) * scale).to(self.compute_dtype)
 
+    def gathered(self, name: str, experts: torch.Tensor) -> torch.Tensor:
+        """The weights of `experts` [S] dequantised: [S, out, in] in the compute dtype."""
+        stored, scale = getattr(self, f"{name}_fp8")[experts], getattr(self, f"{name}_scale")[experts]
+        return (stored.to(torch.float32) * scale).to(self.compute_dtype)
+
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for expert in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == expert)
-            gate, up = torch.nn.functional.linear(hidden_states[token], self.weight("gate_up_proj", expert)).chunk(2, -1)
-            expert_out = torch.nn.functional.linear(self.act_fn(gate) * up, self.weight("down_proj", expert))
-            out.index_add_(0, token, (expert_out * top_k_weights[token, slot, None]).to(out.dtype))
-        return out
+        """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, k]: every (token,
+        expert) pair as one batched matmul, fixed shapes (a graph captures it whole)."""
+        tokens, top_k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        pairs = hidden_states.repeat_interleave(top_k, dim=0)  # [S, hidden]
+        gate, up = torch.bmm(self.gathered("gate_up_proj", experts), pairs[..., None])[..., 0].chunk(2, -1)
+        expert_out = torch.bmm(self.gathered("down_proj", experts), (self.act_fn(gate) * up)[..., None])[..., 0]
+        weighted = expert_out * top_k_weights.reshape(-1, 1).to(expert_out.dtype)
+        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def store_experts_in_fp8(model: Drama3ForSpeechGeneration) -> None:
@@ -135,12 +164,21 @@ def store_experts_in_fp8(model: Drama3ForSpeechGeneration) -> None:
         torch.cuda.empty_cache()
 
 
-def compile_modules(model: Drama3ForSpeechGeneration) -> None:
-    """torch.compile the backbone's layers and the tower's (dynamic shapes: the caches grow)."""
-    for layer in model.backbone.layers:
-        layer.compile(dynamic=True)
-    for layer in model.tower_layers:
-        layer.compile(dynamic=True)
+def compile_config_of(mode: str, device: str) -> CompileConfig | None:
+    """The static step's compile options for `mode` on `device` (None: not compiled)."""
+    on_gpu = device.startswith("cuda")
+    if mode == "graph":
+        return CompileConfig(fullgraph=True, dynamic=False, backend="cudagraphs" if on_gpu else "aot_eager", mode=None)
+    if mode == "compiled":
+        return default_compile_config() if on_gpu else CompileConfig(fullgraph=True, dynamic=False, mode=None)
+    return None
+
+
+def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode: str, device: str):
+    if mode == "eager":
+        return decode_steps(model, input_ids, audio_codes, mask, sampler, budgets)
+    return static_decode_steps(model, input_ids, audio_codes, mask, sampler, budgets,
+                               compile_config=compile_config_of(mode, device))
 
 
 def synchronize(device: str) -> None:
@@ -148,14 +186,15 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_run(model, batch: int, rows: int, frames: int, device: str) -> tuple[float, float]:
+def timed_run(model, batch: int, rows: int, frames: int, device: str, mode: str = "eager") -> tuple[float, float]:
     """(seconds to the 10th frame from the start, including the prefill; seconds per step after it)."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, model.config.semantic_start_token_id, (batch, rows), generator=generator).to(device)
     audio_codes = torch.zeros(batch, rows, model.config.num_codebooks, dtype=torch.long, device=device)
     mask = torch.ones_like(input_ids)
     sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(device), prompt_window(input_ids, mask))
-    steps = decode_steps(model, input_ids, audio_codes, mask, sampler, torch.full((batch,), max(frames, FIRST_AUDIO_FRAMES)))
+    budgets = torch.full((batch,), max(frames, FIRST_AUDIO_FRAMES))
+    steps = steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode, device)
     synchronize(device)
     started = time.perf_counter()
     first_audio = float("nan")
@@ -181,15 +220,15 @@ def measure(arguments, depth: int, experts: str, mode: str, device: str, dtype) 
     model = build(depth, device, dtype, arguments.dry_run)
     if experts == "fp8":
         store_experts_in_fp8(model)
-    if mode == "compiled":
-        compile_modules(model)
     results = {}
+    torch._dynamo.reset()  # a fresh model: nothing compiled for another one stays around
     with torch.no_grad():
-        timed_run(model, 1, 16, 3, device)  # warm-up (and the first compilations)
+        timed_run(model, 1, 16, 3, device)  # warm-up
         for batch in sorted({1, arguments.batch}):
-            if mode == "compiled":
-                timed_run(model, batch, arguments.prompt_rows, 3, device)  # compile this batch's shapes
-            results[batch] = timed_run(model, batch, arguments.prompt_rows, arguments.frames, device)
+            if mode != "eager":
+                # the same batch and cache length class as the timed run: compiles / captures it
+                timed_run(model, batch, arguments.prompt_rows, 3, device, mode)
+            results[batch] = timed_run(model, batch, arguments.prompt_rows, arguments.frames, device, mode)
     del model
     gc.collect()
     if device.startswith("cuda"):

@@ -17,9 +17,9 @@ def gpu_benchmark():
     return module
 
 
-def test_the_defaults_measure_bf16_and_fp8_eager_and_compiled_at_batch_1_and_16(gpu_benchmark):
+def test_the_defaults_measure_bf16_and_fp8_eager_and_graph_at_batch_1_and_16(gpu_benchmark):
     arguments = gpu_benchmark.parse_arguments([])
-    assert arguments.experts == ["bf16", "fp8"] and arguments.modes == ["eager", "compiled"]
+    assert arguments.experts == ["bf16", "fp8"] and arguments.modes == ["eager", "graph"]
     assert arguments.batch == 16 and arguments.depths == [4, 8] and not arguments.dry_run
 
 
@@ -63,7 +63,19 @@ def test_fp8_stored_experts_compute_what_the_bf16_experts_do_within_fp8_error(gp
 
 def test_a_dry_run_prints_every_measurement_against_the_papers_figures(gpu_benchmark, capsys):
     gpu_benchmark.main(["--dry-run", "--depths", "4", "8", "--frames", "2", "--prompt-rows", "4", "--batch", "2",
-                        "--modes", "eager"])
+                        "--modes", "eager", "static"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "frames/s" in line]
-    assert len(lines) == 4  # bf16 and fp8, batch 1 and 2
+    assert len(lines) == 8  # bf16 and fp8, the eager loop and the static step, batch 1 and 2
     assert all("the paper's 271" in line and "S2's 177" in line and "first audio" in line for line in lines)
+
+
+def test_the_graph_modes_capture_the_static_step_whole(gpu_benchmark):
+    """graph: CUDA graphs without code generation (aot_eager traces the same graph on a CPU);
+    compiled: inductor with CUDA graphs, what generate(cache_implementation="static") does on a GPU.
+    (The compiled static step itself is tested in test_static_decode.py.)"""
+    graph, compiled = gpu_benchmark.compile_config_of("graph", "cuda"), gpu_benchmark.compile_config_of("compiled", "cuda")
+    assert graph.fullgraph and graph.backend == "cudagraphs"
+    assert compiled.fullgraph and compiled.backend == "inductor" and compiled.mode == "reduce-overhead"
+    assert gpu_benchmark.compile_config_of("graph", "cpu").backend == "aot_eager"
+    assert gpu_benchmark.compile_config_of("compiled", "cpu").mode is None  # no CUDA graphs on a CPU
+    assert gpu_benchmark.compile_config_of("eager", "cuda") is None and gpu_benchmark.compile_config_of("static", "cuda") is None

@@ -22,6 +22,7 @@ from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3
 from .feature_extraction_drama3 import Drama3FeatureExtractor
 from .modeling_drama3 import Drama3Cache, Drama3ForRewardModeling, Drama3ForSpeechGeneration, Drama3Output
 from .processing_drama3 import Drama3Processor
+from .static_decoding import Drama3StaticCache
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,7 @@ __all__ = [
     "Drama3ForRewardModeling",
     "Drama3ForSpeechGeneration",
     "Drama3Output",
+    "Drama3StaticCache",
     "Drama3Processor",
     "Drama3TextConfig",
 ]

@@ -27,10 +27,15 @@ Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so 
 same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
 E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set.
 
+Static decoding (`cache_implementation="static"`): the same steps on preallocated caches with
+fixed shapes, drawing each step's random numbers ahead in the order this loop draws them, so that
+`torch.compile(fullgraph=True)` takes one step as one graph (`static_decoding.py`; this loop is its
+reference).
+
 Place among the modules: the model (`modeling_drama3`) imports this module and inherits
 `generate`/`stream` from `Drama3GenerationMixin`; this module imports nothing from the model and
 drives it through its incremental methods (`prefill`, `tower_step`, `decode_row`) on a
-`Drama3Cache`. Long texts and scenes, which need the processor, are spoken by `long_form`.
+`Drama3Cache`; `static_decoding` sits below it. Long texts and scenes, which need the processor, are spoken by `long_form`.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import CompileConfig, GenerationConfig, GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -51,6 +56,15 @@ from .kernels import fused_step
 # The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
 from .kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities
 from .prompting.text import is_cjk
+from .static_decoding import (
+    Drama3StaticCache,
+    StaticDecodeState,
+    check_cache_implementation,
+    compiled_step,
+    default_compile_config,
+    restricted_main_logits,
+    static_length,
+)
 from .threads import check_threads, resolve_threads, torch_threads
 
 # ----------------------------------------------------------------------------- published constants
@@ -210,7 +224,12 @@ def exponential_race(
     With generators, row b draws only `widths[b]` numbers (default V; the candidates after them
     must have probability 0), and nothing at all where `drawing[b]` is False (its index is then
     meaningless). So what an item draws never depends on what else is in the batch."""
-    return (probabilities / race_noise(probabilities, generators, widths, drawing)).argmax(dim=-1)
+    return race(probabilities, race_noise(probabilities, generators, widths, drawing))
+
+
+def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`argmax p_i / E_i` over the last dimension: the draw of an exponential race over `noise`."""
+    return (probabilities / noise).argmax(dim=-1)
 
 
 def race_noise(
@@ -234,6 +253,18 @@ def race_noise(
         row = torch.empty(width, device=device).exponential_(generator=generator)
         rows.append(torch.cat((row, torch.full((size - width,), float("inf"), device=device))))
     return torch.stack(rows)
+
+
+@dataclass
+class StepNoise:
+    """The numbers of one decode step, drawn ahead: main / ras `[batch, candidates]` (ras None
+    without RAS), codebooks `[batch, num_codebooks - 1, codebook_size]`, and `marks`: each
+    generator's state after the main draws (`Drama3Sampler.rewind` returns to it)."""
+
+    main: torch.Tensor
+    ras: torch.Tensor | None
+    codebooks: torch.Tensor
+    marks: list[torch.Tensor]
 
 
 class Drama3Sampler:
@@ -268,49 +299,104 @@ class Drama3Sampler:
         self.main_widths = main_widths
         self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
 
-    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None):
+    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None):
         # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
         if top_k is None:
             probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
         else:
             probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        if noise is not None:
+            return race(probabilities, noise)
         return exponential_race(probabilities, self.generators, widths, drawing)
 
-    def main_token(self, logits: torch.Tensor) -> torch.Tensor:
-        """Restricted main logits `[batch, 1, candidates]` -> main token ids `[batch, 1]`."""
+    def main_token(
+        self, logits: torch.Tensor, noise: StepNoise | None = None, active: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Restricted main logits `[batch, 1, candidates]` -> main token ids `[batch, 1]`.
+
+        `noise`: the step's numbers drawn ahead (`step_noise`) instead of drawing them now;
+        `active` [batch]: the items still speaking (default: all); only their RAS replacements count
+        (an item that ended keeps stepping with the batch, on rows nobody hears)."""
         logits = logits[:, -1]
         settings = self.settings
         if not settings.do_sample:
             choice = logits.argmax(dim=-1)
         else:
             widths = self.main_widths
-            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, True, widths)
+            first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
+            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, True, widths, noise=first_noise)
             if settings.repetition_aware:
-                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths)
+                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths, noise=second_noise)
                 first_ids = self.candidate_ids[choice]
                 repeats = (self.window == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
-                self.ras_replacements += repeats.long()
+                counted = repeats if active is None else repeats & active
+                self.ras_replacements = self.ras_replacements + counted.long()  # out of place: a graph input stays unmutated
                 choice = torch.where(repeats, second, choice)
         main_ids = self.candidate_ids[choice]
         self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
         return main_ids[:, None]
 
-    def codebook(self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None) -> torch.Tensor:
+    def codebook(
+        self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None, noise: StepNoise | None = None
+    ) -> torch.Tensor:
         """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head).
 
         `drawing` [batch]: the items that make a frame now; the others draw nothing (their code is
-        meaningless)."""
+        meaningless). `noise`: the step's numbers drawn ahead (`step_noise`)."""
         logits = logits[:, -1]
         settings = self.settings
         if not settings.do_sample:
             return logits.argmax(dim=-1)[:, None]
+        given = None if noise is None else noise.codebooks[:, codebook_index - 1]
         if fused_step.use_kernel(logits):
             # one fused kernel for the filtered draw, over the noise the reference would divide by
-            noise = race_noise(torch.empty(logits.shape, device=logits.device), self.generators, drawing=drawing)
-            codes = fused_step.filtered_race(logits, noise, settings.temperature, settings.codebook_top_k, settings.top_p, False)
+            if given is None:
+                given = race_noise(torch.empty(logits.shape, device=logits.device), self.generators, drawing=drawing)
+            codes = fused_step.filtered_race(logits, given, settings.temperature, settings.codebook_top_k, settings.top_p, False)
             return codes[:, None]
-        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing)
+        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing, noise=given)
         return codes[:, None]
+
+    # -- drawing a step's numbers ahead (the static decode step) ---------------------------------
+
+    def step_noise(self, batch: int, candidates: int, num_codebooks: int, device: torch.device) -> StepNoise | None:
+        """Every number one decode step may draw, drawn now, in the order the step would draw them:
+        the main draw (and the RAS draw) over `candidates`, then one row of `codebook_size` per
+        acoustic codebook, for every item. None when nothing is drawn (greedy).
+
+        An item that then makes no frame would not have drawn its codebook numbers: `rewind`
+        takes them back, so the generators end where a step that drew on demand leaves them."""
+        if not self.settings.do_sample:
+            return None
+        shape = torch.empty(batch, candidates, device=device)
+        main = race_noise(shape, self.generators, self.main_widths)
+        ras = race_noise(shape, self.generators, self.main_widths) if self.settings.repetition_aware else None
+        marks = [generator.get_state() for generator in self._generators_of(device)]
+        row = torch.empty(batch, self.codebook_size, device=device)
+        codebooks = torch.stack([race_noise(row, self.generators) for _ in range(num_codebooks - 1)], dim=1)
+        return StepNoise(main, ras, codebooks, marks)
+
+    def rewind(self, noise: StepNoise | None, speaking: torch.Tensor, boundary: torch.Tensor) -> None:
+        """Take back the codebook numbers of `noise` that a step drawing on demand would not have
+        drawn: per item, those of the items not `speaking` [batch]; with torch's global generator
+        (one stream for the batch) all of them when no item made a frame or a boundary."""
+        if noise is None:
+            return
+        generators = self._generators_of(speaking.device)
+        if self.generators is None:
+            if not bool((speaking | boundary).any()):
+                generators[0].set_state(noise.marks[0])
+            return
+        for item in (~speaking).nonzero().flatten().tolist():
+            generators[item].set_state(noise.marks[item])
+
+    def _generators_of(self, device: torch.device) -> list[torch.Generator]:
+        """The generators the draws use: one per item, or torch's global one for `device`."""
+        if self.generators is not None:
+            return list(self.generators)
+        if device.type == "cuda":
+            return [torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]]
+        return [torch.default_generator]
 
 
 def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -535,13 +621,9 @@ def separators_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_t
 def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) -> torch.Tensor:
     """Restricted main logits `[batch, 1, codebook_size + 1 (+ 1)]`: the band and eos, then the
     separator (-inf for items that may not draw it) when `separators` is given."""
-    logits = model.speech_logits(hidden)
     if separators is None:
-        return logits
-    row = model.get_output_embeddings().weight[separators.token_id : separators.token_id + 1]
-    separator = torch.nn.functional.linear(hidden, row).to(logits.dtype)  # [batch, 1, 1]
-    separator = separator.masked_fill((separators.left <= 0)[:, None, None], float("-inf"))
-    return torch.cat((logits, separator), dim=-1)
+        return restricted_main_logits(model, hidden, None, None)
+    return restricted_main_logits(model, hidden, separators.token_id, separators.left)
 
 
 @dataclass
@@ -611,7 +693,7 @@ def decode_from(
         separators = LineSeparators(separators.token_id, separators.left.to(device).clone())
     step = 0
     while True:
-        main_ids = sampler.main_token(main_logits(model, state.hidden, separators))  # [batch, 1]
+        main_ids = sampler.main_token(main_logits(model, state.hidden, separators), active=active)  # [batch, 1]
         eos = main_ids[:, 0] == config.eos_token_id
         boundary = torch.zeros_like(eos) if separators is None else active & (main_ids[:, 0] == separators.token_id)
         speaking = active & ~eos & ~boundary
@@ -638,6 +720,42 @@ def decode_from(
         state.mask = torch.cat((state.mask, state.mask.new_ones(batch, 1)), dim=1)
         state.hidden = model.decode_row(main_ids, frames, state.mask, state.cache)
         state.ids, state.codes = main_ids, frames
+        step += 1
+
+
+def static_decode_steps(
+    model,
+    input_ids: torch.Tensor,
+    audio_codes: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sampler: Drama3Sampler,
+    budgets: torch.Tensor,
+    separators: LineSeparators | None = None,
+    compile_config=None,
+) -> Iterator[FrameStep]:
+    """`decode_steps` on the static path: the same prefill, then one `static_step` per main token
+    on preallocated caches (compiled with `compile_config`; None: eager), until every item has
+    ended. Yields the FrameSteps `decode_steps` yields for the same request: the same frames
+    (greedy: bitwise equal codes; sampled: the same draws, from the same generators)."""
+    state = prefilled(model, input_ids, audio_codes, attention_mask)
+    budgets = budgets.to(input_ids.device)
+    left = None if separators is None else separators.left
+    # every item takes at most one step per frame and one per line boundary, plus the last row fed
+    most_steps = int((budgets + (0 if left is None else left.to(budgets.device).clamp(min=0))).max())
+    max_length = static_length(input_ids.shape[1] + most_steps + 1)
+    cache = Drama3StaticCache.from_filled(state.cache, max_length)
+    static = StaticDecodeState.opened(state.hidden, state.ids, state.codes, attention_mask, max_length, budgets, left)
+    step_function = compiled_step(compile_config)
+    separator_id = None if separators is None else separators.token_id
+    candidates, batch = sampler.candidate_ids.shape[0], input_ids.shape[0]
+    step = 0
+    while True:
+        noise = sampler.step_noise(batch, candidates, model.config.num_codebooks, input_ids.device)
+        output, static = step_function(model, cache, sampler, static, noise, separator_id)
+        sampler.rewind(noise, output.speaking, output.boundary)
+        yield FrameStep(step, output.main_ids, output.frames, output.speaking, output.ended, output.eos, output.boundary)
+        if not bool(static.active.any()):
+            return
         step += 1
 
 
@@ -942,6 +1060,7 @@ class _Request:
     guard_budgets: torch.Tensor
     expected_frames: torch.Tensor
     separators: LineSeparators | None = None
+    decoding: DecodeOptions = field(default_factory=lambda: DecodeOptions())
 
     def select(self, index: torch.Tensor) -> _Request:
         """The request of the items `index` (a long tensor)."""
@@ -950,8 +1069,46 @@ class _Request:
             separators = LineSeparators(separators.token_id, separators.left[index.to(separators.left.device)])
         index = index.cpu()
         return _Request(
-            self.settings, self.budgets[index], self.guard_budgets[index], self.expected_frames[index], separators
+            self.settings, self.budgets[index], self.guard_budgets[index], self.expected_frames[index], separators,
+            self.decoding,
         )
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the decode loop runs: `static` (`cache_implementation="static"`) steps on preallocated
+    caches (`static_decoding`), compiled with `compile_config` (None: eager)."""
+
+    static: bool = False
+    compile_config: CompileConfig | None = None
+
+
+def resolve_decoding(model, generation_config: GenerationConfig | None, overrides: dict) -> DecodeOptions:
+    """The decode options of a call, read as transformers reads them: `cache_implementation`
+    ("static" or "dynamic"), `compile_config` and `disable_compile`, from the model's generation
+    config, then the call's, then keyword arguments. A static cache is compiled when a
+    `compile_config` is given, or by default on CUDA (`default_compile_config`: one graph per step
+    with CUDA graphs), unless `disable_compile`."""
+    values: dict = {}
+    for source in (getattr(model, "generation_config", None), generation_config, overrides):
+        if source is None:
+            continue
+        for name in ("cache_implementation", "compile_config", "disable_compile"):
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if value is not None:
+                values[name] = value
+    implementation = values.get("cache_implementation")
+    check_cache_implementation(implementation)
+    if implementation != "static":
+        return DecodeOptions()
+    compile_config = values.get("compile_config")
+    if compile_config is not None and not isinstance(compile_config, CompileConfig):
+        raise ValueError(f"compile_config={compile_config!r}; expected a transformers CompileConfig")
+    if values.get("disable_compile"):
+        return DecodeOptions(static=True)
+    if compile_config is None and model.device.type == "cuda":
+        compile_config = default_compile_config()
+    return DecodeOptions(static=True, compile_config=compile_config)
 
 
 def resolve_separator_id(model, generation_config: GenerationConfig | None, explicit: int | None) -> int | None:
@@ -1062,6 +1219,7 @@ def _set_up(
     request = _resolve_request(
         model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
     )
+    request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
     return _Call(prompt, request, return_dict)
 
 
@@ -1080,7 +1238,13 @@ def check_codec_matches(config, codec, location: str = "codec") -> None:
 def _start(model, input_ids, audio_codes, attention_mask, request: _Request, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
     """The sampler of one decode run and its steps (not started until iterated)."""
     sampler = make_sampler(model, request, input_ids, attention_mask, seed)
-    steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+    if request.decoding.static:
+        steps = static_decode_steps(
+            model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators,
+            request.decoding.compile_config,
+        )
+    else:
+        steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
     return sampler, steps
 
 
@@ -1244,6 +1408,11 @@ def generate(
             the idle cores (`threads.decode_threads`), an int is used as given, None leaves torch's
             count alone; torch's count is restored afterwards. "auto" leaves a model on CUDA alone.
         **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
+            `cache_implementation="static"` decodes on preallocated caches with fixed shapes
+            (`static_decoding`): the same frames and the same seeded draws as the default dynamic
+            cache, one graph per step; it is compiled (`torch.compile(fullgraph=True)`, CUDA graphs)
+            by default on CUDA, or wherever `compile_config=CompileConfig(...)` is given, unless
+            `disable_compile=True`. The first call of a batch size and cache length class compiles.
 
     Returns:
         `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms

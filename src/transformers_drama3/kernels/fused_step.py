@@ -17,7 +17,7 @@ that one kernel does in a single pass over the row:
   reference, so a seeded request draws the same codes on either path.
 
 Each public function takes the kernel for CUDA tensors when Triton imports, and the reference
-otherwise: the references are what the CPU runs. `<name>_triton` launches the kernel on any
+otherwise (and under `torch.compile`): the references are what the CPU runs. `<name>_triton` launches the kernel on any
 device; the tests run it on CPU tensors through Triton's interpreter (`TRITON_INTERPRET=1` set
 before this module is imported; the autotuner then has one config).
 """
@@ -57,8 +57,11 @@ def triton_available() -> bool:
 
 
 def use_kernel(tensor: torch.Tensor) -> bool:
-    """Whether a kernel serves `tensor`: a CUDA tensor, with Triton installed."""
-    return triton is not None and tensor.is_cuda
+    """Whether a kernel serves `tensor`: a CUDA tensor, with Triton installed, in eager code.
+
+    Under `torch.compile` the references run instead: inductor fuses them into its own kernels
+    (the static decode step, `static_decoding.py`), and a graph holds no opaque launch."""
+    return triton is not None and tensor.is_cuda and not torch.compiler.is_compiling()
 
 
 # ----------------------------------------------------------------------------- references
