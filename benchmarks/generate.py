@@ -3,11 +3,12 @@
     PYTHONPATH=src python benchmarks/generate.py [--configs small medium] [--batches 1 4 16]
                                                  [--frames 16] [--prompt-rows 128] [--no-codec]
                                                  [--no-busy] [--busy-seconds 120] [--no-compile]
+                                                 [--static-batches 1 16]
 
 For each config prints:
   - ATen ops and dtype casts (`_to_copy`) of one decode step (batch 1), counted by a dispatch mode;
-  - the static decode step (`cache_implementation="static"`) against the eager loop: its ATen ops
-    per step, ms per frame eager on fixed shapes, and compiled by `torch.compile(fullgraph=True)`
+  - the static decode step (`cache_implementation="static"`) against the eager loop, at batch 1
+    and 16 (`--static-batches`): its ATen ops per step, ms per step eager on fixed shapes, and compiled by `torch.compile(fullgraph=True)`
     (the graph's ops and the kernels inductor made of them; compile time is printed apart and not
     counted); skipped with `--no-compile`;
   - decode ms per frame at 1 thread, torch's default count and the count `threads.decode_threads`
@@ -203,26 +204,28 @@ def graph_of_one_step(model) -> tuple[int, int, int]:
     return explained.graph_count, explained.graph_break_count, explained.op_count
 
 
-def static_comparison(model, frames: int, rows: int, compile_it: bool) -> None:
-    """The static step against the eager loop, batch 1, at the current thread count."""
+def static_comparison(model, frames: int, rows: int, batches: list[int], compile_it: bool) -> None:
+    """The static step against the eager loop at the current thread count, per batch size."""
     static_ops, _ = ops_per_step(model, "static")
     graphs, breaks, graph_ops = graph_of_one_step(model)
     print(f"  static step: {static_ops} ATen ops eager; torch._dynamo: {graphs} graph(s), {breaks} graph break(s), "
           f"{graph_ops} ops in the graph")
-    eager = run(model, 1, rows, frames, "eager")[1]
-    static = run(model, 1, rows, frames, "static")[1]
-    shown = f"  ms per frame: eager loop {eager * 1e3:.1f}, static step {static * 1e3:.1f} ({eager / static:.2f}x)"
-    if compile_it:
-        torch._dynamo.reset()
-        metrics.reset()
-        started = time.perf_counter()
-        run(model, 1, rows, 2, "compiled")  # compiles (same batch and cache length class as the timed run)
-        compile_seconds = time.perf_counter() - started
-        kernels = metrics.generated_kernel_count
-        compiled = run(model, 1, rows, frames, "compiled")[1]
-        shown += (f", compiled {compiled * 1e3:.1f} ({eager / compiled:.2f}x)  [speed vs eager; compile "
-                  f"{compile_seconds:.0f} s, {kernels} generated kernels]")
-    print(shown)
+    for batch in batches:
+        eager = run(model, batch, rows, frames, "eager")[1]
+        static = run(model, batch, rows, frames, "static")[1]
+        shown = (f"  batch {batch:>2}, ms per step: eager loop {eager * 1e3:.1f}, static step {static * 1e3:.1f} "
+                 f"({eager / static:.2f}x)")
+        if compile_it:
+            torch._dynamo.reset()
+            metrics.reset()
+            started = time.perf_counter()
+            run(model, batch, rows, 2, "compiled")  # compiles (same batch and cache length class as the timed run)
+            compile_seconds = time.perf_counter() - started
+            kernels = metrics.generated_kernel_count
+            compiled = run(model, batch, rows, frames, "compiled")[1]
+            shown += (f", compiled {compiled * 1e3:.1f} ({eager / compiled:.2f}x)  [speed vs eager; compile "
+                      f"{compile_seconds:.0f} s, {kernels} generated kernels]")
+        print(shown)
 
 
 SPINNER = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
@@ -260,6 +263,8 @@ def main():
     parser.add_argument("--no-busy", action="store_true", help="skip the comparison with a busy core")
     parser.add_argument("--busy-seconds", type=float, default=120.0, help="the spinner's longest life")
     parser.add_argument("--no-compile", action="store_true", help="time the static step eager only (compiling takes minutes)")
+    parser.add_argument("--static-batches", nargs="+", type=int, default=[1, 16],
+                        help="batch sizes of the static-step comparison (each compiles once)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     print(f"{available_cores()} cores, {busy_cores_elsewhere()} busy with other processes now; "
@@ -284,7 +289,7 @@ def main():
                 spinner.wait()
         threads = decode_threads(model)
         with torch_threads(threads):
-            static_comparison(model, args.frames, args.prompt_rows, not args.no_compile)
+            static_comparison(model, args.frames, args.prompt_rows, args.static_batches, not args.no_compile)
             for batch in args.batches:
                 prefill, per_step = run(model, batch, args.prompt_rows, args.frames)
                 if batch == 1:

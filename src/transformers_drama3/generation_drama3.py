@@ -35,7 +35,8 @@ reference).
 Place among the modules: the model (`modeling_drama3`) imports this module and inherits
 `generate`/`stream` from `Drama3GenerationMixin`; this module imports nothing from the model and
 drives it through its incremental methods (`prefill`, `tower_step`, `decode_row`) on a
-`Drama3Cache`; `static_decoding` sits below it. Long texts and scenes, which need the processor, are spoken by `long_form`.
+`Drama3Cache`; `static_decoding` sits below it. Long texts and scenes, which need the
+processor, are spoken by `long_form`.
 """
 
 from __future__ import annotations
@@ -621,9 +622,8 @@ def separators_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_t
 def main_logits(model, hidden: torch.Tensor, separators: LineSeparators | None) -> torch.Tensor:
     """Restricted main logits `[batch, 1, codebook_size + 1 (+ 1)]`: the band and eos, then the
     separator (-inf for items that may not draw it) when `separators` is given."""
-    if separators is None:
-        return restricted_main_logits(model, hidden, None, None)
-    return restricted_main_logits(model, hidden, separators.token_id, separators.left)
+    token_id, left = (None, None) if separators is None else (separators.token_id, separators.left)
+    return restricted_main_logits(model, hidden, token_id, left)
 
 
 @dataclass
