@@ -11,7 +11,7 @@ from transformers import CompileConfig
 
 from generation_helpers import SEPARATOR, left_pad, line_model, line_prompt, prompt, tiny_model
 from transformers_drama3 import static_decoding
-from transformers_drama3.generation_drama3 import SamplingSettings, _resolve_request, make_sampler, prefilled
+from transformers_drama3.generation_drama3 import SamplingSettings, _resolve_request, make_sampler, prefilled, resolve_decoding
 
 SAMPLED = dict(temperature=1.5, top_p=1.0)  # a flat distribution: long takes, eos rarely early
 
@@ -105,6 +105,16 @@ def test_the_cache_grows_to_a_power_of_two_length_class():
     assert static_decoding.static_length(4096 + 300) == 8192
 
 
+def test_a_static_cache_is_compiled_only_when_asked_or_on_cuda(model):
+    assert resolve_decoding(model, None, {}).static is False
+    on_cpu = resolve_decoding(model, None, {"cache_implementation": "static"})
+    assert on_cpu.static and on_cpu.compile_config is None  # the CPU compiles only when asked
+    asked = CompileConfig(fullgraph=True, mode=None)
+    assert resolve_decoding(model, None, {"cache_implementation": "static", "compile_config": asked}).compile_config is asked
+    kept_eager = {"cache_implementation": "static", "compile_config": asked, "disable_compile": True}
+    assert resolve_decoding(model, None, kept_eager).compile_config is None
+
+
 def test_an_unknown_cache_implementation_is_refused_before_any_work(model):
     ids, codes = prompt(1)
     with pytest.raises(ValueError, match="cache_implementation='sliding_window'"):
@@ -170,3 +180,18 @@ def test_the_compiled_step_equals_the_eager_step(model):
     through_graph = model.generate(ids[None], codes[None], compile_config=compile_config, **settings)
     assert eager.lengths.tolist()[0] > 4
     assert_same_takes(eager, through_graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_on_cuda_the_static_cache_compiles_with_cuda_graphs_by_default_and_makes_the_same_frames():
+    """What generate(cache_implementation="static") does on a GPU: inductor + CUDA graphs."""
+    model = tiny_model(seed=0).cuda()
+    options = resolve_decoding(model, None, {"cache_implementation": "static"})
+    assert options.static and options.compile_config.mode == "reduce-overhead" and options.compile_config.fullgraph
+    ids, codes, mask = (tensor.cuda() for tensor in left_pad([prompt(1), prompt(2, audio_rows=2)]))
+    dynamic, static = both_ways(model, ids, codes, mask, do_sample=False)
+    assert_same_takes(dynamic, static)
+    sampled = both_ways(model, ids, codes, mask, seed=[3, 4], top_k=8)
+    assert_same_takes(*sampled)
