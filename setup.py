@@ -48,6 +48,8 @@ setup(
         "soundfile>=0.12",
         "soxr>=0.3",
         "tqdm>=4.66",
+        # libespeak-ng and its data as a wheel: the phonemiser of models with a phoneme text front end
+        "espeakng-loader>=0.2.4,<0.3",
     ],
     extras_require={
         "gpu": GPU,

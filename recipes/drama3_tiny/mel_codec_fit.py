@@ -56,8 +56,11 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", choices=("sample", "kmeans++"), default="sample")
+    parser.add_argument("--every", type=int, default=2, help="fit on every N-th train utterance (manifest order)")
     args = parser.parse_args(argv)
-    codec = fit_codec(args.corpus, args.codebooks, args.codebook_size, args.iterations, args.seed, args.init)
+    if args.every < 1:
+        parser.error(f"--every must be >= 1; got {args.every}")
+    codec = fit_codec(args.corpus, args.codebooks, args.codebook_size, args.iterations, args.seed, args.init, args.every)
     codec.save_pretrained(args.out)
     print(f"codec with {args.codebooks} codebooks of {args.codebook_size} saved to {args.out}")
 

@@ -17,6 +17,7 @@ from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .files import atomic_output
 from .generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
+from .prompting.phonemes import text_frontend as phoneme_front_end
 from .prompting import (
     AUDIO_SEPARATOR,
     CHUNK_BYTES,
@@ -43,6 +44,7 @@ from .prompting import (
     check_speaker,
     encode_layout,
     parse_rows,
+    part_text,
     parse_text,
     semantic_token,
     with_speaker_tag,
@@ -96,6 +98,10 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         min_reference_fraction: references shorter than this fraction of their transcript's
             expected duration are refused (cut, or the wrong transcript); 0 turns the check off.
         chunk_bytes, chunk_speakers: the long-text chunking limits of `chunk`.
+        text_frontend: how spoken text is read (`prompting.phonemes`): None reads it as text (the
+            published model); a phoneme entry reads its words as espeak-ng phonemes. Taken from the
+            tokenizer's config when not given (its vocabulary is made for it); saved in
+            `processor_config.json` when set.
     """
 
     def __init__(
@@ -112,7 +118,9 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         min_reference_fraction: float = MIN_SPEECH_FRACTION,
         chunk_bytes: int = CHUNK_BYTES,
         chunk_speakers: int = CHUNK_SPEAKERS,
+        text_frontend: dict | None = None,
     ):
+        text_frontend = _checked_frontend(tokenizer, text_frontend)
         if feature_extractor is None:
             feature_extractor = Drama3FeatureExtractor(sampling_rate=sampling_rate or SAMPLING_RATE)
         elif sampling_rate is not None and int(sampling_rate) != feature_extractor.sampling_rate:
@@ -130,6 +138,13 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         self.chunk_bytes = chunk_bytes
         self.chunk_speakers = chunk_speakers
         self.token_ids = TokenIds.from_tokenizer(tokenizer, codebook_size)
+        self.text_frontend = text_frontend
+        self.front_end = phoneme_front_end(text_frontend)
+        if text_frontend is not None and not self.token_ids.phonemes:
+            raise ValueError(
+                f"text_frontend={text_frontend} reads phonemes, but the tokenizer has no phoneme tokens "
+                f"(<|ph:...|>); build it with tokenizer_build.build_drama3_tokenizer(phoneme_symbols=...)"
+            )
         if codec is not None:
             self._adopt_codec_sizes(codec)
 
@@ -165,6 +180,8 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
     def to_dict(self) -> dict[str, Any]:
         # ProcessorMixin would deep-copy every attribute, the codec's weights included.
         output = {key: getattr(self, key) for key in self._CONFIG_KEYS}
+        if self.text_frontend is not None:  # absent otherwise: saved files as before
+            output["text_frontend"] = self.text_frontend
         output["feature_extractor"] = self.feature_extractor.to_dict()
         output["processor_class"] = type(self).__name__
         return output
@@ -337,7 +354,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         transcripts = {id(reference.audio): reference.transcript for reference in getattr(request, "references", ())}
         if transcripts and self.min_reference_fraction > 0:
             context = LayoutContext(self._reference_checker(transcripts), self.frame_rate)
-        return encode_layout(request.layout(context), self.tokenizer, self.token_ids, self.num_codebooks)
+        return encode_layout(request.layout(context), self.tokenizer, self.token_ids, self.num_codebooks, self.front_end)
 
     def _reference_checker(self, transcripts: dict[int, str]):
         """`codes_of` that also refuses a reference far too short for its transcript (a 1 ms clip, a
@@ -476,7 +493,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
             if isinstance(segment, Frames):
                 out.extend(semantic_token(int(code)) for code in segment.codes[0])
             else:
-                out.extend(part.token if isinstance(part, Special) else part for part in segment.parts)
+                out.extend(part_text(part) for part in segment.parts)
         return "".join(out)
 
     # ---- conversations ---------------------------------------------------------------------------------
@@ -701,6 +718,19 @@ def _pending_lines(pending: list[tuple[str, int, str]]) -> str | tuple:
 # `audio_codes` + `lengths`, `decode` returning `audio_values`, `num_codebooks`, `sampling_rate`,
 # `frame_rate`).
 PACKAGE_CODECS = (Drama3CodecConfig.model_type, Drama3MelCodecConfig.model_type)
+
+
+def _checked_frontend(tokenizer, text_frontend: dict | None) -> dict | None:
+    """The text front end: the one the tokenizer records (its vocabulary is made for it), or the
+    one given, which must then agree."""
+    recorded = getattr(tokenizer, "init_kwargs", {}).get("text_frontend")
+    if text_frontend is None or recorded is None:
+        return text_frontend if text_frontend is not None else recorded
+    if text_frontend != recorded:
+        raise ValueError(
+            f"text_frontend={text_frontend} disagrees with the tokenizer's recorded {recorded}; give one of them"
+        )
+    return recorded
 
 
 def check_codec_model_type(config_file: str) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from .prompting.phonemes import phoneme_token
 from .prompting import (
     AUDIO_SEPARATOR,
     CODEBOOK_SIZE,
@@ -71,6 +72,8 @@ def build_drama3_tokenizer(
     vocab_size: int = 512,
     codebook_size: int = CODEBOOK_SIZE,
     save_directory: str | os.PathLike | None = None,
+    phoneme_symbols: Iterable[str] = (),
+    text_frontend: dict | None = None,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on `texts` and add the Drama 3 special tokens after its vocabulary.
 
@@ -80,10 +83,19 @@ def build_drama3_tokenizer(
         codebook_size: number of `<|semantic:N|>` tokens (the semantic codebook size, 4096 published).
         save_directory: when given, writes tokenizer.json, tokenizer_config.json and
             special_tokens_map.json there.
+        phoneme_symbols, text_frontend: for a model that reads spoken text as phonemes
+            (`prompting.phonemes`): one token `<|ph:s|>` per symbol, after the semantic band (the
+            ids before it are those of a tokenizer without them), and the front end recorded in
+            `tokenizer_config.json`. Give both or neither.
 
     Returns:
         A `PreTrainedTokenizerFast` whose `eos_token` is `<|im_end|>` and `pad_token` `<|endoftext|>`.
     """
+    symbols = sorted(set(phoneme_symbols))
+    if bool(symbols) != (text_frontend is not None):
+        raise ValueError("phoneme_symbols and text_frontend go together: give both (a phoneme model) or neither")
+    if any(len(symbol) != 1 for symbol in symbols):
+        raise ValueError(f"phoneme symbols are single characters; got {[s for s in symbols if len(s) != 1][:5]}")
     if vocab_size <= 256:
         raise ValueError(f"vocab_size must exceed the 256 byte symbols; got {vocab_size}")
     if codebook_size < 1:
@@ -99,12 +111,17 @@ def build_drama3_tokenizer(
     )
     backend.train_from_iterator(list(texts) if texts is not None else DEFAULT_TRAINING_TEXTS, trainer)
     backend.add_special_tokens(drama3_special_tokens(codebook_size))
+    frontend = {}
+    if text_frontend is not None:
+        backend.add_special_tokens([phoneme_token(symbol) for symbol in symbols])
+        frontend = {"text_frontend": text_frontend}
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=PAD,
         model_max_length=1 << 20,
+        **frontend,
     )
     if save_directory is not None:
         save_drama3_tokenizer(tokenizer, save_directory)

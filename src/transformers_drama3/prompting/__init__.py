@@ -5,6 +5,7 @@
 - `script`: the script model (lines, references, takes) and the requests, each with its layout.
 - `chunking`: long text cut into chunks, the one place a request's text is normalised.
 - `layout`: the segments every layout is built of (the one place the prompt structure is written).
+- `phonemes`: the phoneme text front end (spoken text -> espeak-ng phonemes, tags as written).
 - `encoding`: layout -> rows, with the layout's metadata (turn to speak, line boundaries).
 - `text_stream`: text arriving in pieces cut into the streaming chunks as soon as they are final.
 - `parsing`: rows -> the request they encode.
@@ -62,9 +63,11 @@ from .layout import (  # noqa: F401
     SUPERVISED_TURN_END,
     Segment,
     Special,
+    Spoken,
     TURN_END,
     VOICE_START,
     lines_parts,
+    part_text,
     render_lines,
     system_segments,
     take_segments,

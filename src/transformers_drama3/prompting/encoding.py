@@ -7,11 +7,13 @@ searching token ids."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Frames, Literal, Segment, Special
+from .layout import Frames, Literal, Segment, Special, Spoken
+from .phonemes import PhonemeFrontEnd, phoneme_symbol
 from .text import (
     AUDIO_SEPARATOR,
     CODEBOOK_SIZE,
@@ -62,6 +64,8 @@ class TokenIds:
     semantic_start: int
     codebook_size: int
     pad: int
+    phonemes: dict[str, int] = field(default_factory=dict)
+    """phoneme symbol -> id, for a tokenizer with phoneme tokens (`phonemes.phoneme_token`)."""
 
     @classmethod
     def from_tokenizer(cls, tokenizer, codebook_size: int = CODEBOOK_SIZE) -> TokenIds:
@@ -78,7 +82,8 @@ class TokenIds:
             )
         special = {token: vocab[token] for token in required + optional if token in vocab}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else special[IM_END]
-        return cls(special=special, semantic_start=vocab[first], codebook_size=codebook_size, pad=pad)
+        phonemes = {symbol: index for token, index in vocab.items() if (symbol := phoneme_symbol(token)) is not None}
+        return cls(special=special, semantic_start=vocab[first], codebook_size=codebook_size, pad=pad, phonemes=phonemes)
 
     def id_of(self, token: str) -> int:
         if token not in self.special:
@@ -87,6 +92,14 @@ class TokenIds:
                 f"layouts designed from the paper; see docs/prompt_layouts.md)"
             )
         return self.special[token]
+
+    def phoneme_ids(self, symbols: str) -> list[int]:
+        """One id per phoneme symbol; a symbol the vocabulary lacks is left out, with a warning
+        (a foreign word should not stop the model from speaking the rest)."""
+        unknown = sorted({symbol for symbol in symbols if symbol not in self.phonemes})
+        if unknown:
+            warnings.warn(f"phoneme symbols {unknown} are not in the tokenizer's vocabulary; left out", stacklevel=3)
+        return [self.phonemes[symbol] for symbol in symbols if symbol in self.phonemes]
 
     def is_semantic(self, ids: torch.Tensor) -> torch.Tensor:
         return (ids >= self.semantic_start) & (ids < self.semantic_start + self.codebook_size)
@@ -103,21 +116,38 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def _literal_ids(literal: Literal, tokenizer, ids: TokenIds) -> tuple[list[int], list[bool]]:
-    """A literal's ids and supervision flags: runs of text tokenized on their own, specials by id."""
+def spoken_ids(text: str, tokenizer, ids: TokenIds, front_end: PhonemeFrontEnd) -> list[int]:
+    """Ids of spoken text through a phoneme front end: phonemes one symbol a token, tags as text."""
+    token_ids: list[int] = []
+    for piece in front_end.pieces(text):
+        token_ids += ids.phoneme_ids(piece.content) if piece.phonemes else encode_text(tokenizer, piece.content)
+    return token_ids
+
+
+def _literal_ids(
+    literal: Literal, tokenizer, ids: TokenIds, front_end: PhonemeFrontEnd | None = None
+) -> tuple[list[int], list[bool]]:
+    """A literal's ids and supervision flags: runs of text tokenized on their own, specials by id.
+
+    Without a front end spoken text is text like the rest (the published rows); with one it is
+    tokenized on its own, through the front end."""
     token_ids: list[int] = []
     flags: list[bool] = []
     text = ""
     for part in [*literal.parts, None]:
-        if isinstance(part, str):
-            text += part
+        if isinstance(part, str) or (isinstance(part, Spoken) and front_end is None):
+            text += part if isinstance(part, str) else part.text
             continue
         if text:
             pieces = encode_text(tokenizer, text)
             token_ids += pieces
             flags += [False] * len(pieces)
             text = ""
-        if isinstance(part, Special):
+        if isinstance(part, Spoken):
+            pieces = spoken_ids(part.text, tokenizer, ids, front_end)
+            token_ids += pieces
+            flags += [False] * len(pieces)
+        elif isinstance(part, Special):
             token_ids.append(ids.id_of(part.token))
             flags.append(part.supervised)
     return token_ids, flags
@@ -129,8 +159,11 @@ def _separators(segment: Segment) -> int:
     return sum(isinstance(part, Special) and part.token == AUDIO_SEPARATOR for part in segment.parts)
 
 
-def encode_layout(segments: Sequence[Segment], tokenizer, ids: TokenIds, num_codebooks: int) -> PromptRows:
-    """Rows of a layout: each literal tokenized on its own, audio as `[semantic_start + c0, c0..]` rows."""
+def encode_layout(
+    segments: Sequence[Segment], tokenizer, ids: TokenIds, num_codebooks: int, front_end: PhonemeFrontEnd | None = None
+) -> PromptRows:
+    """Rows of a layout: each literal tokenized on its own, audio as `[semantic_start + c0, c0..]` rows;
+    spoken text through `front_end` when the model has one."""
     main: list[torch.Tensor] = []
     codes: list[torch.Tensor] = []
     supervised: list[torch.Tensor] = []
@@ -144,7 +177,7 @@ def encode_layout(segments: Sequence[Segment], tokenizer, ids: TokenIds, num_cod
             supervised.append(torch.full((frames,), segment.supervised))
             rows += frames
             continue
-        token_ids, flags = _literal_ids(segment, tokenizer, ids)
+        token_ids, flags = _literal_ids(segment, tokenizer, ids, front_end)
         if segment.speak:
             speak_span, speak_index = (rows, rows + len(token_ids)), index
         main.append(torch.tensor(token_ids, dtype=torch.long))

@@ -54,12 +54,23 @@ class Special:
 
 
 @dataclass(frozen=True)
+class Spoken:
+    """Caller text that is spoken (turns, lines, reference transcripts), tags and notes included.
+
+    A model with a phoneme text front end reads its words as phonemes (`phonemes.py`); any other
+    model reads it as text, joined with the text parts around it, so its rows are the published
+    layout's token for token."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class Literal:
     """Text and special tokens tokenized on their own (adjacent text parts are joined first).
 
     `speak` marks the text of the turn the model speaks (the rows' `speak_span`)."""
 
-    parts: tuple[str | Special, ...]
+    parts: tuple[str | Spoken | Special, ...]
     speak: bool = False
 
 
@@ -93,25 +104,35 @@ SUPERVISED_TURN_END = Literal((Special(IM_END, supervised=True), "\n"))
 VOICE_START = Literal((Special(IM_START), "assistant\n", Special(VOICE)))
 
 
-def text_parts(text: str) -> list[str | Special]:
-    """Checked raw text -> its parts, each speaker tag as its special token, the rest as given."""
-    return [Special(speaker_token(piece)) if isinstance(piece, int) else piece for piece in split_speaker_tags(text, "text")]
+def text_parts(text: str) -> list[Spoken | Special]:
+    """Checked raw text -> its parts, each speaker tag as its special token, the rest spoken as given."""
+    return [
+        Special(speaker_token(piece)) if isinstance(piece, int) else Spoken(piece)
+        for piece in split_speaker_tags(text, "text")
+    ]
 
 
-def lines_parts(lines: Sequence, separator: Special | str = "\n", instruction: str | None = None) -> list[str | Special]:
+def part_text(part: str | Spoken | Special) -> str:
+    """A part as the text of the published layout: a special token by its spelling."""
+    if isinstance(part, Special):
+        return part.token
+    return part.text if isinstance(part, Spoken) else part
+
+
+def lines_parts(lines: Sequence, separator: Special | str = "\n", instruction: str | None = None) -> list[str | Spoken | Special]:
     """`<|speaker:N|> body` per `Line`, lines joined by `separator` (the project's convention for
     structured lines)."""
     parts: list[str | Special] = []
     for index, line in enumerate(lines):
         if index:
             parts.append(separator)
-        parts += [Special(speaker_token(line.speaker)), " " + line.body(instruction if index == 0 else None)]
+        parts += [Special(speaker_token(line.speaker)), Spoken(" " + line.body(instruction if index == 0 else None))]
     return parts
 
 
 def render_lines(lines: Sequence) -> str:
     """Structured lines as the raw text the published rule then takes as given."""
-    return "".join(part.token if isinstance(part, Special) else part for part in lines_parts(lines))
+    return "".join(part_text(part) for part in lines_parts(lines))
 
 
 def system_segments(references: Sequence, context: LayoutContext) -> list[Segment]:
@@ -119,18 +140,18 @@ def system_segments(references: Sequence, context: LayoutContext) -> list[Segmen
     segments: list[Segment] = [turn_start("system"), Literal((REFERENCE_INSTRUCTION if references else TTS_INSTRUCTION,))]
     for index, reference in enumerate(references):
         transcript = reference_transcript(reference.transcript, reference.speaker)
-        text = f"\n\n[Reference {index + 1}]\nText: {transcript}\nSpeech: "
-        segments.append(Literal(tuple(text_parts(text))))
+        parts = [f"\n\n[Reference {index + 1}]\nText: ", *text_parts(transcript), "\nSpeech: "]
+        segments.append(Literal(tuple(parts)))
         segments.append(Frames(context.codes_of(reference.audio, f"references[{index}].audio", True)))
     segments.append(TURN_END)
     return segments
 
 
-def user_segments(parts: list[str | Special], speak: bool = False) -> list[Segment]:
+def user_segments(parts: list[str | Spoken | Special], speak: bool = False) -> list[Segment]:
     return [turn_start("user"), Literal(tuple(parts), speak=speak), TURN_END]
 
 
-def take_segments(parts: list[str | Special], codes: torch.Tensor, supervised: bool) -> list[Segment]:
+def take_segments(parts: list[str | Spoken | Special], codes: torch.Tensor, supervised: bool) -> list[Segment]:
     """A history take (or a spoken streaming turn): its user turn, then its voice turn."""
     end = SUPERVISED_TURN_END if supervised else TURN_END
     return [*user_segments(parts), VOICE_START, Frames(codes, supervised), end]

@@ -1,0 +1,252 @@
+"""The phoneme text front end: spoken text -> espeak-ng's IPA phonemes, tags kept as written.
+
+A model whose tokenizer records a `text_frontend` reads the *spoken* text of every turn and
+reference as phonemes, one token per phoneme symbol, stress mark, punctuation mark and word
+boundary; everything else (the system prompt, speaker tokens, point tags `[pause]`, scoped tags
+`<whisper>`, style prefixes `(fast)`, a director's note `[...]`) stays text. The note stays text
+because it says how to speak, not what to say. A model without the entry reads text as today.
+
+The config, saved in `tokenizer_config.json` and `processor_config.json`:
+
+    {"type": "phonemes", "backend": "espeak-ng", "language": "en-us",
+     "languages": {"spanish": "es"}, "version": "1.52.0"}
+
+`language` is the espeak voice for all spoken text; `languages` maps a scoped language tag to the
+voice of the text inside it. The backend is libespeak-ng from the `espeakng-loader` wheel (it
+ships the library and its data, so `pip install` is enough), called through ctypes: 0.2 ms a
+sentence, deterministic. `version` is the library's; another version may spell a few words
+differently, which `PhonemeFrontEnd` warns about.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+FRONTEND_TYPE = "phonemes"
+BACKEND = "espeak-ng"
+WORD_BOUNDARY = " "
+PUNCTUATION = ".,;:!?¡¿…"
+INSTALL_HINT = "pip install espeakng-loader (the phonemiser of models with a phoneme text front end)"
+
+# Kept as written: scoped tags <whisper>, </whisper>; point tags [pause]; style prefixes (fast).
+_KEPT = re.compile(r"(</?[A-Za-z][A-Za-z0-9_-]*>|\[[^\[\]]*\]|\([^()]*\))")
+_SCOPED = re.compile(r"<(/?)([A-Za-z][A-Za-z0-9_-]*)>")
+# A punctuation run ends a clause, except "." or "," between digits ("3,000", "2.5").
+_CLAUSE_SPLIT = re.compile(r"((?:(?<!\d)[.,]|[.,](?!\d)|[;:!?…¡¿])+)")
+_BOUNDARY_RUN = re.compile(" {2,}")
+# espeak marks words it reads in another language: "(en)hˈɛloʊ(es)".
+_LANGUAGE_SWITCH = re.compile(r"\([a-z]{2,3}(?:-[a-z0-9-]+)?\)")
+
+
+def phoneme_token(symbol: str) -> str:
+    """The vocabulary entry of one phoneme symbol (a word boundary is the symbol " ")."""
+    return f"<|ph:{symbol}|>"
+
+
+_PHONEME_TOKEN = re.compile(r"<\|ph:(.)\|>", re.S)
+
+
+def phoneme_symbol(token: str) -> str | None:
+    """The symbol of a phoneme token, None for any other token."""
+    match = _PHONEME_TOKEN.fullmatch(token)
+    return None if match is None else match.group(1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a phonemised text: phoneme symbols (`phonemes`) or text kept as written."""
+
+    content: str
+    phonemes: bool
+
+
+# ---- the backend ------------------------------------------------------------------------------------
+
+
+class _Espeak:
+    """libespeak-ng through ctypes; one instance per process (the library keeps global state)."""
+
+    _AUDIO_OUTPUT_SYNCHRONOUS = 2
+    _INITIALIZE_DONT_EXIT = 0x8000
+    _CHARS_UTF8 = 1
+    _PHONEMES_IPA = 0x02
+
+    def __init__(self):
+        try:
+            import espeakng_loader
+        except ImportError as error:
+            raise ImportError(f"the phoneme text front end needs libespeak-ng: {INSTALL_HINT}") from error
+        library = ctypes.cdll.LoadLibrary(espeakng_loader.get_library_path())
+        library.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        library.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        library.espeak_TextToPhonemes.restype = ctypes.c_char_p
+        library.espeak_TextToPhonemes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
+        library.espeak_Info.restype = ctypes.c_char_p
+        library.espeak_Info.argtypes = [ctypes.c_void_p]
+        data = espeakng_loader.get_data_path().encode()
+        if library.espeak_Initialize(self._AUDIO_OUTPUT_SYNCHRONOUS, 0, data, self._INITIALIZE_DONT_EXIT) <= 0:
+            raise RuntimeError(f"libespeak-ng failed to initialise with its data at {data.decode()}")
+        self.library = library
+        self.version = library.espeak_Info(None).decode()
+        self.voice: str | None = None
+        self.lock = threading.Lock()
+
+    def phonemes(self, text: str, voice: str) -> str:
+        """IPA of `text` (no punctuation: espeak drops it), words separated by single spaces."""
+        with self.lock:
+            if voice != self.voice:
+                if self.library.espeak_SetVoiceByName(voice.encode()) != 0:
+                    raise ValueError(f"espeak-ng has no voice {voice!r} for the phoneme text front end")
+                self.voice = voice
+            buffer = ctypes.create_string_buffer(text.encode())
+            pointer = ctypes.c_void_p(ctypes.addressof(buffer))
+            clauses = []
+            while pointer.value:
+                clauses.append(self.library.espeak_TextToPhonemes(ctypes.byref(pointer), self._CHARS_UTF8, self._PHONEMES_IPA).decode())
+        return " ".join(" ".join(_LANGUAGE_SWITCH.sub("", clause).split()) for clause in clauses).strip()
+
+
+@lru_cache(maxsize=1)
+def espeak() -> _Espeak:
+    return _Espeak()
+
+
+def espeak_version() -> str:
+    """The version of the installed libespeak-ng (ImportError with the install hint without it)."""
+    return espeak().version
+
+
+# ---- the front end ------------------------------------------------------------------------------
+
+
+def frontend_config(language: str = "en-us", languages: dict[str, str] | None = None) -> dict[str, Any]:
+    """The `text_frontend` entry of a model reading espeak-ng phonemes in `language`."""
+    return {
+        "type": FRONTEND_TYPE,
+        "backend": BACKEND,
+        "language": language,
+        "languages": dict(sorted((languages or {}).items())),
+        "version": espeak_version(),
+    }
+
+
+def check_frontend_config(config: Any, location: str = "text_frontend") -> dict[str, Any]:
+    """The config, or a ValueError naming what is wrong in it."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{location}: expected a dict like {{'type': 'phonemes', ...}}; got {config!r}")
+    if config.get("type") != FRONTEND_TYPE or config.get("backend") != BACKEND:
+        raise ValueError(
+            f"{location}: unknown front end {config.get('type')!r} / backend {config.get('backend')!r}; "
+            f"this version knows type {FRONTEND_TYPE!r} with backend {BACKEND!r}"
+        )
+    if not isinstance(config.get("language"), str) or not config["language"]:
+        raise ValueError(f"{location}: 'language' must name an espeak-ng voice such as 'en-us'; got {config.get('language')!r}")
+    languages = config.get("languages", {})
+    if not isinstance(languages, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in languages.items()):
+        raise ValueError(f"{location}: 'languages' must map tag names to espeak-ng voices; got {languages!r}")
+    return config
+
+
+class PhonemeFrontEnd:
+    """Spoken text -> `Piece`s: phonemes where words are spoken, tags as written.
+
+    Args:
+        config: a `text_frontend` entry (`frontend_config`); checked here, and the phonemiser
+            loaded here, so a missing `espeakng-loader` fails when the processor is made.
+    """
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = check_frontend_config(config)
+        self.language = config["language"]
+        self.languages = dict(config.get("languages", {}))
+        try:
+            backend = espeak()
+        except ImportError as error:
+            raise ImportError(f"this model's tokenizer reads phonemes (text_frontend={config}); {INSTALL_HINT}") from error
+        if config.get("version") not in (None, backend.version):
+            warnings.warn(
+                f"the model's phonemes were made with espeak-ng {config['version']}; the installed one is "
+                f"{backend.version}, which may spell some words differently",
+                stacklevel=2,
+            )
+        self.backend = backend
+
+    def pieces(self, text: str) -> list[Piece]:
+        """`text` as runs of phonemes and kept tags; white space between runs is a word boundary.
+
+        "(fast) Hello, world [pause] <whisper>bye</whisper>" ->
+        "(fast)" | " həlˈoʊ, wˈɜːld " | "[pause]" | " " | "<whisper>" | "bˈaɪ" | "</whisper>"."""
+        pieces: list[Piece] = []
+        open_tags: list[str] = []
+        for index, chunk in enumerate(_KEPT.split(text)):
+            if index % 2:
+                scoped = _SCOPED.fullmatch(chunk)
+                if scoped is not None:
+                    if scoped.group(1):
+                        if open_tags and open_tags[-1] == scoped.group(2):
+                            open_tags.pop()
+                    else:
+                        open_tags.append(scoped.group(2))
+                pieces.append(Piece(chunk, phonemes=False))
+                continue
+            symbols = self.phonemize_chunk(chunk, self.voice_for(open_tags))
+            if symbols:
+                pieces.append(Piece(symbols, phonemes=True))
+        return _merged(pieces)
+
+    def voice_for(self, open_tags: list[str]) -> str:
+        return next((self.languages[tag] for tag in reversed(open_tags) if tag in self.languages), self.language)
+
+    def phonemize_chunk(self, chunk: str, voice: str) -> str:
+        """Words and punctuation without tags -> phoneme symbols, punctuation kept; each run of
+        white space (at the ends too) becomes one word boundary."""
+        out = ""
+        for index, part in enumerate(_CLAUSE_SPLIT.split(chunk)):
+            if index % 2:
+                out += part
+                continue
+            words = part.split()
+            if part[:1].isspace():
+                out += WORD_BOUNDARY
+            if words:
+                out += self.backend.phonemes(" ".join(words), voice)
+                if part[-1:].isspace():
+                    out += WORD_BOUNDARY
+        return _BOUNDARY_RUN.sub(WORD_BOUNDARY, out)
+
+    def phonemes(self, text: str) -> str:
+        """The phonemes of `text` alone, tags left out (what the tokenizer spells of it)."""
+        return "".join(piece.content for piece in self.pieces(text) if piece.phonemes)
+
+    def inventory(self, texts) -> set[str]:
+        """The phoneme symbols of `texts`, every punctuation mark and the word boundary: the
+        phoneme tokens a tokenizer for this front end needs."""
+        symbols = {WORD_BOUNDARY, *PUNCTUATION}
+        for text in texts:
+            symbols.update(self.phonemes(text))
+        return symbols
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent phoneme runs joined, one boundary kept where two meet."""
+    merged: list[Piece] = []
+    for piece in pieces:
+        if merged and merged[-1].phonemes and piece.phonemes:
+            left, right = merged[-1].content, piece.content
+            if left.endswith(WORD_BOUNDARY) and right.startswith(WORD_BOUNDARY):
+                right = right[1:]
+            merged[-1] = Piece(left + right, phonemes=True)
+        else:
+            merged.append(piece)
+    return merged
+
+
+def text_frontend(config: dict[str, Any] | None) -> PhonemeFrontEnd | None:
+    """The front end a `text_frontend` entry asks for; None (text read as text) without one."""
+    return None if config is None else PhonemeFrontEnd(config)
