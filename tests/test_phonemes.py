@@ -10,7 +10,7 @@ import torch
 from processor_helpers import random_codes
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.prompting import Line, Reference, Script, phonemes
-from transformers_drama3.prompting.phonemes import PhonemeFrontEnd, frontend_config, phoneme_token
+from transformers_drama3.prompting.phonemes import PhonemeFrontEnd, frontend_config, phoneme_symbols, phoneme_token
 from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
 TEXTS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog!", "¿Qué tal, amigo?"]
@@ -64,7 +64,9 @@ def test_digits_keep_their_decimal_point_inside_a_clause(front_end):
 def test_the_tokenizer_spells_one_token_per_phoneme_symbol(phoneme_tokenizer, front_end):
     processor = processor_for(phoneme_tokenizer)
     ids = processor.rows(Script("Hello there.")).input_ids.tolist()
-    expected = [phoneme_tokenizer.convert_tokens_to_ids(phoneme_token(s)) for s in front_end.phonemes(" Hello there.")]
+    symbols = phoneme_symbols(front_end.phonemes(" Hello there."))
+    assert "oʊ" in symbols  # a diphthong is one symbol
+    expected = [phoneme_tokenizer.convert_tokens_to_ids(phoneme_token(s)) for s in symbols]
     start = ids.index(expected[0], ids.index(phoneme_tokenizer.convert_tokens_to_ids("<|speaker:0|>")))
     assert ids[start : start + len(expected)] == expected
 
@@ -75,7 +77,7 @@ def test_reference_transcripts_are_phonemised_and_their_frame_rows_kept(phoneme_
     rows = processor.rows(Script("Hello.", references=[Reference("How are you today?", codes, 0)]))
     tokens = phoneme_tokenizer.convert_ids_to_tokens(rows.input_ids.tolist())
     question, first_frame = tokens.index("<|ph:?|>"), tokens.index("<|semantic:0|>".replace("0", str(int(codes[0, 0]))))
-    assert phoneme_token("ɑ") in tokens[:question]
+    assert phoneme_token("ɑː") in tokens[:question]
     assert phoneme_tokenizer.decode(rows.input_ids[question + 1 : first_frame]) == "\nSpeech: "
     assert torch.equal(rows.audio_codes[processor.token_ids.is_semantic(rows.input_ids)], codes.T)
 
@@ -132,6 +134,16 @@ def test_a_missing_phonemiser_names_the_front_end_and_the_install(config, monkey
     finally:
         monkeypatch.undo()
         phonemes.espeak.cache_clear()
+
+
+def test_phoneme_symbols_take_the_longest_multi_character_phoneme():
+    assert phoneme_symbols("tʃˈɜːtʃ aɪəɹ") == ["tʃ", "ˈ", "ɜː", "tʃ", " ", "aɪə", "ɹ"]
+
+
+def test_a_multi_character_phoneme_outside_the_vocabulary_is_spelled_by_its_characters(config):
+    tokenizer = build_drama3_tokenizer(TEXTS, codebook_size=8, phoneme_symbols={"ɔ", "ɪ", " "}, text_frontend=config)
+    phonemes = processor_for(tokenizer).token_ids.phonemes
+    assert processor_for(tokenizer).token_ids.phoneme_ids("ɔɪ ɔ") == [phonemes[s] for s in ("ɔ", "ɪ", " ", "ɔ")]
 
 
 def test_a_symbol_outside_the_vocabulary_is_left_out_with_a_warning(phoneme_tokenizer):

@@ -32,7 +32,9 @@ from tqdm.auto import tqdm
 
 from transformers_drama3.evaluation.espeak import ESPEAK, ESPEAK_RATE, INSTALL_HINT, espeak_available, espeak_pcm  # noqa: F401
 from transformers_drama3.feature_extraction_drama3 import read_audio
-from .sentences import english_sentence, spanish_sentence
+from transformers_drama3.evaluation.asr import normalize_text
+from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES
+from .sentences import LENGTH_PROBES, english_sentence, english_utterance, spanish_sentence
 
 SAMPLING_RATE = ESPEAK_RATE  # what espeak-ng writes; the corpus keeps it
 PAUSE_MS = 400
@@ -219,6 +221,19 @@ class Record:
     sampling_rate: int = SAMPLING_RATE
 
 
+GRAMMARS = {1: english_sentence, 2: english_utterance}
+"""English grammar by version: 1 writes full sentences (the corpora of drama3-tiny's first
+release); 2 writes utterances from one word up (`sentences.UTTERANCE_LENGTHS`)."""
+MIN_DIRECTED_WORDS = 3
+UNIQUE_WORDS = 4
+"""Grammar 2 repeats utterances of fewer words (there are only so many one-word utterances);
+longer ones, and every grammar-1 sentence, are distinct across the corpus."""
+EVALUATED = frozenset(
+    tuple(normalize_text(text)) for text in (*HELDOUT_SENTENCES, *(t for group in LENGTH_PROBES.values() for t in group))
+)
+"""What the evaluations ask the model to say (`drama3 eval`, `intelligibility_levers lm`): never in a corpus."""
+
+
 def direct(sentence: str, rng: random.Random, whisper_allowed: bool = True) -> tuple[str, tuple[str, ...]]:
     """Add one or two random directions to a sentence; returns (directed text, direction names)."""
     words = sentence.split()
@@ -255,16 +270,22 @@ def plan_corpus(
     voices: Sequence[Voice] = VOICES,
     direction_rate: float = 0.35,
     spanish_rate: float = 0.1,
+    grammar: int = 1,
 ) -> list[Record]:
     """The records of a corpus (no audio yet), a pure function of the arguments.
 
-    Held-out sentences are plain English, spoken by every voice, and never appear in train.
-    Train sentences are distinct across the whole corpus; a share is Spanish (`<spanish>` tag) and
-    a share carries directions. Every record's reference is a different train utterance of the same
-    voice, preferring plain English ones (a clean view of the voice).
+    Held-out sentences are plain English full sentences, spoken by every voice, and never appear
+    in train. Train sentences are distinct across the whole corpus (grammar 2: those of at least
+    `UNIQUE_WORDS` words); a share is Spanish (`<spanish>` tag) and a share carries directions
+    (never on utterances under `MIN_DIRECTED_WORDS` words). With grammar 2 nothing the evaluations
+    ask for (`EVALUATED`) is in train. Every record's reference is a different train utterance of
+    the same voice, preferring plain English ones (a clean view of the voice).
     """
     if utterances_per_voice < 2:
         raise ValueError(f"utterances_per_voice must be >= 2 (a reference must differ from its target); got {utterances_per_voice}")
+    if grammar not in GRAMMARS:
+        raise ValueError(f"grammar must be one of {sorted(GRAMMARS)}; got {grammar}")
+    english = GRAMMARS[grammar]
     rng = random.Random(seed)
     heldout: list[str] = []
     while len(heldout) < heldout_sentences:
@@ -272,20 +293,28 @@ def plan_corpus(
         if sentence not in heldout:
             heldout.append(sentence)
     used = set(heldout)
+
+    def fresh(sentence: str) -> bool:
+        if grammar == 1:
+            return sentence not in used
+        if tuple(normalize_text(sentence)) in EVALUATED:
+            return False
+        return len(sentence.split()) < UNIQUE_WORDS or sentence not in used
+
     records: list[Record] = []
     for speaker, voice in enumerate(voices):
         for index in range(utterances_per_voice):
             spanish = rng.random() < spanish_rate
-            sentence = spanish_sentence(rng) if spanish else english_sentence(rng)
+            sentence = spanish_sentence(rng) if spanish else english(rng)
             for _ in range(1000):
-                if sentence not in used:
+                if fresh(sentence):
                     break
-                sentence = spanish_sentence(rng) if spanish else english_sentence(rng)
+                sentence = spanish_sentence(rng) if spanish else english(rng)
             else:
                 raise RuntimeError("the sentence grammar ran out of new sentences; lower utterances_per_voice")
             used.add(sentence)
             text, directions = sentence, ()
-            if rng.random() < direction_rate:
+            if rng.random() < direction_rate and len(sentence.split()) >= MIN_DIRECTED_WORDS:
                 text, directions = direct(sentence, rng, whisper_allowed=not spanish)
             if spanish:
                 text = _wrap_language(text, "spanish")
@@ -341,6 +370,7 @@ def build_corpus(
     spanish_rate: float = 0.1,
     jobs: int = 1,
     progress: bool = True,
+    grammar: int = 1,
 ) -> list[Record]:
     """Plan and synthesise a corpus into `out_dir` (wavs/ + manifest.jsonl); returns its records."""
     if not espeak_available():
@@ -350,7 +380,7 @@ def build_corpus(
         raise ValueError(f"voices {unknown} are not in VOICES; add them there so records can be re-rendered")
     out_dir = Path(out_dir)
     (out_dir / "wavs").mkdir(parents=True, exist_ok=True)
-    planned = plan_corpus(seed, utterances_per_voice, heldout_sentences, voices, direction_rate, spanish_rate)
+    planned = plan_corpus(seed, utterances_per_voice, heldout_sentences, voices, direction_rate, spanish_rate, grammar)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # espeak runs as subprocesses
         rendered = list(
             tqdm(pool.map(lambda r: render_record(r, out_dir), planned), total=len(planned),
@@ -389,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     build.add_argument("--direction-rate", type=float, default=0.35, help="share of train utterances with directions")
     build.add_argument("--spanish-rate", type=float, default=0.1, help="share of train utterances in Spanish")
     build.add_argument("--jobs", type=int, default=1, help="espeak processes at once (output does not depend on it)")
+    build.add_argument("--grammar", type=int, default=1, choices=sorted(GRAMMARS),
+                       help="English grammar: 1 full sentences (the first release), 2 utterances from one word up")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.voices.split(",") if n.strip()]
     unknown = [n for n in names if n not in VOICES_BY_NAME]
@@ -398,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"{ESPEAK} is not on PATH; {INSTALL_HINT}")
     records = build_corpus(
         args.out_dir, args.seed, args.utterances_per_voice, args.heldout_sentences,
-        [VOICES_BY_NAME[n] for n in names], args.direction_rate, args.spanish_rate, args.jobs,
+        [VOICES_BY_NAME[n] for n in names], args.direction_rate, args.spanish_rate, args.jobs, grammar=args.grammar,
     )
     hours = sum(r.duration for r in records) / 3600
     print(f"{len(records)} utterances, {hours:.2f} h of audio -> {Path(args.out_dir) / 'manifest.jsonl'}")

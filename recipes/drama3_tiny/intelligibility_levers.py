@@ -1,6 +1,7 @@
 """Which lever would let drama3-tiny's words through? Whisper WER of codec variants and of the LM.
 
     python -m recipes.drama3_tiny.intelligibility_levers codec [--voices A,B,D,F] [--sentences 8] [--fit-utterances 150] [--json out.json]
+    python -m recipes.drama3_tiny.intelligibility_levers codecs --codecs CODEC[,CODEC...] [--sentences 12] [--json out.json]
     python -m recipes.drama3_tiny.intelligibility_levers lm [--voices A,B,D,F] [--json out.json]
     python -m recipes.drama3_tiny.intelligibility_levers recognisers [--voices A,B,D,F] [--sentences 12]
 
@@ -15,6 +16,7 @@ down what it hears. Variants, each a row:
   - codecs fitted here by k-means on a small freshly rendered corpus (`--fit-utterances` per
     voice) with 4, 8 and 10 codebooks of 256, and 4 of 1024: the trend with more codes on one
     corpus (the shipped codec was fitted on 12,000 utterances).
+`codecs`: saved codecs (`mel_codec_fit`) on the same sentences, per voice, next to the originals.
 `lm`: drama3-tiny speaks sentences of 1, 3, 6 and 10 or more words, and held-out sentences of its
 own corpus grammar; per group the WER of the outputs and the median duration over espeak's, and
 the seconds of "Hello." per voice.
@@ -45,6 +47,7 @@ from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES, re
 from transformers_drama3.files import write_text_atomic
 from transformers_drama3.tiny import shipped
 from .instruments import SCORING_RATE, prepare
+from .sentences import LENGTH_PROBES
 
 # ---- codec levers -------------------------------------------------------------------------------
 
@@ -166,14 +169,39 @@ def codec_levers(voices: list[str], sentences: int, fit_utterances: int) -> list
     return rows
 
 
+def saved_codecs(paths: list[str], voices: list[str], sentences: int) -> list[dict]:
+    """Whisper WER per voice of saved codecs' resyntheses next to the espeak originals, on the
+    first `sentences` held-out sentences of `drama3 eval` (its instrument and voices)."""
+    originals = {voice: [(text, speak(text, TINY_VOICES[voice])) for text in HELDOUT_SENTENCES[:sentences]]
+                 for voice in voices}
+    renders = {"espeak originals": lambda audio: audio}
+    for path in paths:
+        codec = Drama3MelCodecModel.from_pretrained(path).eval()
+        name = f"{path}: {codec.num_codebooks} x {codec.config.codebook_size}"
+        renders[name] = lambda audio, c=codec: resynthesize(c, audio, ESPEAK_RATE)
+    rows = []
+    for name, render in renders.items():
+        per_voice = {voice: [(asr.transcribe(render(audio), ESPEAK_RATE), text) for text, audio in
+                             tqdm(originals[voice], desc=f"{name[-30:]} {voice}", leave=False)] for voice in voices}
+        rows.append({"variant": name, "utterances": sum(map(len, per_voice.values())),
+                     "wer": asr.corpus_wer([pair for pairs in per_voice.values() for pair in pairs]),
+                     **{f"wer_{voice}": asr.corpus_wer(pairs) for voice, pairs in per_voice.items()},
+                     "heard": {voice: [h for h, _ in pairs] for voice, pairs in per_voice.items()}})
+        print(f"{name}: WER {rows[-1]['wer']:.1%} " + " ".join(f"{v} {rows[-1]['wer_' + v]:.1%}" for v in voices),
+              flush=True)
+    return rows
+
+
+def saved_codecs_table(rows: list[dict], voices: list[str]) -> str:
+    lines = ["| variant | Whisper WER | " + " / ".join(voices) + " | utterances |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['wer']:.1%} | " + " / ".join(f"{r['wer_' + v]:.0%}" for v in voices)
+              + f" | {r['utterances']} |" for r in rows]
+    return "\n".join(lines)
+
+
 # ---- LM levers ----------------------------------------------------------------------------------
 
-LENGTH_GROUPS = {
-    "1 word": ("Hello.", "Thanks.", "Goodbye."),
-    "3 words": ("Open the door.", "See you tomorrow.", "I am hungry."),
-    "6 words": ("The bus is late again today.", "She reads a book every night.", "Put the keys on the table."),
-    "10+ words": HELDOUT_SENTENCES[:3],
-}
+LENGTH_GROUPS = {**LENGTH_PROBES, "10+ words": HELDOUT_SENTENCES[:3]}
 
 
 def corpus_heldout_sentences(count: int) -> list[str]:
@@ -292,7 +320,8 @@ def lm_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.intelligibility_levers",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("codec", "lm", "recognisers"))
+    parser.add_argument("part", choices=("codec", "codecs", "lm", "recognisers"))
+    parser.add_argument("--codecs", default="", help="codecs part: saved codec folders, comma-separated")
     parser.add_argument("--voices", default="A,B,D,F")
     parser.add_argument("--sentences", type=int, default=8, help="codec part: the first N held-out sentences of drama3 eval")
     parser.add_argument("--fit-utterances", type=int, default=150, help="codec part: corpus utterances per voice to fit on")
@@ -307,6 +336,12 @@ def main(argv=None) -> int:
     if args.part == "codec":
         rows = codec_levers(voices, args.sentences, args.fit_utterances)
         print(codec_table(rows))
+    elif args.part == "codecs":
+        paths = [path for path in args.codecs.split(",") if path]
+        if not paths:
+            parser.error("codecs: give --codecs DIR[,DIR...]")
+        rows = saved_codecs(paths, voices, args.sentences)
+        print(saved_codecs_table(rows, voices))
     elif args.part == "lm":
         rows = lm_levers(voices)
         print(lm_table(rows))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from transformers_drama3.configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
-from transformers_drama3.prompting import IM_END, TEMPLATE_VERSION, semantic_token
+from transformers_drama3.prompting import IM_END, REFERENCE_INSTRUCTION, TEMPLATE_VERSION, TTS_INSTRUCTION, semantic_token
 
 TINY_CORPUS_PLAN = {
     "seed": 0,
@@ -19,10 +19,11 @@ TINY_CORPUS_PLAN = {
     "voices": ["A", "B", "D", "F"],
     "direction_rate": 0.35,
     "spanish_rate": 0.05,
+    "grammar": 2,
 }
 """The corpus drama3-tiny is trained on (`python -m recipes.drama3_tiny.corpus build DIR
---utterances-per-voice 6000 --voices A,B,D,F --spanish-rate 0.05`); the evaluation re-plans it to
-render the held-out set."""
+--utterances-per-voice 6000 --voices A,B,D,F --spanish-rate 0.05 --grammar 2`); the evaluation
+re-plans it to render the held-out set. (The first release was trained on grammar 1.)"""
 
 HIDDEN_SIZE = 256
 HEADS = 4
@@ -37,14 +38,50 @@ the evaluation on the held-out set, it gets more outputs' words right than the p
 (model_card.md)."""
 
 
-def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
-    """The ChatML tokenizer of drama3-tiny: a byte-level BPE trained on the corpus text plus every
-    Drama 3 special token (see `tokenizer_build.build_drama3_tokenizer`)."""
+PHONEME_LANGUAGES = {"spanish": "es", "french": "fr", "german": "de"}
+"""The corpus's language tags (`corpus.LANGUAGES`) -> the espeak voice of the phonemes inside them."""
+LAYOUT_TEXTS = (
+    TTS_INSTRUCTION, REFERENCE_INSTRUCTION, "\n\n[Reference 1]\nText: ", "\n\n[Reference 2]\nText: ",
+    "\nSpeech: ", "system\n", "user\n", "assistant\n",
+)
+"""The text of the layout itself: with a phoneme front end, with the tags, all that stays text."""
+
+
+def text_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
+    """The ChatML tokenizer of drama3-tiny's first release: a byte-level BPE trained on the corpus
+    text plus every Drama 3 special token (see `tokenizer_build.build_drama3_tokenizer`)."""
     from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 
     return build_drama3_tokenizer(
         texts=list(texts), vocab_size=TEXT_VOCABULARY, codebook_size=codebook_size, save_directory=save_directory
     )
+
+
+def phoneme_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
+    """The tokenizer of a drama3-tiny that reads phonemes: one token per espeak-ng phoneme symbol
+    of the corpus (`prompting.phonemes`, en-us, the corpus's language tags in their own voice), and
+    a byte-level BPE over what stays text (the layout's words, the corpus's tags and styles)."""
+    from transformers_drama3.prompting.phonemes import PhonemeFrontEnd, frontend_config
+    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+
+    texts = list(texts)
+    front_end = PhonemeFrontEnd(frontend_config("en-us", PHONEME_LANGUAGES))
+    kept = [piece.content for text in texts for piece in front_end.pieces(text) if not piece.phonemes]
+    return build_drama3_tokenizer(
+        texts=[*LAYOUT_TEXTS, *kept], vocab_size=TEXT_VOCABULARY, codebook_size=codebook_size,
+        save_directory=save_directory, phoneme_symbols=front_end.inventory(texts), text_frontend=front_end.config,
+    )
+
+
+TEXT_FRONTENDS = {"text": text_tokenizer, "phonemes": phoneme_tokenizer}
+
+
+def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None, text_frontend: str = "text"):
+    """drama3-tiny's tokenizer for `text_frontend` ("text": BPE over the words, the first release;
+    "phonemes": phoneme tokens)."""
+    if text_frontend not in TEXT_FRONTENDS:
+        raise ValueError(f"text_frontend must be one of {sorted(TEXT_FRONTENDS)}; got {text_frontend!r}")
+    return TEXT_FRONTENDS[text_frontend](texts, codebook_size, save_directory)
 
 
 def tiny_model_config(

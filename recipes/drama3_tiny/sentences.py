@@ -264,3 +264,125 @@ def english_content_words() -> set[str]:
     words |= {w for pair in TRANSITIVE_VERBS + INTRANSITIVE_VERBS for w in pair}
     words |= set(RELATIVES) | set(CITIES) | set(CONTAINERS)
     return {w.lower() for w in words}
+
+
+# ---- grammar 2: utterances from one word up, everyday vocabulary (issue 19) ------------------------
+
+EVERYDAY_NOUNS = (
+    "door key bus car phone book water coffee tea bread milk soup house room street city table bed "
+    "shoe hat bag coat money ticket letter dog cat bird tree flower garden kitchen window chair "
+    "doctor teacher baby child family friend school office shop bank park beach road bridge train "
+    "plane boat dinner lunch breakfast apple orange egg cheese cake box picture song film game ball "
+    "clock watch lamp cup glass plate knife pen paper map bottle radio computer camera jacket"
+).split()
+EVERYDAY_VERBS = (  # (base, third person, past)
+    ("go", "goes", "went"), ("come", "comes", "came"), ("see", "sees", "saw"), ("take", "takes", "took"),
+    ("give", "gives", "gave"), ("make", "makes", "made"), ("call", "calls", "called"), ("help", "helps", "helped"),
+    ("need", "needs", "needed"), ("want", "wants", "wanted"), ("like", "likes", "liked"), ("know", "knows", "knew"),
+    ("close", "closes", "closed"), ("start", "starts", "started"), ("stop", "stops", "stopped"),
+    ("bring", "brings", "brought"), ("send", "sends", "sent"), ("read", "reads", "read"),
+    ("write", "writes", "wrote"), ("cook", "cooks", "cooked"), ("wash", "washes", "washed"),
+    ("pay", "pays", "paid"), ("lose", "loses", "lost"), ("keep", "keeps", "kept"), ("move", "moves", "moved"),
+    ("watch", "watches", "watched"), ("fix", "fixes", "fixed"), ("check", "checks", "checked"),
+)
+COLOURS = "red blue green black white brown grey pink".split()
+SIZES = "big small long short new old hot cold clean dirty full empty heavy".split()
+PRONOUNS = (("I", "my"), ("you", "your"), ("we", "our"), ("they", "their"))
+SINGLE_WORDS = (
+    "Hi Hey Yes No Okay Sure Maybe Please Thanks Sorry Wait Stop Look Listen Welcome Goodnight "
+    "Cheers Bravo Wonderful Perfect Great Fine Really Absolutely Never Always Tomorrow Today Tonight "
+    "Yesterday Now Later Again Careful Quiet Ready Done Finally Coming Right Left Here There Why How "
+    "Where When What Who Exactly Indeed Certainly Hurry Enough Congratulations Nonsense Excellent"
+).split()
+GREETINGS = (
+    "good morning", "good evening", "good afternoon", "hello there", "hello again", "thank you",
+    "thanks a lot", "excuse me", "see you soon", "see you later", "good luck", "well done",
+    "not now", "not yet", "of course", "no problem", "come in", "sit down", "hold on", "take care",
+    "all right", "why not", "me too", "right away", "just a moment", "never mind", "how lovely",
+)
+_ENDINGS = (".", ".", ".", "!", "?")
+
+LENGTH_PROBES = {
+    "1 word": ("Hello.", "Thanks.", "Goodbye."),
+    "3 words": ("Open the door.", "See you tomorrow.", "I am hungry."),
+    "6 words": ("The bus is late again today.", "She reads a book every night.", "Put the keys on the table."),
+}
+"""Short texts the evaluation asks for (`intelligibility_levers lm`): grammar 2 never writes them."""
+
+
+def _everyday_noun(rng: random.Random) -> str:
+    return rng.choice(EVERYDAY_NOUNS + NOUNS) if rng.random() < 0.3 else rng.choice(EVERYDAY_NOUNS)
+
+
+def one_word(rng: random.Random) -> str:
+    """'Hello.'-like utterances of one word: an interjection, a name, a noun or a number."""
+    c = rng.choice
+    kind = rng.random()
+    if kind < 0.5:
+        word = c(SINGLE_WORDS)
+    elif kind < 0.65:
+        word = c(NAMES)
+    elif kind < 0.85:
+        word = _capitalize(_everyday_noun(rng))
+    else:
+        word = _capitalize(number_to_words(rng.randint(1, 99)).replace(" ", "-"))
+    return word + c(_ENDINGS)
+
+
+def few_words(rng: random.Random) -> str:
+    """Utterances of two or three words."""
+    c = rng.choice
+    noun = _everyday_noun(rng)
+    base, third, past = c(EVERYDAY_VERBS)
+    templates = (
+        lambda: c(GREETINGS),
+        lambda: f"{c(GREETINGS)}, {c(NAMES)}",
+        lambda: f"the {c(COLOURS + SIZES)} {noun}",
+        lambda: f"{base} the {noun}",
+        lambda: f"{c(PRONOUNS)[1]} {noun}",
+        lambda: f"{c(NAMES)} {past} it",
+        lambda: f"{c(SINGLE_WORDS).lower()}, {c(NAMES)}",
+        lambda: f"{number_to_words(rng.randint(2, 20))} {pluralize(noun)}",
+        lambda: f"where is {c(NAMES)}",
+        lambda: f"not the {noun}",
+    )
+    return _capitalize(c(templates)()) + c(_ENDINGS)
+
+
+def short_sentence(rng: random.Random) -> str:
+    """Everyday sentences of four to six words."""
+    c = rng.choice
+    noun, noun2 = _everyday_noun(rng), _everyday_noun(rng)
+    base, third, past = c(EVERYDAY_VERBS)
+    subject, possessive = c(PRONOUNS)
+    templates = (
+        lambda: f"{subject} {past} the {noun} {c(('today', 'yesterday', 'again', 'twice', 'early'))}.",
+        lambda: f"the {noun} is {c(COLOURS + SIZES)} and {c(SIZES)}.",
+        lambda: f"please {base} {possessive} {noun} now.",
+        lambda: f"can you {base} the {noun}?",
+        lambda: f"{c(NAMES)} {third} the {c(COLOURS + SIZES)} {noun}.",
+        lambda: f"where did {subject} put the {noun}?",
+        lambda: f"put the {noun} on the {noun2}.",
+        lambda: f"the {noun} is {c(PLACES)}.",
+        lambda: f"{subject} need {number_to_words(rng.randint(2, 12))} more {pluralize(noun)}.",
+        lambda: f"{c(NAMES)} is {c(('late', 'early', 'here', 'tired', 'happy', 'busy', 'away'))} {c(TIMES)}.",
+        lambda: f"is this {possessive} {noun}, {c(NAMES)}?",
+        lambda: f"{subject} never {base} the {noun}.",
+    )
+    return _capitalize(c(templates)())
+
+
+UTTERANCE_LENGTHS = (("1 word", 0.12, one_word), ("2-3 words", 0.18, few_words), ("4-6 words", 0.25, short_sentence),
+                     ("sentence", 0.45, english_sentence))
+"""Grammar 2's mix: (name, share, generator); the sentences are grammar 1's."""
+
+
+def english_utterance(rng: random.Random) -> str:
+    """One English utterance of grammar 2: one word, two or three, four to six, or a full sentence
+    (shares in `UTTERANCE_LENGTHS`); a pure function of `rng`'s state."""
+    draw, total = rng.random(), 0.0
+    for _, share, generate in UTTERANCE_LENGTHS:
+        total += share
+        if draw < total:
+            return generate(rng)
+    return english_sentence(rng)

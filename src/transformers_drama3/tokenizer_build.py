@@ -94,8 +94,8 @@ def build_drama3_tokenizer(
     symbols = sorted(set(phoneme_symbols))
     if bool(symbols) != (text_frontend is not None):
         raise ValueError("phoneme_symbols and text_frontend go together: give both (a phoneme model) or neither")
-    if any(len(symbol) != 1 for symbol in symbols):
-        raise ValueError(f"phoneme symbols are single characters; got {[s for s in symbols if len(s) != 1][:5]}")
+    if any(not symbol or "|" in symbol for symbol in symbols):
+        raise ValueError(f"phoneme symbols must be non-empty and hold no '|'; got {[s for s in symbols if not s or '|' in s][:5]}")
     if vocab_size <= 256:
         raise ValueError(f"vocab_size must exceed the 256 byte symbols; got {vocab_size}")
     if codebook_size < 1:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import Frames, Literal, Segment, Special, Spoken
-from .phonemes import PhonemeFrontEnd, phoneme_symbol
+from .phonemes import PhonemeFrontEnd, phoneme_symbol, phoneme_symbols
 from .text import (
     AUDIO_SEPARATOR,
     CODEBOOK_SIZE,
@@ -93,9 +93,14 @@ class TokenIds:
             )
         return self.special[token]
 
-    def phoneme_ids(self, symbols: str) -> list[int]:
-        """One id per phoneme symbol; a symbol the vocabulary lacks is left out, with a warning
-        (a foreign word should not stop the model from speaking the rest)."""
+    def phoneme_ids(self, phonemes: str) -> list[int]:
+        """One id per phoneme symbol (`phonemes.phoneme_symbols`); a symbol the vocabulary lacks is
+        spelled by its characters, and a character it lacks is left out, with a warning (a foreign
+        word should not stop the model from speaking the rest)."""
+        symbols = [
+            part for symbol in phoneme_symbols(phonemes)
+            for part in ([symbol] if symbol in self.phonemes else list(symbol))
+        ]
         unknown = sorted({symbol for symbol in symbols if symbol not in self.phonemes})
         if unknown:
             warnings.warn(f"phoneme symbols {unknown} are not in the tokenizer's vocabulary; left out", stacklevel=3)

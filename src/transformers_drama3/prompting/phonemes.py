@@ -1,8 +1,8 @@
 """The phoneme text front end: spoken text -> espeak-ng's IPA phonemes, tags kept as written.
 
 A model whose tokenizer records a `text_frontend` reads the *spoken* text of every turn and
-reference as phonemes, one token per phoneme symbol, stress mark, punctuation mark and word
-boundary; everything else (the system prompt, speaker tokens, point tags `[pause]`, scoped tags
+reference as phonemes, one token per phoneme (`phoneme_symbols`), stress mark, punctuation mark
+and word boundary; everything else (the system prompt, speaker tokens, point tags `[pause]`, scoped tags
 `<whisper>`, style prefixes `(fast)`, a director's note `[...]`) stays text. The note stays text
 because it says how to speak, not what to say. A model without the entry reads text as today.
 
@@ -44,12 +44,25 @@ _BOUNDARY_RUN = re.compile(" {2,}")
 _LANGUAGE_SWITCH = re.compile(r"\([a-z]{2,3}(?:-[a-z0-9-]+)?\)")
 
 
+# Phonemes espeak writes with more than one character, each one token: affricates, diphthongs,
+# long vowels (a stress mark stays a token of its own).
+MULTI_CHARACTER_PHONEMES = (
+    "aɪə", "aʊə", "tʃ", "dʒ", "eɪ", "aɪ", "ɔɪ", "aʊ", "oʊ", "əʊ", "iː", "uː", "ɑː", "ɔː", "ɜː", "ɪə", "eə", "ʊə",
+)
+_SYMBOL = re.compile("|".join(sorted(MULTI_CHARACTER_PHONEMES, key=len, reverse=True)) + "|.", re.S)
+
+
+def phoneme_symbols(phonemes: str) -> list[str]:
+    """A phoneme string as its symbols: the longest `MULTI_CHARACTER_PHONEMES` match, else one character."""
+    return _SYMBOL.findall(phonemes)
+
+
 def phoneme_token(symbol: str) -> str:
     """The vocabulary entry of one phoneme symbol (a word boundary is the symbol " ")."""
     return f"<|ph:{symbol}|>"
 
 
-_PHONEME_TOKEN = re.compile(r"<\|ph:(.)\|>", re.S)
+_PHONEME_TOKEN = re.compile(r"<\|ph:(.+?)\|>", re.S)
 
 
 def phoneme_symbol(token: str) -> str | None:
@@ -229,7 +242,7 @@ class PhonemeFrontEnd:
         phoneme tokens a tokenizer for this front end needs."""
         symbols = {WORD_BOUNDARY, *PUNCTUATION}
         for text in texts:
-            symbols.update(self.phonemes(text))
+            symbols.update(phoneme_symbols(self.phonemes(text)))
         return symbols
 
 
