@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 
 from recipes.drama3_tiny.corpus import (
+    EVALUATED,
+    MIN_DIRECTED_WORDS,
     PAUSE,
     PAUSE_MS,
     SAMPLING_RATE,
+    UNIQUE_WORDS,
     VOICES_BY_NAME,
     build_corpus,
     espeak_available,
@@ -22,6 +25,8 @@ from recipes.drama3_tiny.corpus import (
     render_record,
     synthesize,
 )
+from transformers_drama3.evaluation.asr import normalize_text
+from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES
 from recipes.drama3_tiny.sentences import english_content_words, english_sentence, number_to_words, year_to_words
 
 needs_espeak = pytest.mark.skipif(
@@ -122,6 +127,33 @@ def test_a_share_of_train_is_directed_and_a_share_is_tagged_spanish():
     assert all("<spanish>" in r.directed_text and "<" not in r.transcript for r in spanish)
     kinds = {d for r in directed for d in r.directions}
     assert kinds == {"fast", "slow", "high", "low", "pause", "whisper"}
+
+
+def test_grammar_1_is_the_default_and_gives_the_first_release_plan():
+    assert plan_corpus(2, 40) == plan_corpus(2, 40, grammar=1)
+    assert plan_corpus(2, 40) != plan_corpus(2, 40, grammar=2)
+
+
+def test_grammar_2_speaks_from_one_word_up():
+    train = [r for r in plan_corpus(0, 400, grammar=2) if r.split == "train" and r.language == "en"]
+    words = [len(r.transcript.split()) for r in train]
+    shares = {n: sum(1 for w in words if lo <= w <= hi) / len(words) for n, (lo, hi) in
+              {"1": (1, 1), "2-3": (2, 3), "4-6": (4, 6)}.items()}
+    assert 0.08 < shares["1"] < 0.16 and 0.12 < shares["2-3"] < 0.26 and shares["4-6"] > 0.2
+    assert all(len(r.transcript.split()) >= MIN_DIRECTED_WORDS for r in train if r.directions)
+
+
+def test_grammar_2_keeps_what_the_evaluations_ask_for_out_of_train():
+    records = plan_corpus(0, 3000, voices=[VOICES_BY_NAME[v] for v in "ABDF"], grammar=2)
+    spoken = {tuple(normalize_text(r.transcript)) for r in records if r.split == "train"}
+    assert not spoken & EVALUATED
+    assert tuple(normalize_text("Hello.")) in EVALUATED and len(EVALUATED) == len(HELDOUT_SENTENCES) + 9
+
+
+def test_grammar_2_repeats_only_short_utterances():
+    train = [r.transcript for r in plan_corpus(0, 400, grammar=2) if r.split == "train"]
+    long = [t for t in train if len(t.split()) >= UNIQUE_WORDS]
+    assert len(set(long)) == len(long) and len(set(train)) < len(train)
 
 
 def test_speakers_are_numbered_in_voice_order():

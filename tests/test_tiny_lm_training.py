@@ -97,3 +97,38 @@ def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir
     assert (tmp_path / "package" / "codec" / "config.json").is_file()
     reloaded = Drama3ForSpeechGeneration.from_pretrained(tmp_path / "package")
     torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+# ---- the short-to-long curriculum ----------------------------------------------------------------
+
+
+def test_the_curriculum_starts_with_the_shortest_utterances_and_ends_with_all():
+    from recipes.drama3_tiny.lm_training import CURRICULUM_START, CurriculumSampler
+
+    lengths = list(range(1000, 0, -1))  # item i has length 1000 - i
+    sampler = CurriculumSampler(lengths, batch_size=4, steps=100, total_batches=300, seed=0)
+    first = [lengths[i] for b in range(50) for i in sampler.batch(b)]
+    last = [lengths[i] for b in range(200, 300) for i in sampler.batch(b)]
+    assert sampler.allowed(0) == CURRICULUM_START * 1000 and sampler.allowed(50) == 650
+    assert max(first) <= 650
+    assert max(last) > 900 and min(last) < 100
+
+
+def test_a_curriculum_batch_depends_only_on_the_seed_and_its_position():
+    from recipes.drama3_tiny.lm_training import CurriculumSampler
+
+    lengths = [7, 3, 9, 1, 4, 8, 2, 6, 5, 0] * 10
+    one = CurriculumSampler(lengths, batch_size=2, steps=5, total_batches=12, seed=3)
+    other = CurriculumSampler(lengths, batch_size=2, steps=5, total_batches=12, seed=3)
+    assert list(one) == [i for b in range(12) for i in other.batch(b)]  # resuming at batch b draws the same
+    assert len(one) == 24 and len(set(one.batch(0))) == 2
+
+
+def test_resume_takes_the_newest_checkpoint_whose_state_was_written(tmp_path):
+    from recipes.drama3_tiny.lm_training import last_complete_checkpoint
+
+    for step in (200, 400, 600):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    for step in (200, 400):
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-400"  # 600 was cut while saving

@@ -2,7 +2,7 @@
 
     python -m recipes.drama3_tiny.intelligibility_levers codec [--voices A,B,D,F] [--sentences 8] [--fit-utterances 150] [--json out.json]
     python -m recipes.drama3_tiny.intelligibility_levers codecs --codecs CODEC[,CODEC...] [--sentences 12] [--json out.json]
-    python -m recipes.drama3_tiny.intelligibility_levers lm [--voices A,B,D,F] [--json out.json]
+    python -m recipes.drama3_tiny.intelligibility_levers lm [--voices A,B,D,F] [--model MODEL] [--json out.json]
     python -m recipes.drama3_tiny.intelligibility_levers recognisers [--voices A,B,D,F] [--sentences 12]
 
 `codec`: the held-out sentences of `drama3 eval` (everyday English, no corpus holds them), spoken
@@ -218,10 +218,12 @@ def corpus_heldout_sentences(count: int) -> list[str]:
     return sentences[:count]
 
 
-def lm_levers(voices: list[str]) -> list[dict]:
+def lm_levers(voices: list[str], model_path: str | None = None) -> list[dict]:
+    """`model_path` (drama3-tiny's bundled model by default) speaks every group of `LENGTH_GROUPS`
+    and held-out sentences of its corpus grammar in each voice (the bundled reference clips)."""
     from transformers_drama3.loading import load_model_and_processor
 
-    model, processor = load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False)
+    model, processor = load_model_and_processor(model_path or shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False)
     groups = {**LENGTH_GROUPS, "corpus grammar, held out": tuple(corpus_heldout_sentences(3))}
     rows = []
     for group, sentences in groups.items():
@@ -229,7 +231,7 @@ def lm_levers(voices: list[str]) -> list[dict]:
         for voice in voices:
             reference = shipped.reference_voice(voice)
             for index, sentence in enumerate(sentences):
-                output, finish = speak_with_model(model, processor, sentence, reference, seed=index)
+                output, finish = speak_with_model(model, processor, sentence, reference, seed=index, threads=1)
                 espeak_seconds = len(speak(sentence, TINY_VOICES[voice])) / ESPEAK_RATE
                 seconds = len(output) / processor.codec.sampling_rate
                 takes.append({"voice": voice, "text": sentence, "finish": finish, "seconds": round(seconds, 2),
@@ -325,6 +327,7 @@ def main(argv=None) -> int:
     parser.add_argument("--voices", default="A,B,D,F")
     parser.add_argument("--sentences", type=int, default=8, help="codec part: the first N held-out sentences of drama3 eval")
     parser.add_argument("--fit-utterances", type=int, default=150, help="codec part: corpus utterances per voice to fit on")
+    parser.add_argument("--model", default=None, help="lm part: a model folder (default: the bundled drama3-tiny)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -343,7 +346,7 @@ def main(argv=None) -> int:
         rows = saved_codecs(paths, voices, args.sentences)
         print(saved_codecs_table(rows, voices))
     elif args.part == "lm":
-        rows = lm_levers(voices)
+        rows = lm_levers(voices, args.model)
         print(lm_table(rows))
     else:
         rows = recognisers(voices, args.sentences)

@@ -86,23 +86,26 @@ def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_director
 
 def tiny_model_config(
     tokenizer, num_codebooks: int, codebook_size: int, codebook_fusion: int = 1,
-    sampling_rate: int = 22050, frame_size: int = 1024,
+    sampling_rate: int = 22050, frame_size: int = 1024, backbone_layers: int = 4, tower_dim: int = HIDDEN_SIZE,
 ) -> Drama3Config:
     """The drama3-tiny config (published layout) for `tokenizer` and a codec with `num_codebooks`
     codebooks of `codebook_size` codes at `sampling_rate` with `frame_size` samples per frame.
 
-    Backbone: 4 layers (Gated DeltaNet, attention, Gated DeltaNet, attention), hidden 256, MoE of
-    4 routed experts (2 per token) plus a gated shared expert. Tower: 1 shared layer and one layer per acoustic codebook, width 256,
-    heads as the backbone's (the serving code requires it).
+    Backbone: `backbone_layers` layers (Gated DeltaNet and attention alternating, 4 by default),
+    hidden 256, MoE of 4 routed experts (2 per token) plus a gated shared expert. Tower: 1 shared
+    layer and one layer per acoustic codebook, width `tower_dim` (256 by default), heads as the
+    backbone's (the serving code requires it).
     """
+    if backbone_layers < 2 or backbone_layers % 2:
+        raise ValueError(f"backbone_layers must be even and >= 2 (DeltaNet / attention pairs); got {backbone_layers}")
     semantic_start = tokenizer.convert_tokens_to_ids(semantic_token(0))
     text_config = {
         "model_type": "fish_omni_text",
         "hidden_size": HIDDEN_SIZE,
         "intermediate_size": 4 * HIDDEN_SIZE,
-        "num_hidden_layers": 4,
-        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        "mlp_layer_types": ["moe"] * 4,
+        "num_hidden_layers": backbone_layers,
+        "layer_types": ["linear_attention", "full_attention"] * (backbone_layers // 2),
+        "mlp_layer_types": ["moe"] * backbone_layers,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
@@ -125,14 +128,14 @@ def tiny_model_config(
     tower_config = {
         "model_type": "fish_qwen3_audio_decoder",
         "decoder_type": "codebook_mtp_shared",
-        "dim": HIDDEN_SIZE,
+        "dim": tower_dim,
         "text_dim": HIDDEN_SIZE,
         "n_head": HEADS,
         "n_local_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "n_layer": 1,
         "shared_enrichment_layers": 1,
-        "intermediate_size": 2 * HIDDEN_SIZE,
+        "intermediate_size": 2 * tower_dim,
         "norm_eps": 1e-6,
         "num_codebooks": num_codebooks,
         "vocab_size": codebook_size,

@@ -30,6 +30,56 @@ import time
 from pathlib import Path
 
 CLONING_SPLIT = "train"
+CURRICULUM_START = 0.3
+"""The share of the corpus (its shortest utterances) a curriculum starts with."""
+CURRICULUM_WINDOW = 4
+"""A curriculum batch is drawn from CURRICULUM_WINDOW x batch-size neighbours in length order
+(batches of like lengths pad little, as `group_by_length` does)."""
+
+
+class CurriculumSampler:
+    """Dataset indices, batch after batch, from short to long utterances.
+
+    Batch b draws `batch_size` indices from a window of neighbours in length order, the window
+    placed at random in the shortest `allowed(b)` share of the data: CURRICULUM_START at b = 0,
+    growing linearly to all of it at b = `steps`. Every batch is a pure function of (seed, b), so a
+    resumed run (which skips the batches it has done) sees the same batches as one not stopped.
+    """
+
+    def __init__(self, lengths, batch_size: int, steps: int, total_batches: int, seed: int = 0):
+        import torch
+
+        self.order = torch.argsort(torch.as_tensor(lengths), stable=True)
+        self.batch_size, self.steps, self.total_batches, self.seed = batch_size, steps, total_batches, seed
+
+    def allowed(self, batch: int) -> int:
+        """How many of the shortest utterances batch `batch` draws from."""
+        share = CURRICULUM_START + (1 - CURRICULUM_START) * min(1.0, batch / max(1, self.steps))
+        return max(self.batch_size * CURRICULUM_WINDOW, int(round(share * len(self.order))))
+
+    def batch(self, batch: int) -> list[int]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + batch)
+        allowed = min(len(self.order), self.allowed(batch))
+        window = min(allowed, self.batch_size * CURRICULUM_WINDOW)
+        start = int(torch.randint(0, allowed - window + 1, (1,), generator=generator))
+        picks = torch.randperm(window, generator=generator)[: self.batch_size] + start
+        return self.order[picks].tolist()
+
+    def __iter__(self):
+        for batch in range(self.total_batches):
+            yield from self.batch(batch)
+
+    def __len__(self) -> int:
+        return self.total_batches * self.batch_size
+
+
+def last_complete_checkpoint(out: Path) -> Path | None:
+    """The newest checkpoint folder whose trainer state was written (`Trainer` writes it last, so
+    a run killed while saving resumes from the checkpoint before)."""
+    complete = [path for path in out.glob("checkpoint-*") if (path / "trainer_state.json").is_file()]
+    return max(complete, key=lambda path: int(path.name.split("-")[1]), default=None)
 
 
 def parse_args(argv=None):
@@ -39,7 +89,16 @@ def parse_args(argv=None):
     parser.add_argument("--out", required=True, help="run folder")
     parser.add_argument("--minutes", type=float, default=60.0, help="training time of this call")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--text-frontend", default="text", choices=["text", "phonemes"],
+                        help="how the model reads spoken text (a new run only; a resumed run keeps its tokenizer)")
+    parser.add_argument("--curriculum-steps", type=int, default=0,
+                        help="short-to-long curriculum: the shortest CURRICULUM_START of the utterances at first, "
+                        "all of them after this many steps (0: no curriculum, batches grouped by length)")
+    parser.add_argument("--min-seconds", type=float, default=0.25,
+                        help="shorter utterances are skipped (grammar 2's one-word utterances last 0.3-0.8 s)")
+    parser.add_argument("--backbone-layers", type=int, default=4, help="backbone layers (alternating DeltaNet / attention)")
+    parser.add_argument("--tower-dim", type=int, default=256, help="width of the Codebook-MTP tower")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -110,7 +169,7 @@ def main(argv=None) -> None:
 
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.training import CloningCollator, Drama3Trainer, ReferencePool, prepare_dataset
+    from transformers_drama3.training import CloningCollator, ReferencePool, prepare_dataset
     from .lm_recipe import build_tiny_tokenizer, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
@@ -118,7 +177,8 @@ def main(argv=None) -> None:
     codec = load_codec(args.codec)
 
     records = corpus_records(corpus)
-    dataset, report = prepare_dataset(records, codec, out / "codes", report_path=out / "preparation.json")
+    dataset, report = prepare_dataset(records, codec, out / "codes", report_path=out / "preparation.json",
+                                      min_seconds=args.min_seconds)
     print(report.summary())
     dataset = dataset.map(lambda _, index: {"index": index}, with_indices=True)
 
@@ -126,13 +186,15 @@ def main(argv=None) -> None:
     if tokenizer_dir.exists():
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
-        tokenizer = build_tiny_tokenizer((r["text"] for r in records), codec.config.codebook_size, tokenizer_dir)
+        tokenizer = build_tiny_tokenizer((r["text"] for r in records), codec.config.codebook_size, tokenizer_dir,
+                                         text_frontend=args.text_frontend)
     config = tiny_model_config(
         tokenizer, codec.num_codebooks, codec.config.codebook_size,
         sampling_rate=codec.sampling_rate, frame_size=codec.hop_length,
+        backbone_layers=args.backbone_layers, tower_dim=args.tower_dim,
     )
-    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    resume = bool(args.resume and checkpoints)
+    checkpoint = last_complete_checkpoint(out) if args.resume else None
+    resume = checkpoint is not None
     torch.manual_seed(args.seed)
     model = Drama3ForSpeechGeneration(config)
     print(f"drama3-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
@@ -163,17 +225,37 @@ def main(argv=None) -> None:
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=False,
     )
-    trainer = Drama3Trainer(
+    sampler = None
+    if args.curriculum_steps > 0:
+        sampler = CurriculumSampler(dataset["frames"], args.batch_size, args.curriculum_steps, args.max_steps, args.seed)
+    trainer = curriculum_trainer_class()(
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
-        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl")],
+        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl")], curriculum=sampler,
     )
-    trainer.train(resume_from_checkpoint=str(checkpoints[-1]) if resume else None)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
 
     final = out / "model"
     plot_losses(out / "losses.jsonl", out / "losses.png")
     assemble_model_folder(trainer.model, tokenizer, codec, final)
     shutil.copy(out / "preparation.json", final / "preparation.json")
     print(f"step {trainer.state.global_step}: model, tokenizer and codec saved to {final}")
+
+
+def curriculum_trainer_class():
+    """`Drama3Trainer` with an optional `curriculum` sampler (a function: transformers loads lazily)."""
+    from transformers_drama3.training import Drama3Trainer
+
+    class _CurriculumTrainer(Drama3Trainer):
+        """`Drama3Trainer` whose batches come from a `CurriculumSampler` when one is given."""
+
+        def __init__(self, *args, curriculum=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.curriculum = curriculum
+
+        def _get_train_sampler(self, train_dataset=None):
+            return self.curriculum if self.curriculum is not None else super()._get_train_sampler(train_dataset)
+
+    return _CurriculumTrainer
 
 
 def plot_losses(log_path: str | Path, image_path: str | Path) -> bool:
