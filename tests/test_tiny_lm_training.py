@@ -132,3 +132,16 @@ def test_resume_takes_the_newest_checkpoint_whose_state_was_written(tmp_path):
     for step in (200, 400):
         (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-400"  # 600 was cut while saving
+
+
+def test_the_phoneme_tokenizer_records_its_front_end_and_spells_tags_as_text(tmp_path):
+    from recipes.drama3_tiny.lm_recipe import PHONEME_LANGUAGES, build_tiny_tokenizer
+    from transformers_drama3.processing_drama3 import Drama3Processor
+
+    texts = ["(fast) Hello [pause] there.", "<whisper>Keep it down</whisper>.", "<spanish>Hola amigo.</spanish>"]
+    tokenizer = build_tiny_tokenizer(texts, 16, tmp_path, text_frontend="phonemes")
+    processor = Drama3Processor(tokenizer, codebook_size=16, num_codebooks=2)
+    assert processor.text_frontend["language"] == "en-us" and processor.text_frontend["languages"] == PHONEME_LANGUAGES
+    tokens = tokenizer.convert_ids_to_tokens(processor.rows(processor.as_request(texts[0], [], "text")).input_ids.tolist())
+    assert "[pause]" in "".join(t for t in tokens if not t.startswith("<|")).replace("Ġ", " ")
+    assert "<|ph:h|>" in tokens and "<|ph:oʊ|>" in tokens
