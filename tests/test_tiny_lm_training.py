@@ -145,3 +145,13 @@ def test_the_phoneme_tokenizer_records_its_front_end_and_spells_tags_as_text(tmp
     tokens = tokenizer.convert_ids_to_tokens(processor.rows(processor.as_request(texts[0], [], "text")).input_ids.tolist())
     assert "[pause]" in "".join(t for t in tokens if not t.startswith("<|")).replace("Ġ", " ")
     assert "<|ph:h|>" in tokens and "<|ph:oʊ|>" in tokens
+
+
+def test_the_reference_pool_can_leave_short_utterances_out():
+    from datasets import Dataset
+
+    from recipes.drama3_tiny.lm_training import reference_pool
+
+    dataset = Dataset.from_dict({"speaker": ["A", "A", "A"], "frames": [10, 50, 60]})
+    assert reference_pool(dataset, 40).others("A", exclude=1) == [2]
+    assert reference_pool(dataset).others("A", exclude=1) == [0, 2]

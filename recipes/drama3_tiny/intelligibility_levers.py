@@ -45,6 +45,7 @@ from transformers_drama3.evaluation import asr
 from transformers_drama3.evaluation.espeak import ESPEAK_RATE, TINY_VOICES, speak
 from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES, resynthesize, speak_with_model
 from transformers_drama3.files import write_text_atomic
+from transformers_drama3.generation_drama3 import expected_seconds_of_text
 from transformers_drama3.tiny import shipped
 from .instruments import SCORING_RATE, prepare
 from .sentences import LENGTH_PROBES
@@ -231,7 +232,9 @@ def lm_levers(voices: list[str], model_path: str | None = None) -> list[dict]:
         for voice in voices:
             reference = shipped.reference_voice(voice)
             for index, sentence in enumerate(sentences):
-                output, finish = speak_with_model(model, processor, sentence, reference, seed=index, threads=1)
+                # the budget from the words, not the tokens: a phoneme model spends ~3x the tokens
+                output, finish = speak_with_model(model, processor, sentence, reference, seed=index, threads=1,
+                                                  expected_seconds=expected_seconds_of_text(sentence))
                 espeak_seconds = len(speak(sentence, TINY_VOICES[voice])) / ESPEAK_RATE
                 seconds = len(output) / processor.codec.sampling_rate
                 takes.append({"voice": voice, "text": sentence, "finish": finish, "seconds": round(seconds, 2),

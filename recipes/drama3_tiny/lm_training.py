@@ -75,6 +75,18 @@ class CurriculumSampler:
         return self.total_batches * self.batch_size
 
 
+def reference_pool(dataset, min_frames: int = 0):
+    """A `ReferencePool` of `dataset` that draws only utterances of at least `min_frames` frames."""
+    from transformers_drama3.training import ReferencePool
+
+    pool = ReferencePool(dataset)
+    if min_frames > 0:
+        frames = dataset["frames"]
+        for speaker, indices in pool.by_speaker.items():
+            pool.by_speaker[speaker] = [index for index in indices if frames[index] >= min_frames]
+    return pool
+
+
 def last_complete_checkpoint(out: Path) -> Path | None:
     """The newest checkpoint folder whose trainer state was written (`Trainer` writes it last, so
     a run killed while saving resumes from the checkpoint before)."""
@@ -97,6 +109,9 @@ def parse_args(argv=None):
                         "all of them after this many steps (0: no curriculum, batches grouped by length)")
     parser.add_argument("--min-seconds", type=float, default=0.25,
                         help="shorter utterances are skipped (grammar 2's one-word utterances last 0.3-0.8 s)")
+    parser.add_argument("--min-reference-frames", type=int, default=0,
+                        help="cloning references are utterances of at least this many frames (40 = 1.9 s: a "
+                        "one-word utterance shows little of a voice, and inference clones from sentences)")
     parser.add_argument("--backbone-layers", type=int, default=4, help="backbone layers (alternating DeltaNet / attention)")
     parser.add_argument("--tower-dim", type=int, default=256, help="width of the Codebook-MTP tower")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -169,7 +184,7 @@ def main(argv=None) -> None:
 
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.training import CloningCollator, ReferencePool, prepare_dataset
+    from transformers_drama3.training import CloningCollator, prepare_dataset
     from .lm_recipe import build_tiny_tokenizer, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
@@ -203,7 +218,8 @@ def main(argv=None) -> None:
         tokenizer, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks,
         frame_rate=codec.frame_rate,
     )
-    collator = CloningCollator(processor, ReferencePool(dataset), max_references=1, seed=args.seed)
+    collator = CloningCollator(processor, reference_pool(dataset, args.min_reference_frames), max_references=1,
+                               seed=args.seed)
     training_args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=args.batch_size,
