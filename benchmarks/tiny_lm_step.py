@@ -5,7 +5,7 @@
 
 Every design trains `--steps` AdamW steps on the same batches of `--items` corpus utterances (a
 random sample, and the shortest `CURRICULUM_START` of it, where a curriculum starts) as
-`lm_training` builds them (cloning rows, one reference). Designs: the first release's (BPE text,
+`lm_training` builds them (cloning rows, one reference of at least 40 frames). Designs: the first release's (BPE text,
 the 4-codebook codec, backbone 4 layers, tower width 256) and phoneme designs with the
 10-codebook codec at several backbone/tower splits. Prints seconds per step, rows per batch and
 the ratio to the first release's step, measured in this run; asserts nothing.
@@ -36,7 +36,8 @@ def time_design(frontend: str, codec, backbone: int, tower: int, records, items_
     from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.training import CloningCollator, ReferencePool, prepare_dataset
+    from recipes.drama3_tiny.lm_training import reference_pool
+    from transformers_drama3.training import CloningCollator, prepare_dataset
     from transformers_drama3.training.trainer import drama3_loss
 
     dataset, _ = prepare_dataset(records, codec, work / f"codes-{codec.num_codebooks}", progress=False, min_seconds=0.25)
@@ -49,7 +50,7 @@ def time_design(frontend: str, codec, backbone: int, tower: int, records, items_
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     processor = Drama3Processor(tokenizer, codebook_size=codec.config.codebook_size,
                                 num_codebooks=codec.num_codebooks, frame_rate=codec.frame_rate)
-    collator = CloningCollator(processor, ReferencePool(dataset), max_references=1, seed=0)
+    collator = CloningCollator(processor, reference_pool(dataset, 40), max_references=1, seed=0)
     result = {"parameters_M": sum(p.numel() for p in model.parameters()) / 1e6}
     for name, items in items_sets.items():
         items = [i for i in items if i < len(dataset)]

@@ -18,11 +18,9 @@ def tone(f0: float, seconds: float, rate: int = RATE, harmonics: int = 6) -> np.
     return (0.3 * wave * envelope).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def fitted_codec():
-    """A codec whose codebooks are fitted on tones of several pitches."""
+def codec_fitted_on_tones(num_codebooks: int = 4, codebook_size: int = 64) -> Drama3MelCodecModel:
     torch.manual_seed(0)
-    codec = Drama3MelCodecModel(Drama3MelCodecConfig(num_codebooks=4, codebook_size=64)).eval()
+    codec = Drama3MelCodecModel(Drama3MelCodecConfig(num_codebooks=num_codebooks, codebook_size=codebook_size)).eval()
     audio = [tone(f0, 1.5) for f0 in (110, 140, 180, 220, 260, 300)]
     features = []
     for item in audio:
@@ -34,8 +32,15 @@ def fitted_codec():
     with torch.no_grad():
         codec.feature_mean.copy_(mean)
         codec.feature_scale.copy_(scale)
-        codec.codebooks.copy_(fit_residual_codebooks((features - mean) / scale, 4, 64, iterations=10, progress=False))
+        codec.codebooks.copy_(fit_residual_codebooks((features - mean) / scale, num_codebooks, codebook_size,
+                                                     iterations=10, progress=False))
     return codec
+
+
+@pytest.fixture(scope="module")
+def fitted_codec():
+    """A codec whose codebooks are fitted on tones of several pitches."""
+    return codec_fitted_on_tones()
 
 
 def test_sizes_follow_the_config(fitted_codec):
@@ -85,6 +90,17 @@ def test_streaming_decoder_equals_offline(fitted_codec, windows):
     torch.testing.assert_close(streamed, offline, rtol=0, atol=1e-5)
     # whole blocks come out before the stream ends (the decoder does not wait for flush)
     assert sum(p.shape[-1] for p in pieces[:-1]) >= (codes.shape[-1] // 8 - 1) * 8 * 1024
+
+
+def test_streaming_equals_offline_with_the_ten_codebooks_of_the_drama3_layout():
+    codec = codec_fitted_on_tones(num_codebooks=10, codebook_size=16)
+    audio = tone(190, 1.7)
+    codes = codec.encode(audio, sampling_rate=RATE).audio_codes
+    encoder, decoder = codec.streaming_encoder(), codec.streaming_decoder()
+    streamed_codes = torch.cat([encoder.push(audio[:5000]), encoder.push(audio[5000:]), encoder.flush()], dim=-1)
+    streamed = torch.cat([decoder.push(codes[..., :13]), decoder.push(codes[..., 13:]), decoder.flush()], dim=-1)
+    assert codes.shape[1] == 10 and torch.equal(streamed_codes, codes)
+    torch.testing.assert_close(streamed, codec.decode(codes).audio_values, rtol=0, atol=1e-5)
 
 
 def test_batch_equals_items(fitted_codec):
