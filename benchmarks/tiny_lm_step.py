@@ -6,8 +6,9 @@
 Every design trains `--steps` AdamW steps on the same batches of `--items` corpus utterances (a
 random sample, and the shortest `CURRICULUM_START` of it, where a curriculum starts) as
 `lm_training` builds them (cloning rows, one reference of at least 40 frames). Designs: the first release's (BPE text,
-the 4-codebook codec, backbone 4 layers, tower width 256) and phoneme designs with the
-10-codebook codec at several backbone/tower splits. Prints seconds per step, rows per batch and
+the 4-codebook codec, backbone 4 layers, width 256) and phoneme designs with the 10-codebook
+codec at several widths, tower feed-forward sizes and reference lengths (every tower layer is a
+causal block over every row, so rows and tower layers are the step's cost). Prints seconds per step, rows per batch and
 the ratio to the first release's step, measured in this run; asserts nothing.
 """
 
@@ -19,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+# name -> (text front end, codec, backbone layers, width, tower feed-forward, reference frames)
 DESIGNS = {
-    "first release: text, 4 codebooks, backbone 4, tower 256": ("text", "old", 4, 256),
-    "phonemes, 10 codebooks, backbone 4, tower 256": ("phonemes", "new", 4, 256),
-    "phonemes, 10 codebooks, backbone 4, tower 128": ("phonemes", "new", 4, 128),
-    "phonemes, 10 codebooks, backbone 6, tower 128": ("phonemes", "new", 6, 128),
+    "first release: text, 4 codebooks, width 256": ("text", "old", 4, 256, 512, (0, None)),
+    "phonemes, 10 codebooks, width 256": ("phonemes", "new", 4, 256, 512, (40, None)),
+    "phonemes, 10 codebooks, width 256, tower ffn 256, refs <= 70": ("phonemes", "new", 4, 256, 256, (40, 70)),
+    "phonemes, 10 codebooks, width 192, tower ffn 256, refs <= 70": ("phonemes", "new", 4, 192, 256, (40, 70)),
+    "phonemes, 10 codebooks, width 192, 6 layers, tower ffn 256, refs <= 70": ("phonemes", "new", 6, 192, 256, (40, 70)),
 }
 
 
@@ -32,7 +35,8 @@ def batches(dataset, collator, items: list[int], batch_size: int) -> list[dict]:
             for start in range(0, len(items) - batch_size + 1, batch_size)]
 
 
-def time_design(frontend: str, codec, backbone: int, tower: int, records, items_sets, args, work: Path) -> dict:
+def time_design(frontend: str, codec, backbone: int, width: int, tower_ffn: int, references: tuple, records, items_sets,
+                args, work: Path) -> dict:
     from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
@@ -44,13 +48,13 @@ def time_design(frontend: str, codec, backbone: int, tower: int, records, items_
     dataset = dataset.map(lambda _, index: {"index": index}, with_indices=True)
     tokenizer = build_tiny_tokenizer([r["text"] for r in records], codec.config.codebook_size, text_frontend=frontend)
     config = tiny_model_config(tokenizer, codec.num_codebooks, codec.config.codebook_size,
-                               backbone_layers=backbone, tower_dim=tower)
+                               backbone_layers=backbone, hidden_size=width, tower_intermediate_size=tower_ffn)
     torch.manual_seed(0)
     model = Drama3ForSpeechGeneration(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     processor = Drama3Processor(tokenizer, codebook_size=codec.config.codebook_size,
                                 num_codebooks=codec.num_codebooks, frame_rate=codec.frame_rate)
-    collator = CloningCollator(processor, reference_pool(dataset, 40), max_references=1, seed=0)
+    collator = CloningCollator(processor, reference_pool(dataset, *references), max_references=1, seed=0)
     result = {"parameters_M": sum(p.numel() for p in model.parameters()) / 1e6}
     for name, items in items_sets.items():
         items = [i for i in items if i < len(dataset)]
@@ -91,8 +95,8 @@ def main() -> None:
     codecs = {"old": load_codec(args.old_codec), "new": load_codec(args.codec)}
     rows = {}
     with tempfile.TemporaryDirectory() as work:
-        for name, (frontend, codec, backbone, tower) in DESIGNS.items():
-            rows[name] = time_design(frontend, codecs[codec], backbone, tower, records, items_sets, args, Path(work))
+        for name, (frontend, codec, *sizes) in DESIGNS.items():
+            rows[name] = time_design(frontend, codecs[codec], *sizes, records, items_sets, args, Path(work))
             print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
     base = rows[next(iter(DESIGNS))]["random batches"]
     print("| design | parameters | s/step random | rows | s/step shortest | rows | x first release |")

@@ -154,4 +154,5 @@ def test_the_reference_pool_can_leave_short_utterances_out():
 
     dataset = Dataset.from_dict({"speaker": ["A", "A", "A"], "frames": [10, 50, 60]})
     assert reference_pool(dataset, 40).others("A", exclude=1) == [2]
+    assert reference_pool(dataset, 40, 55).others("A", exclude=2) == [1]
     assert reference_pool(dataset).others("A", exclude=1) == [0, 2]

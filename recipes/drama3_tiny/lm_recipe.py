@@ -86,23 +86,25 @@ def build_tiny_tokenizer(texts: Iterable[str], codebook_size: int, save_director
 
 def tiny_model_config(
     tokenizer, num_codebooks: int, codebook_size: int, codebook_fusion: int = 1,
-    sampling_rate: int = 22050, frame_size: int = 1024, backbone_layers: int = 4, tower_dim: int = HIDDEN_SIZE,
+    sampling_rate: int = 22050, frame_size: int = 1024, backbone_layers: int = 4, hidden_size: int = HIDDEN_SIZE,
+    tower_intermediate_size: int | None = None,
 ) -> Drama3Config:
     """The drama3-tiny config (published layout) for `tokenizer` and a codec with `num_codebooks`
     codebooks of `codebook_size` codes at `sampling_rate` with `frame_size` samples per frame.
 
     Backbone: `backbone_layers` layers (Gated DeltaNet and attention alternating, 4 by default),
-    hidden 256, MoE of 4 routed experts (2 per token) plus a gated shared expert. Tower: 1 shared
-    layer and one layer per acoustic codebook, width `tower_dim` (256 by default), heads as the
-    backbone's (the serving code requires it).
+    width `hidden_size` (256), MoE of 4 routed experts (2 per token) plus a gated shared expert.
+    Tower: 1 shared layer and one layer per acoustic codebook, each a causal block over every row,
+    as wide as the backbone (the class requires it), feed-forward `tower_intermediate_size`
+    (2 x width by default), heads as the backbone's (the serving code requires it).
     """
     if backbone_layers < 2 or backbone_layers % 2:
         raise ValueError(f"backbone_layers must be even and >= 2 (DeltaNet / attention pairs); got {backbone_layers}")
     semantic_start = tokenizer.convert_tokens_to_ids(semantic_token(0))
     text_config = {
         "model_type": "fish_omni_text",
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": 4 * HIDDEN_SIZE,
+        "hidden_size": hidden_size,
+        "intermediate_size": 4 * hidden_size,
         "num_hidden_layers": backbone_layers,
         "layer_types": ["linear_attention", "full_attention"] * (backbone_layers // 2),
         "mlp_layer_types": ["moe"] * backbone_layers,
@@ -116,8 +118,8 @@ def tiny_model_config(
         "linear_conv_kernel_dim": 4,
         "num_experts": 4,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "shared_expert_intermediate_size": 256,
+        "moe_intermediate_size": hidden_size,
+        "shared_expert_intermediate_size": hidden_size,
         "vocab_size": len(tokenizer),
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
@@ -128,14 +130,14 @@ def tiny_model_config(
     tower_config = {
         "model_type": "fish_qwen3_audio_decoder",
         "decoder_type": "codebook_mtp_shared",
-        "dim": tower_dim,
-        "text_dim": HIDDEN_SIZE,
+        "dim": hidden_size,
+        "text_dim": hidden_size,
         "n_head": HEADS,
         "n_local_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "n_layer": 1,
         "shared_enrichment_layers": 1,
-        "intermediate_size": 2 * tower_dim,
+        "intermediate_size": tower_intermediate_size or 2 * hidden_size,
         "norm_eps": 1e-6,
         "num_codebooks": num_codebooks,
         "vocab_size": codebook_size,

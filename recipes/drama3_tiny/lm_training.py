@@ -75,15 +75,16 @@ class CurriculumSampler:
         return self.total_batches * self.batch_size
 
 
-def reference_pool(dataset, min_frames: int = 0):
-    """A `ReferencePool` of `dataset` that draws only utterances of at least `min_frames` frames."""
+def reference_pool(dataset, min_frames: int = 0, max_frames: int | None = None):
+    """A `ReferencePool` of `dataset` that draws only utterances of `min_frames` to `max_frames` frames."""
     from transformers_drama3.training import ReferencePool
 
     pool = ReferencePool(dataset)
-    if min_frames > 0:
+    if min_frames > 0 or max_frames is not None:
         frames = dataset["frames"]
+        top = max_frames if max_frames is not None else max(frames)
         for speaker, indices in pool.by_speaker.items():
-            pool.by_speaker[speaker] = [index for index in indices if frames[index] >= min_frames]
+            pool.by_speaker[speaker] = [index for index in indices if min_frames <= frames[index] <= top]
     return pool
 
 
@@ -113,7 +114,12 @@ def parse_args(argv=None):
                         help="cloning references are utterances of at least this many frames (40 = 1.9 s: a "
                         "one-word utterance shows little of a voice, and inference clones from sentences)")
     parser.add_argument("--backbone-layers", type=int, default=4, help="backbone layers (alternating DeltaNet / attention)")
-    parser.add_argument("--tower-dim", type=int, default=256, help="width of the Codebook-MTP tower")
+    parser.add_argument("--hidden-size", type=int, default=256, help="width of the backbone and the tower")
+    parser.add_argument("--tower-intermediate-size", type=int, default=None,
+                        help="feed-forward width of each tower layer (default 2 x --hidden-size)")
+    parser.add_argument("--max-reference-frames", type=int, default=None,
+                        help="cloning references are whole utterances of at most this many frames (each tower "
+                        "layer runs over every row, so reference length is step time)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -206,7 +212,8 @@ def main(argv=None) -> None:
     config = tiny_model_config(
         tokenizer, codec.num_codebooks, codec.config.codebook_size,
         sampling_rate=codec.sampling_rate, frame_size=codec.hop_length,
-        backbone_layers=args.backbone_layers, tower_dim=args.tower_dim,
+        backbone_layers=args.backbone_layers, hidden_size=args.hidden_size,
+        tower_intermediate_size=args.tower_intermediate_size,
     )
     checkpoint = last_complete_checkpoint(out) if args.resume else None
     resume = checkpoint is not None
@@ -218,8 +225,8 @@ def main(argv=None) -> None:
         tokenizer, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks,
         frame_rate=codec.frame_rate,
     )
-    collator = CloningCollator(processor, reference_pool(dataset, args.min_reference_frames), max_references=1,
-                               seed=args.seed)
+    pool = reference_pool(dataset, args.min_reference_frames, args.max_reference_frames)
+    collator = CloningCollator(processor, pool, max_references=1, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=args.batch_size,
