@@ -17,7 +17,6 @@ from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .files import atomic_output
 from .generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
-from .prompting.phonemes import text_frontend as phoneme_front_end
 from .prompting import (
     AUDIO_SEPARATOR,
     CHUNK_BYTES,
@@ -44,11 +43,12 @@ from .prompting import (
     check_speaker,
     encode_layout,
     parse_rows,
-    part_text,
     parse_text,
+    part_text,
     semantic_token,
     with_speaker_tag,
 )
+from .prompting.phonemes import text_frontend as phoneme_front_end
 
 SAMPLES_PER_FRAME = 2048
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC"}

@@ -6,8 +6,8 @@ searching token ids."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
