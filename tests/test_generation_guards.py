@@ -53,6 +53,21 @@ def test_generate_budgets_each_item_from_its_own_text():
     assert out.anomalies == [["runaway"], ["runaway"]]
 
 
+def test_budgets_follow_the_speaking_rate_in_the_generation_config():
+    model = tiny_model(seed=0)
+    script_main_tokens(model, [[SEMANTIC_START + 1] * 10_000] * 2)  # never says eos
+    short, long = prompt(seed=0, tail_rows=1), prompt(seed=1, tail_rows=12)
+    model.generation_config.text_tokens_per_second = 6.0  # a tokenizer that spends 2x Qwen's tokens a second
+    out = model.generate(*left_pad([short, long]), do_sample=False, return_dict_in_generate=True)
+    expected = frame_budgets(expected_seconds_of_tokens(torch.tensor([2, 13]), 6.0), model.config.frame_rate)
+    assert out.budgets.tolist() == expected.tolist()
+    assert expected_seconds_of_tokens(torch.tensor([13]), 6.0).item() == pytest.approx(13 / 6.0)
+    for bad in (0, -1.0, float("nan"), "fast", True):
+        model.generation_config.text_tokens_per_second = bad
+        with pytest.raises(ValueError, match="text_tokens_per_second"):
+            model.generate(*left_pad([short]), do_sample=False, max_new_tokens=2)
+
+
 def test_runaway_needs_the_guard_budget_not_a_smaller_max_new_tokens():
     assert detect_anomalies(50, "length", expected_frames=100, budget=250) == []
     assert detect_anomalies(250, "length", expected_frames=100, budget=250) == ["runaway"]

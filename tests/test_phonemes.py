@@ -151,3 +151,33 @@ def test_a_symbol_outside_the_vocabulary_is_left_out_with_a_warning(phoneme_toke
     with pytest.warns(UserWarning, match="not in the tokenizer's vocabulary"):
         ids = processor.token_ids.phoneme_ids("hʁ")
     assert ids == [processor.token_ids.phonemes["h"]]
+
+
+# ---- phonemes written by hand, and parse of phoneme rows -------------------------------------------
+
+
+def test_phonemes_in_braces_are_read_as_written(front_end):
+    assert front_end.phonemes("Say {təmˈɑːtoʊ} twice") == front_end.phonemes("Say") + " təmˈɑːtoʊ " + front_end.phonemes("twice")
+    assert front_end.phonemes("{həlˈoʊ}") == "həlˈoʊ" and front_end.phonemes("Hello") == "həlˈoʊ"
+
+
+def test_phoneme_literal_puts_the_word_boundaries_outside_the_braces():
+    assert phonemes.phoneme_literal(" həlˈoʊ, wˈɜːld ") == " {həlˈoʊ, wˈɜːld} "
+    assert phonemes.phoneme_literal("bˈaɪ") == "{bˈaɪ}" and phonemes.phoneme_literal(" ") == " "
+
+
+@pytest.mark.parametrize("text", [
+    "Hello there, how are you today?",
+    "(fast) [calmly] Hello [pause] <whisper>bye now</whisper>!",
+    "<|speaker:0|> Hello. <|speaker:0|> How are you today?",
+    "<spanish>¿Qué tal, amigo?</spanish> Hello.",
+])
+def test_phoneme_rows_parse_to_a_request_that_writes_them_again(phoneme_tokenizer, text):
+    processor = processor_for(phoneme_tokenizer)
+    codes = random_codes(30, seed=2, num_codebooks=2) % 8
+    batch = processor(text=text, reference_audio=[codes], reference_text=["How are you today?"])
+    request = processor.parse(batch)
+    assert "<|ph:" not in request.text and "{" in request.text
+    rows = processor.rows(request)
+    assert torch.equal(rows.input_ids, batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert request.references[0].transcript.startswith("{")

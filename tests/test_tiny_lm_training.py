@@ -62,6 +62,13 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     assert model.config.sampling_rate == 22050 and model.config.frame_rate == pytest.approx(22050 / 1024)
     assert model.generation_config.scene_mode == "turns"  # trained on single-speaker rows: scenes turn by turn
     assert model.generation_config.temperature == TINY_TEMPERATURE
+    # the corpus's speaking rate in this tokenizer's tokens, where frame budgets read it
+    from recipes.drama3_tiny.lm_recipe import speaking_rate
+    from recipes.drama3_tiny.corpus import read_manifest
+
+    train = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"]
+    measured = speaking_rate(processor, [r.directed_text for r in train], [r.duration for r in train])
+    assert model.generation_config.text_tokens_per_second == measured
     # no training leftovers: Trainer's use_cache=False, sub-configs without a dtype
     saved = json.loads((out / "model" / "config.json").read_text())
     assert "use_cache" not in saved
@@ -97,6 +104,30 @@ def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir
     assert (tmp_path / "package" / "codec" / "config.json").is_file()
     reloaded = Drama3ForSpeechGeneration.from_pretrained(tmp_path / "package")
     torch.testing.assert_close(reloaded.lm_head.weight, model.lm_head.weight)
+    # a model folder without a recorded speaking rate gets the corpus's, measured at export
+    assert getattr(Drama3ForSpeechGeneration.from_pretrained(tmp_path / "model").generation_config,
+                   "text_tokens_per_second", None) is None
+    rate = reloaded.generation_config.text_tokens_per_second
+    assert isinstance(rate, float) and 1.0 < rate < 30.0
+
+
+def test_the_speaking_rate_is_the_median_of_tokens_a_second(tmp_path):
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, speaking_rate
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from transformers_drama3.prompting import Script
+
+    texts = ["one", "one two three", "one two three four five six"]
+    processor = Drama3Processor(build_tiny_tokenizer(texts * 4, 16, tmp_path), codebook_size=16, num_codebooks=2)
+    tokens = []
+    for text in texts:
+        start, stop = processor.rows(Script(lines=text)).speak_span
+        tokens.append(stop - start)
+    assert tokens[0] < tokens[1] < tokens[2]
+    seconds = [1.0, 2.0, 4.0]
+    rates = sorted(t / s for t, s in zip(tokens, seconds))
+    assert speaking_rate(processor, texts, seconds) == round(rates[1], 1)
+    with pytest.raises(ValueError, match="positive duration"):
+        speaking_rate(processor, texts, [0.0, 0.0, 0.0])
 
 
 # ---- the short-to-long curriculum ----------------------------------------------------------------

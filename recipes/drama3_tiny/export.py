@@ -41,6 +41,7 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
             if (run_model / name).is_file():
                 shutil.copy(run_model / name, building / name)
         shutil.copytree(run_model / "codec", building / "codec")
+        record_speaking_rate(run_model, corpus, building)
         (building / "voices").mkdir()
         for voice, clip in clips.items():
             shutil.copy(corpus / clip.wav, building / "voices" / f"{voice}.wav")
@@ -48,6 +49,27 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
         (building / "voices" / "voices.json").write_text(
             json.dumps({voice: clip.voice_spec for voice, clip in clips.items()}, indent=2) + "\n", encoding="utf-8",
         )
+
+
+def record_speaking_rate(run_model: Path, corpus: Path, building: Path) -> float:
+    """Measure the corpus's speaking rate in the model's text tokens (`lm_training.corpus_speaking_rate`)
+    and write it to `building`'s generation config as `text_tokens_per_second` (a model trained
+    before the rate was recorded gets it here; one that has it gets it measured again)."""
+    from transformers import GenerationConfig
+
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from .lm_training import corpus_records, corpus_speaking_rate
+
+    records = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"]
+    rate = corpus_speaking_rate(
+        Drama3Processor.from_pretrained(run_model),
+        [{"audio": str(corpus / r.wav), "text": r.directed_text} for r in records],
+        [r.duration for r in records],
+    )
+    config = GenerationConfig.from_pretrained(building)
+    config.text_tokens_per_second = rate
+    config.save_pretrained(building)
+    return rate
 
 
 def _check_export_source(run_model: Path, corpus: Path, voice_names) -> dict:

@@ -162,4 +162,25 @@ def tiny_model_config(
     )
 
 
-__all__ = ["TINY_CORPUS_PLAN", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]
+def speaking_rate(processor, texts: Iterable[str], seconds: Iterable[float]) -> float:
+    """Text tokens a second of speech, as the processor spells the turn to speak (its
+    `speak_span`): the median over (text, seconds) pairs, rounded to 0.1. This goes in the
+    generation config as `text_tokens_per_second`, so frame budgets and the too-short guard expect
+    as many seconds as the corpus spends on that many tokens (a phoneme front end spends ~5x the
+    tokens of Qwen's tokenizer a second)."""
+    from transformers_drama3.prompting import Script
+
+    rates = []
+    for text, duration in zip(texts, seconds):
+        start, stop = processor.rows(Script(lines=text)).speak_span
+        if duration > 0:
+            rates.append((stop - start) / duration)
+    if not rates:
+        raise ValueError("speaking_rate: no utterance with a positive duration to measure the rate on")
+    rates.sort()
+    middle = len(rates) // 2
+    median = rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2
+    return round(median, 1)
+
+
+__all__ = ["TINY_CORPUS_PLAN", "speaking_rate", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]

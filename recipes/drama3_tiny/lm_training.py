@@ -259,7 +259,7 @@ def main(argv=None) -> None:
 
     final = out / "model"
     plot_losses(out / "losses.jsonl", out / "losses.png")
-    assemble_model_folder(trainer.model, tokenizer, codec, final)
+    assemble_model_folder(trainer.model, tokenizer, codec, final, tokens_per_second=corpus_speaking_rate(processor, records))
     shutil.copy(out / "preparation.json", final / "preparation.json")
     print(f"step {trainer.state.global_step}: model, tokenizer and codec saved to {final}")
 
@@ -311,10 +311,29 @@ def plot_losses(log_path: str | Path, image_path: str | Path) -> bool:
     return True
 
 
-def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> None:
+RATE_SAMPLE = 2000
+"""Utterances `corpus_speaking_rate` measures (evenly spread over the corpus)."""
+
+
+def corpus_speaking_rate(processor, records: list[dict], durations: list[float] | None = None) -> float:
+    """`lm_recipe.speaking_rate` over up to `RATE_SAMPLE` records spread evenly over `records`
+    (`prepare_dataset` records: `audio`, `text`); durations read from the audio headers unless given."""
+    import soundfile
+
+    from .lm_recipe import speaking_rate
+
+    stride = max(1, len(records) // RATE_SAMPLE)
+    sample = records[::stride]
+    seconds = durations[::stride] if durations is not None else [soundfile.info(r["audio"]).duration for r in sample]
+    return speaking_rate(processor, [r["text"] for r in sample], seconds)
+
+
+def assemble_model_folder(model, tokenizer, codec, destination: str | Path, tokens_per_second: float | None = None) -> None:
     """Write what `from_pretrained` of the model and of `Drama3Processor` read: the model (a
     model, or a checkpoint folder), the processor (tokenizer files, processor and feature-extractor
-    configs) and the codec under codec/."""
+    configs) and the codec under codec/. `tokens_per_second` (the corpus's speaking rate in this
+    tokenizer's tokens, `corpus_speaking_rate`) goes in the generation config, where frame budgets
+    read it."""
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.tokenizer_build import save_drama3_tokenizer
@@ -334,6 +353,8 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path) -> N
     # trained on single-speaker cloning rows only: scenes are spoken turn by turn
     model.generation_config.scene_mode = "turns"
     model.generation_config.temperature = TINY_TEMPERATURE
+    if tokens_per_second is not None:
+        model.generation_config.text_tokens_per_second = tokens_per_second
     model.save_pretrained(destination)
     processor = Drama3Processor(
         tokenizer, codec=codec, codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks

@@ -480,9 +480,22 @@ def speak_span_tokens(speak_span: torch.Tensor) -> torch.Tensor:
     return (speak_span[:, 1] - speak_span[:, 0]).clamp(min=0).cpu()
 
 
-def expected_seconds_of_tokens(tokens: torch.Tensor) -> torch.Tensor:
-    """Expected speech duration of `tokens` text tokens at `TOKENS_PER_SECOND`, at least 1 s."""
-    return (tokens.float() / TOKENS_PER_SECOND).clamp(min=MIN_EXPECTED_SECONDS)
+def expected_seconds_of_tokens(tokens: torch.Tensor, tokens_per_second: float = TOKENS_PER_SECOND) -> torch.Tensor:
+    """Expected speech duration of `tokens` text tokens at `tokens_per_second` (default
+    `TOKENS_PER_SECOND`, Qwen's tokenizer; see `text_tokens_per_second`), at least 1 s."""
+    return (tokens.float() / tokens_per_second).clamp(min=MIN_EXPECTED_SECONDS)
+
+
+def text_tokens_per_second(model) -> float:
+    """The speaking rate, in text tokens per second, that sets this model's frame budgets: the
+    generation config's `text_tokens_per_second` when it has one (a model whose tokenizer spends
+    more tokens a word, such as a phoneme front end, records its own), else `TOKENS_PER_SECOND`."""
+    rate = getattr(getattr(model, "generation_config", None), "text_tokens_per_second", None)
+    if rate is None:
+        return TOKENS_PER_SECOND
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"generation_config.text_tokens_per_second={rate!r}; expected a positive number of tokens a second")
+    return float(rate)
 
 
 def frame_budgets(
@@ -1170,10 +1183,12 @@ def _resolve_request(
     config = model.config
     layout = layout or {}
     if expected_seconds is None and layout.get("speak_span") is not None:
-        seconds = expected_seconds_of_tokens(speak_span_tokens(torch.as_tensor(layout["speak_span"])))
+        seconds = expected_seconds_of_tokens(
+            speak_span_tokens(torch.as_tensor(layout["speak_span"])), text_tokens_per_second(model)
+        )
     elif expected_seconds is None:
         tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
-        seconds = expected_seconds_of_tokens(tokens)
+        seconds = expected_seconds_of_tokens(tokens, text_tokens_per_second(model))
     else:
         seconds = torch.as_tensor(expected_seconds, dtype=torch.float32).flatten().cpu()
         if seconds.numel() == 1:
@@ -1394,7 +1409,9 @@ def generate(
         preset: "serving" (the default settings) or "paper-eval" (0.7 / 0.7 / 30), or settings.
         codec: a `Drama3CodecModel`; the output then carries waveforms.
         expected_seconds: expected duration of each take; default from the text of the turn to
-            speak (`TOKENS_PER_SECOND`). The frame budget is 2.5x this, at most 4096 frames.
+            speak at the model's speaking rate (`text_tokens_per_second`: the generation config's
+            `text_tokens_per_second`, else `TOKENS_PER_SECOND`). The frame budget is 2.5x this, at
+            most 4096 frames.
         regenerate_on_anomaly: regenerate anomalous takes up to this many times (paper §9).
         audio_separator_token_id: the id of `<|audio_separator|>` (`processor.audio_separator_token_id`;
             default: `audio_separator_token_id` of the generation config or model config). With it,

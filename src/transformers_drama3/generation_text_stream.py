@@ -57,6 +57,7 @@ from .generation_drama3 import (
     prompt_window,
     resolve_settings,
     speak_span_tokens,
+    text_tokens_per_second,
 )
 from .prompting import (
     CHUNK_BYTES,
@@ -229,7 +230,7 @@ def stream_text(
             turn, render_lines(chunks[turn].lines), look_ahead, chunks[turn].piece, stream.final_at[turn], stream.now()
         )
         yield started
-        seconds = expected_seconds_of_tokens(speak_span_tokens(torch.tensor([rows.speak_span])))
+        seconds = expected_seconds_of_tokens(speak_span_tokens(torch.tensor([rows.speak_span])), text_tokens_per_second(model))
         sampler = Drama3Sampler(
             settings, model.speech_token_ids(device), prompt_window(recent, torch.ones_like(recent)),
             item_generators(_turn_seed(seed, turn), 1, device),

@@ -13,6 +13,7 @@ import torch
 
 from .encoding import TokenIds
 from .layout import Special
+from .phonemes import phoneme_literal
 from .script import Infill, Line, LineByLineScript, Reference, Request, Script, StreamingScript, Take
 from .text import (
     AUDIO_SEPARATOR,
@@ -40,6 +41,22 @@ def _is_special(item: object, token: str) -> bool:
     return isinstance(item, Special) and item.token == token
 
 
+def _decode_text(token_ids: list[int], tokenizer, ids: TokenIds) -> str:
+    """A run of text ids as text; runs of phoneme ids (a phoneme front end) as `phoneme_literal`s,
+    which that front end reads back to the same ids."""
+    symbols = {value: symbol for symbol, value in ids.phonemes.items()}
+    out, start = [], 0
+    while start < len(token_ids):
+        phonemes = token_ids[start] in symbols
+        end = start + 1
+        while end < len(token_ids) and (token_ids[end] in symbols) == phonemes:
+            end += 1
+        run = token_ids[start:end]
+        out.append(phoneme_literal("".join(symbols[i] for i in run)) if phonemes else tokenizer.decode(run))
+        start = end
+    return "".join(out)
+
+
 def rows_to_messages(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokenizer, ids: TokenIds) -> list[Message]:
     """Split rows into messages. Runs of text ids decode to strings, runs of audio rows to codes
     `[num_codebooks, frames]`, other special ids to `Special`."""
@@ -58,7 +75,7 @@ def rows_to_messages(input_ids: torch.Tensor, audio_codes: torch.Tensor, tokeniz
         else:
             while end < total and int(input_ids[end]) not in names and not bool(ids.is_semantic(input_ids[end])):
                 end += 1
-            items.append(tokenizer.decode(input_ids[index:end].tolist()))
+            items.append(_decode_text(input_ids[index:end].tolist(), tokenizer, ids))
         index = end
     messages: list[Message] = []
     for item in items:

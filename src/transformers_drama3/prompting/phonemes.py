@@ -16,6 +16,10 @@ voice of the text inside it. The backend is libespeak-ng from the `espeakng-load
 ships the library and its data, so `pip install` is enough), called through ctypes: 0.2 ms a
 sentence, deterministic. `version` is the library's; another version may spell a few words
 differently, which `PhonemeFrontEnd` warns about.
+
+Phonemes can be written by hand in braces, "Say {təmˈɑːtoʊ}.", and are then read as written
+(pronunciation control). `Drama3Processor.parse` spells phoneme rows back the same way, so a
+parsed request writes the same rows again (the original words cannot be recovered from phonemes).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ WORD_BOUNDARY = " "
 PUNCTUATION = ".,;:!?¡¿…"
 INSTALL_HINT = "pip install espeakng-loader (the phonemiser of models with a phoneme text front end)"
 
+# Phonemes written by hand, read as written: "{həlˈoʊ}" (how `parse` spells phoneme rows back).
+_LITERAL = re.compile(r"\{([^{}]*)\}")
 # Kept as written: scoped tags <whisper>, </whisper>; point tags [pause]; style prefixes (fast).
 _KEPT = re.compile(r"(</?[A-Za-z][A-Za-z0-9_-]*>|\[[^\[\]]*\]|\([^()]*\))")
 _SCOPED = re.compile(r"<(/?)([A-Za-z][A-Za-z0-9_-]*)>")
@@ -69,6 +75,16 @@ def phoneme_symbol(token: str) -> str | None:
     """The symbol of a phoneme token, None for any other token."""
     match = _PHONEME_TOKEN.fullmatch(token)
     return None if match is None else match.group(1)
+
+
+def phoneme_literal(phonemes: str) -> str:
+    """Phonemes as text the front end reads back unchanged: "{həlˈoʊ}", word boundaries at the
+    ends written outside the braces (" həlˈoʊ " -> " {həlˈoʊ} "; a lone boundary stays " ")."""
+    core = phonemes.strip(WORD_BOUNDARY)
+    if not core:
+        return phonemes
+    start = phonemes.index(core)
+    return f"{phonemes[:start]}{{{core}}}{phonemes[start + len(core):]}"
 
 
 @dataclass(frozen=True)
@@ -194,23 +210,32 @@ class PhonemeFrontEnd:
         """`text` as runs of phonemes and kept tags; white space between runs is a word boundary.
 
         "(fast) Hello, world [pause] <whisper>bye</whisper>" ->
-        "(fast)" | " həlˈoʊ, wˈɜːld " | "[pause]" | " " | "<whisper>" | "bˈaɪ" | "</whisper>"."""
+        "(fast)" | " həlˈoʊ, wˈɜːld " | "[pause]" | " " | "<whisper>" | "bˈaɪ" | "</whisper>".
+
+        Phonemes in braces are taken as written, not phonemised: "Say {təmˈɑːtoʊ}." says the
+        word as spelled there (the notation `phoneme_literal` writes and `Drama3Processor.parse`
+        gives back for phoneme rows)."""
         pieces: list[Piece] = []
         open_tags: list[str] = []
-        for index, chunk in enumerate(_KEPT.split(text)):
-            if index % 2:
-                scoped = _SCOPED.fullmatch(chunk)
-                if scoped is not None:
-                    if scoped.group(1):
-                        if open_tags and open_tags[-1] == scoped.group(2):
-                            open_tags.pop()
-                    else:
-                        open_tags.append(scoped.group(2))
-                pieces.append(Piece(chunk, phonemes=False))
+        for number, outer in enumerate(_LITERAL.split(text)):
+            if number % 2:
+                if outer:
+                    pieces.append(Piece(outer, phonemes=True))
                 continue
-            symbols = self.phonemize_chunk(chunk, self.voice_for(open_tags))
-            if symbols:
-                pieces.append(Piece(symbols, phonemes=True))
+            for index, chunk in enumerate(_KEPT.split(outer)):
+                if index % 2:
+                    scoped = _SCOPED.fullmatch(chunk)
+                    if scoped is not None:
+                        if scoped.group(1):
+                            if open_tags and open_tags[-1] == scoped.group(2):
+                                open_tags.pop()
+                        else:
+                            open_tags.append(scoped.group(2))
+                    pieces.append(Piece(chunk, phonemes=False))
+                    continue
+                symbols = self.phonemize_chunk(chunk, self.voice_for(open_tags))
+                if symbols:
+                    pieces.append(Piece(symbols, phonemes=True))
         return _merged(pieces)
 
     def voice_for(self, open_tags: list[str]) -> str:

@@ -24,6 +24,7 @@ from ..generation_drama3 import (  # noqa: F401  (re-exported for the engine)
     prompt_window,
     resolve_settings,
     target_text_tokens,
+    text_tokens_per_second,
 )
 
 from ..generation_drama3 import Drama3Cache  # noqa: F401  (re-exported for the engine)

@@ -43,6 +43,7 @@ from .decoding import (
     prompt_window,
     slot_tower_step,
     target_text_tokens,
+    text_tokens_per_second,
 )
 from ..threads import check_threads, resolve_threads
 from .slot_pool import SlotPool
@@ -328,7 +329,7 @@ class Drama3Engine:
         ids = job.input_ids
         mask = torch.ones_like(ids)
         tokens = target_text_tokens(ids.cpu(), mask.cpu(), config.eos_token_id, model.is_semantic)
-        seconds = expected_seconds_of_tokens(tokens)
+        seconds = expected_seconds_of_tokens(tokens, text_tokens_per_second(model))
         device = ids.device
         sampler = Drama3Sampler(
             job.settings, model.speech_token_ids(device), prompt_window(ids, mask),

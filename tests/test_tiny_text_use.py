@@ -1,0 +1,72 @@
+"""The text-use probe of drama3-tiny checkpoints (`recipes.drama3_tiny.text_use`)."""
+
+import json
+
+import pytest
+import torch
+
+from recipes.drama3_tiny.text_use import mismatched_partners, round_robin, run_checkpoints
+
+
+def test_each_item_gets_another_text_of_its_own_speaker_next_in_length():
+    frames = [10, 50, 20, 30, 40, 60]
+    speakers = ["A", "A", "A", "B", "B", "C"]
+    partners = mismatched_partners(frames, speakers)
+    assert partners == [2, 0, 1, 4, 3, 5]  # A by length: 0 (10) -> 2 (20) -> 1 (50) -> back to 0
+    assert all(speakers[p] == speakers[i] for i, p in enumerate(partners))
+    assert all(p != i for i, p in enumerate(partners) if speakers.count(speakers[i]) > 1)
+
+
+def test_a_sample_takes_every_speaker_in_turn():
+    speakers = ["A"] * 5 + ["B"] * 5 + ["C"] * 2
+    assert round_robin(speakers, 6) == [0, 1, 5, 6, 10, 11]
+    assert round_robin(speakers, 100) == list(range(12))
+
+
+def test_run_checkpoints_lists_complete_ones_by_step(tmp_path):
+    for step, complete in ((100, True), (150, True), (200, False), (1000, True)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert [step for step, _ in run_checkpoints(tmp_path)] == [100, 150, 1000]
+    assert [step for step, _ in run_checkpoints(tmp_path, every=100)] == [100, 1000]
+
+
+@pytest.mark.slow
+def test_the_probe_scores_own_and_mismatched_texts_on_the_same_audio(tmp_path):
+    from recipes.drama3_tiny.corpus import VOICES_BY_NAME, build_corpus, espeak_available
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from recipes.drama3_tiny.mel_codec_fit import fit_codec
+    from recipes.drama3_tiny.text_use import held_out_dataset, text_use
+    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.processing_drama3 import Drama3Processor
+    from transformers_drama3.training import CloningCollator
+    from transformers_drama3.training.collators import ReferencePool
+
+    if not espeak_available():
+        pytest.skip("espeak-ng binary not on PATH")
+    build_corpus(tmp_path / "corpus", seed=5, utterances_per_voice=2, heldout_sentences=4,
+                 voices=[VOICES_BY_NAME["A"], VOICES_BY_NAME["B"]], progress=False)
+    codec = fit_codec(tmp_path / "corpus", num_codebooks=2, codebook_size=16, iterations=2, progress=False)
+    dataset = held_out_dataset(tmp_path / "corpus", codec, tmp_path / "codes")
+    assert sorted(set(dataset["speaker"])) == ["A", "B"] and len(dataset) == 8
+    tokenizer = build_tiny_tokenizer(dataset["text"], 16)
+    torch.manual_seed(0)
+    model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16, hidden_size=64)).eval()
+    processor = Drama3Processor(tokenizer, codebook_size=16, num_codebooks=2)
+
+    result = text_use(model, processor, dataset, batch_size=len(dataset))
+    assert result["utterances"] == 8
+    assert result["gap"] == pytest.approx(result["semantic_other"] - result["semantic_true"])
+    # the own-text loss is the model's loss on the cloning rows of the true texts (one batch)
+    collator = CloningCollator(processor, ReferencePool(dataset, 70), max_references=1, seed=0)
+    items = [dataset[i] for i in round_robin(dataset["speaker"], 8)]
+    with torch.no_grad():
+        own = model(**collator(items))
+    assert result["semantic_true"] == pytest.approx(own.semantic_loss.item(), rel=1e-5)
+    # another utterance's text changes the rows and so the loss; the audio stays the same
+    assert result["semantic_other"] != pytest.approx(result["semantic_true"], rel=1e-6)
+    assert result["codebook_true"] == pytest.approx(own.codebook_loss.item(), rel=1e-5)
+    json.dumps(result)  # a jsonl line
