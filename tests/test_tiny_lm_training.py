@@ -46,7 +46,8 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     out = tmp_path / "run"
     run_training(corpus, codec_dir, out, "--max-steps", "2")
     first = [json.loads(line) for line in open(out / "losses.jsonl")]
-    run_training(corpus, codec_dir, out, "--max-steps", "4", "--resume")
+    run_training(corpus, codec_dir, out, "--max-steps", "4", "--resume",
+                 "--semantic-loss-weight", "1.0", "--codebook-loss-weight", "0.25")
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4  # continued from checkpoint-2, not from scratch
     report = json.loads((out / "preparation.json").read_text())
@@ -60,6 +61,7 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     assert isinstance(processor.codec, Drama3MelCodecModel) and processor.num_codebooks == 2
     assert model.config.num_codebooks == 2 and model.config.audio_decoder_config.vocab_size == 16
     assert model.config.sampling_rate == 22050 and model.config.frame_rate == pytest.approx(22050 / 1024)
+    assert (model.config.semantic_loss_weight, model.config.codebook_loss_weight) == (1.0, 0.25)
     assert model.generation_config.scene_mode == "turns"  # trained on single-speaker rows: scenes turn by turn
     assert model.generation_config.temperature == TINY_TEMPERATURE
     # the corpus's speaking rate in this tokenizer's tokens, where frame budgets read it

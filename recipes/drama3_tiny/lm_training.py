@@ -120,6 +120,10 @@ def parse_args(argv=None):
     parser.add_argument("--max-reference-frames", type=int, default=None,
                         help="cloning references are whole utterances of at most this many frames (each tower "
                         "layer runs over every row, so reference length is step time)")
+    parser.add_argument("--semantic-loss-weight", type=float, default=0.5,
+                        help="weight of the semantic-token loss (the paper's 0.5); it is what aligns text and speech")
+    parser.add_argument("--codebook-loss-weight", type=float, default=0.5,
+                        help="weight of the tower's codebook loss (the paper's 0.5)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -215,6 +219,8 @@ def main(argv=None) -> None:
         backbone_layers=args.backbone_layers, hidden_size=args.hidden_size,
         tower_intermediate_size=args.tower_intermediate_size,
     )
+    config.semantic_loss_weight = args.semantic_loss_weight
+    config.codebook_loss_weight = args.codebook_loss_weight
     checkpoint = last_complete_checkpoint(out) if args.resume else None
     resume = checkpoint is not None
     torch.manual_seed(args.seed)
