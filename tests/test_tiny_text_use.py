@@ -69,4 +69,25 @@ def test_the_probe_scores_own_and_mismatched_texts_on_the_same_audio(tmp_path):
     # another utterance's text changes the rows and so the loss; the audio stays the same
     assert result["semantic_other"] != pytest.approx(result["semantic_true"], rel=1e-6)
     assert result["codebook_true"] == pytest.approx(own.codebook_loss.item(), rel=1e-5)
+    # attention weights need the eager implementation, and the refusal says so
+    from recipes.drama3_tiny.text_use import diagonality
+
+    model.set_attn_implementation("sdpa")  # returns no attention weights
+    with pytest.raises(ValueError, match="eager"):
+        diagonality(model, processor, dataset, limit=2)
+    model.set_attn_implementation("eager")
+    score = diagonality(model, processor, dataset, limit=4)
+    assert -1.0 <= score <= 1.0
     json.dumps(result)  # a jsonl line
+
+
+def test_a_diagonal_attention_map_scores_one_and_a_still_one_zero():
+    from recipes.drama3_tiny.text_use import monotonic_correlation
+
+    assert monotonic_correlation(torch.eye(6)) == pytest.approx(1.0)
+    assert monotonic_correlation(torch.eye(6).flip(0)) == pytest.approx(-1.0)
+    still = torch.zeros(5, 4)
+    still[:, 2] = 1.0
+    assert monotonic_correlation(still) == 0.0
+    two_frames_a_symbol = torch.eye(4).repeat_interleave(2, dim=0)  # [8 frames, 4 symbols]
+    assert monotonic_correlation(two_frames_a_symbol) > 0.95

@@ -15,6 +15,10 @@ tells the model about the audio it must predict:
 - growing: the model attends to the text; WER follows once the gap is a sizeable part of the
   semantic loss.
 
+With it, `diagonality`: how diagonal the most diagonal backbone attention head is, from the
+target's frames to the text they speak (1.0: every frame reads further into the text than the
+one before, the picture of an aligned TTS model).
+
 It costs a forward pass per batch (a few seconds a checkpoint on one thread), where a Whisper
 evaluation of generated speech takes minutes, so it can follow a run checkpoint by checkpoint.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -105,6 +110,41 @@ def text_use(model, processor, dataset, batch_size: int = 8, limit: int | None =
     }
 
 
+def monotonic_correlation(weights: torch.Tensor) -> float:
+    """How diagonal one head's attention from speech frames to text is: the Pearson correlation
+    between a frame's index and the text position it attends to most. weights: [frames, text].
+    1.0 = each frame reads further into the text than the one before; 0 when the argmax never moves."""
+    positions = weights.argmax(dim=-1).double()
+    frames = torch.arange(positions.shape[0], dtype=torch.float64)
+    if positions.shape[0] < 2 or positions.std() == 0:
+        return 0.0
+    return float(torch.corrcoef(torch.stack([frames, positions]))[0, 1])
+
+
+def diagonality(model, processor, dataset, limit: int = 12, seed: int = 0) -> float:
+    """The mean over `limit` held-out utterances of the most diagonal backbone attention head
+    (`monotonic_correlation` of the target's frames over the text of the turn they speak). An
+    aligned model has a head near 1; needs a model loaded with `attn_implementation="eager"`."""
+    from transformers_drama3.training import CloningCollator
+    from transformers_drama3.training.collators import ReferencePool
+
+    collator = CloningCollator(processor, ReferencePool(dataset, REFERENCE_FRAMES), max_references=1, seed=seed)
+    scores = []
+    for index in round_robin(dataset["speaker"], limit):
+        rows, _ = collator.example_rows(dataset[index])
+        start, stop = rows.speak_span
+        frames = (processor.token_ids.is_semantic(rows.input_ids) & rows.supervised).nonzero().flatten()
+        ids, codes = rows.input_ids[None], rows.audio_codes[None]
+        with torch.no_grad():
+            outputs = model.backbone(inputs_embeds=model.embed_rows(ids, codes), attention_mask=torch.ones_like(ids),
+                                     use_cache=False, output_attentions=True)
+        layers = [weights for weights in outputs.attentions or () if weights is not None]
+        if not layers:
+            raise ValueError("diagonality: the backbone returned no attention weights; load the model with attn_implementation='eager'")
+        scores.append(max(monotonic_correlation(head[frames][:, start:stop]) for weights in layers for head in weights[0]))
+    return sum(scores) / len(scores)
+
+
 def run_checkpoints(run: Path, every: int = 1) -> list[tuple[int, Path]]:
     """The complete checkpoints of a training run whose step is a multiple of `every`, oldest first."""
     found = []
@@ -128,7 +168,7 @@ def plot(rows: Sequence[dict], image_path: Path) -> bool:
     if not rows:
         return False
     steps = [row["step"] for row in rows]
-    figure, (losses, gaps) = plt.subplots(1, 2, figsize=(9, 3.4))
+    figure, (losses, gaps, diagonal) = plt.subplots(1, 3, figsize=(13, 3.4))
     losses.plot(steps, [row["semantic_true"] for row in rows], marker="o", label="own text")
     losses.plot(steps, [row["semantic_other"] for row in rows], marker="o", label="another utterance's text")
     losses.set_xlabel("training step")
@@ -138,6 +178,11 @@ def plot(rows: Sequence[dict], image_path: Path) -> bool:
     gaps.axhline(0.0, color="grey", linewidth=0.8)
     gaps.set_xlabel("training step")
     gaps.set_ylabel("text-use gap (nats/frame)")
+    marked = [row for row in rows if "diagonality" in row]
+    diagonal.plot([row["step"] for row in marked], [row["diagonality"] for row in marked], marker="o", color="C3")
+    diagonal.set_ylim(-0.1, 1.0)
+    diagonal.set_xlabel("training step")
+    diagonal.set_ylabel("most diagonal head (correlation)")
     figure.suptitle("drama3-tiny: does the model read its text?")
     figure.tight_layout()
     figure.savefig(image_path, dpi=110)
@@ -155,6 +200,8 @@ def main(argv=None) -> None:
     parser.add_argument("--utterances", type=int, default=48, help="held-out utterances scored")
     parser.add_argument("--json", type=Path, help="append one JSON line per model (run: checkpoints already in it are skipped)")
     parser.add_argument("--plot", type=Path, help="run: plot every line of --json")
+    parser.add_argument("--cache", type=Path, help="where the held-out audio's codes are cached (default: RUN/text_use_codes, "
+                        "or a temporary folder for --model)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -167,21 +214,23 @@ def main(argv=None) -> None:
 
     if args.model is not None:
         processor = Drama3Processor.from_pretrained(args.model)
-        codec, cache, models = processor.codec, args.model / "text_use_codes", [(None, args.model)]
+        codec, models = processor.codec, [(None, args.model)]
+        cache = args.cache or Path(tempfile.mkdtemp(prefix="text_use_codes-"))  # never inside the model folder
     else:
         codec = load_codec(args.run / "model" / "codec") if (args.run / "model" / "codec").exists() else None
         if codec is None:
             raise SystemExit(f"--run {args.run}: no model/codec folder to encode the held-out audio with")
         processor = Drama3Processor(AutoTokenizer.from_pretrained(args.run / "tokenizer"),
                                     codebook_size=codec.config.codebook_size, num_codebooks=codec.num_codebooks)
-        cache, models = args.run / "text_use_codes", run_checkpoints(args.run, args.every)
+        cache, models = args.cache or args.run / "text_use_codes", run_checkpoints(args.run, args.every)
     done = set()
     if args.json is not None and args.json.exists():
         done = {json.loads(line).get("step") for line in args.json.read_text().splitlines() if line.strip()}
     dataset = held_out_dataset(args.corpus, codec, cache)
     for step, folder in tqdm([(s, f) for s, f in models if s is None or s not in done], desc="text use"):
-        model = Drama3ForSpeechGeneration.from_pretrained(folder)
-        row = {"step": step, "model": str(folder), **text_use(model, processor, dataset, limit=args.utterances)}
+        model = Drama3ForSpeechGeneration.from_pretrained(folder, attn_implementation="eager")
+        row = {"step": step, "model": str(folder), **text_use(model, processor, dataset, limit=args.utterances),
+               "diagonality": diagonality(model, processor, dataset)}
         print(json.dumps(row))
         if args.json is not None:
             with open(args.json, "a", encoding="utf-8") as handle:
