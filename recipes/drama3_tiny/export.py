@@ -58,7 +58,7 @@ def record_speaking_rate(run_model: Path, corpus: Path, building: Path) -> float
     from transformers import GenerationConfig
 
     from transformers_drama3.processing_drama3 import Drama3Processor
-    from .lm_training import corpus_records, corpus_speaking_rate
+    from .lm_training import corpus_speaking_rate
 
     records = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"]
     rate = corpus_speaking_rate(

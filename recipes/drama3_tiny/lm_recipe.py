@@ -7,6 +7,7 @@ token ids come from the tokenizer (`build_tiny_tokenizer`) and the codebooks fro
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 
 from transformers_drama3.configuration_drama3 import FIXED_TEXT_SETTINGS, Drama3Config
@@ -177,10 +178,7 @@ def speaking_rate(processor, texts: Iterable[str], seconds: Iterable[float]) -> 
             rates.append((stop - start) / duration)
     if not rates:
         raise ValueError("speaking_rate: no utterance with a positive duration to measure the rate on")
-    rates.sort()
-    middle = len(rates) // 2
-    median = rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2
-    return round(median, 1)
+    return round(statistics.median(rates), 1)
 
 
 __all__ = ["TINY_CORPUS_PLAN", "speaking_rate", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]
