@@ -267,6 +267,23 @@ def test_loss_terms_equal_hand_computed_cross_entropies():
     assert text_rows == [5]
 
 
+def test_a_codebook_loss_weighted_zero_leaves_the_tower_out():
+    model = tiny_model().train()
+    input_ids, audio_codes, labels = supervised_example()
+    full = model(input_ids, audio_codes, labels=labels, output_router_logits=False)
+    model.config.codebook_loss_weight = 0.0
+    backbone_only = model(input_ids, audio_codes, labels=labels, output_router_logits=False)
+    assert backbone_only.codebook_logits is None and backbone_only.codebook_loss is None
+    torch.testing.assert_close(backbone_only.semantic_loss, full.semantic_loss)
+    torch.testing.assert_close(backbone_only.loss, full.text_loss + 0.5 * full.semantic_loss)
+    backbone_only.loss.backward()
+    # the codebook table also embeds the backbone's input rows; every other tower weight is idle
+    assert all(p.grad is None for name, p in model.audio_decoder.named_parameters() if name != "codebook_embeddings.weight")
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    # without labels (inference) the tower still runs
+    assert model(input_ids, audio_codes).codebook_logits is not None
+
+
 def test_router_load_balancing_loss_is_added_with_its_coefficient():
     model = tiny_model()
     input_ids, audio_codes, labels = supervised_example()

@@ -58,7 +58,8 @@ class Drama3Output(ModelOutput):
         logits: `[batch, rows, vocab]`, or `[batch, rows, codebook_size + 1]` when restricted to the
             semantic band (indices 0..4095 = `<|semantic:0..4095|>`) followed by eos (last index).
         codebook_logits: `[batch, rows, num_codebooks - 1, codebook_size]`; row t predicts codes
-            1..9 of row t+1 (teacher forcing).
+            1..9 of row t+1 (teacher forcing). None (and no `codebook_loss`) for a forward with
+            labels when `config.codebook_loss_weight` is 0: the tower is not run.
         hidden_states: `[batch, rows, hidden]` backbone output after its final norm.
     """
 
@@ -761,7 +762,10 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         if document_ids is not None:
             next_is_real = next_is_real & ~F.pad(document_starts(document_ids)[:, 1:], (0, 1), value=True)
         next_is_audio = self.is_semantic(next_ids) & next_is_real
-        codebook_logits = self.run_tower(
+        # A training forward whose codebook loss weighs nothing leaves the tower out (a
+        # backbone-only stage: the tower is most of a small model's step).
+        skip_tower = labels is not None and self.config.codebook_loss_weight == 0
+        codebook_logits = None if skip_tower else self.run_tower(
             hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids, tower_mask,
         )
         logits = self.speech_logits(hidden) if restrict_logits else self.lm_head(hidden)
@@ -817,17 +821,15 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         logits = output.logits.float()
         output.text_loss = _masked_cross_entropy(logits, targets, text, weights)
         output.semantic_loss = _masked_cross_entropy(logits, targets, semantic, weights)
-        acoustic_targets = next_codes[..., 1:]  # [batch, rows, num_codebooks - 1]
-        acoustic_mask = semantic[..., None].expand_as(acoustic_targets)
-        acoustic_weights = None if weights is None else weights[..., None].expand_as(acoustic_targets)
-        output.codebook_loss = _masked_cross_entropy(
-            output.codebook_logits.float(), acoustic_targets, acoustic_mask, acoustic_weights
-        )
-        loss = (
-            output.text_loss
-            + self.config.semantic_loss_weight * output.semantic_loss
-            + self.config.codebook_loss_weight * output.codebook_loss
-        )
+        loss = output.text_loss + self.config.semantic_loss_weight * output.semantic_loss
+        if output.codebook_logits is not None:
+            acoustic_targets = next_codes[..., 1:]  # [batch, rows, num_codebooks - 1]
+            acoustic_mask = semantic[..., None].expand_as(acoustic_targets)
+            acoustic_weights = None if weights is None else weights[..., None].expand_as(acoustic_targets)
+            output.codebook_loss = _masked_cross_entropy(
+                output.codebook_logits.float(), acoustic_targets, acoustic_mask, acoustic_weights
+            )
+            loss = loss + self.config.codebook_loss_weight * output.codebook_loss
         if output.router_logits is not None:
             text_config = self.config.text_config
             output.aux_loss = load_balancing_loss_func(
