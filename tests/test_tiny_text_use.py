@@ -1,6 +1,7 @@
 """The text-use probe of drama3-tiny checkpoints (`recipes.drama3_tiny.text_use`)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -69,6 +70,12 @@ def test_the_probe_scores_own_and_mismatched_texts_on_the_same_audio(tmp_path):
     # another utterance's text changes the rows and so the loss; the audio stays the same
     assert result["semantic_other"] != pytest.approx(result["semantic_true"], rel=1e-6)
     assert result["codebook_true"] == pytest.approx(own.codebook_loss.item(), rel=1e-5)
+    # a backbone-only checkpoint (codebook loss weight 0) is probed without its tower
+    model.config.codebook_loss_weight = 0.0
+    backbone_only = text_use(model, processor, dataset, batch_size=len(dataset))
+    model.config.codebook_loss_weight = 0.5
+    assert math.isnan(backbone_only["codebook_true"])
+    assert backbone_only["semantic_true"] == pytest.approx(result["semantic_true"], rel=1e-5)
     # attention weights need the eager implementation, and the refusal says so
     from recipes.drama3_tiny.text_use import diagonality
 

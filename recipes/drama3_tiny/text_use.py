@@ -97,7 +97,8 @@ def text_use(model, processor, dataset, batch_size: int = 8, limit: int | None =
             with torch.no_grad():
                 output = model(**batch)
             totals[name][0] += output.semantic_loss.item()
-            totals[name][1] += output.codebook_loss.item()
+            # nan for a backbone-only checkpoint (codebook loss weight 0: the tower is not run)
+            totals[name][1] += float("nan") if output.codebook_loss is None else output.codebook_loss.item()
         batches += 1
     mean = {name: [value / batches for value in pair] for name, pair in totals.items()}
     return {
