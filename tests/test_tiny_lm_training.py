@@ -44,12 +44,24 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     from transformers_drama3.codec import Drama3MelCodecModel
 
     out = tmp_path / "run"
-    run_training(corpus, codec_dir, out, "--max-steps", "2")
+    # a backbone-only stage (codebook loss weight 0: no tower), then the full loss on resume
+    run_training(corpus, codec_dir, out, "--max-steps", "2", "--codebook-loss-weight", "0")
     first = [json.loads(line) for line in open(out / "losses.jsonl")]
+    from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+
+    tower_before = Drama3ForSpeechGeneration.from_pretrained(out / "checkpoint-2").state_dict()
     run_training(corpus, codec_dir, out, "--max-steps", "4", "--resume",
                  "--semantic-loss-weight", "1.0", "--codebook-loss-weight", "0.25")
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4  # continued from checkpoint-2, not from scratch
+    tower_after = Drama3ForSpeechGeneration.from_pretrained(out / "checkpoint-4").state_dict()
+    tower_keys = [k for k in tower_before if k.startswith(("audio_decoder_mtp.", "audio_decoder_mtp_shared."))]
+    assert tower_keys and any(not torch.equal(tower_before[k], tower_after[k]) for k in tower_keys)  # trained now
+    # ... and untouched by the backbone-only steps: still the seeded initialisation
+    torch.manual_seed(0)
+    initial = Drama3ForSpeechGeneration(Drama3Config.from_pretrained(out / "checkpoint-2")).state_dict()
+    assert all(torch.equal(initial[k], tower_before[k]) for k in tower_keys)
+    assert not torch.equal(initial["lm_head.weight"], tower_before["lm_head.weight"])
     report = json.loads((out / "preparation.json").read_text())
     assert report["kept"] == 16 and not report["skipped"]  # train split only: 2 voices x 8
     logged = [row for row in first if "loss" in row]
