@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -92,6 +93,11 @@ class TokenIds:
                 f"layouts designed from the paper; see docs/prompt_layouts.md)"
             )
         return self.special[token]
+
+    @cached_property
+    def phoneme_of_id(self) -> dict[int, str]:
+        """id -> phoneme symbol: the inverse of `phonemes`, built once (rows parse back run by run)."""
+        return {index: symbol for symbol, index in self.phonemes.items()}
 
     def phoneme_ids(self, phonemes: str) -> list[int]:
         """One id per phoneme symbol (`phonemes.phoneme_symbols`); a symbol the vocabulary lacks is

@@ -44,7 +44,7 @@ def _is_special(item: object, token: str) -> bool:
 def _decode_text(token_ids: list[int], tokenizer, ids: TokenIds) -> str:
     """A run of text ids as text; runs of phoneme ids (a phoneme front end) as `phoneme_literal`s,
     which that front end reads back to the same ids."""
-    symbols = {value: symbol for symbol, value in ids.phonemes.items()}
+    symbols = ids.phoneme_of_id
     out, start = [], 0
     while start < len(token_ids):
         phonemes = token_ids[start] in symbols
