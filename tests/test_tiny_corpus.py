@@ -270,3 +270,53 @@ def test_the_same_seed_builds_byte_identical_wavs_and_manifest(tmp_path):
     records = read_manifest(tmp_path / "one" / "manifest.jsonl")
     assert [r.voice_spec for r in records[:1]] == ["en-us+m1 -p50 -s170"]
     assert all(r.duration > 0.5 for r in records)
+
+
+# ---- phoneme-labelled speech (libespeak-ng itself) ---------------------------------------------
+
+
+def test_the_library_speaks_the_front_ends_phonemes_repeatably_and_says_where_each_starts():
+    from recipes.drama3_tiny.corpus import aligned_synthesize
+    from transformers_drama3.prompting.phonemes import espeak
+
+    pytest.importorskip("espeakng_loader")
+    front = espeak().phonemes(SENTENCE, "en-us")
+    samples, phonemes = aligned_synthesize(SENTENCE, VOICE_A)
+    assert samples.dtype == np.int16 and len(samples) > SAMPLING_RATE  # a sentence, not a blip
+    spoken = "".join(symbol for symbol, _ in phonemes)
+    assert spoken == "".join(c for c in front if c not in " ,.!?")  # the same symbols in the same order
+    starts = [start for _, start in phonemes]
+    assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] < len(samples)
+    # nothing is loud before the first phoneme starts
+    assert np.abs(samples[: starts[0]]).max(initial=0) < 0.05 * np.abs(samples).max()
+    # the same samples and phonemes on every call, and the front end is left as it was
+    again, phonemes_again = aligned_synthesize(SENTENCE, VOICE_A)
+    assert np.array_equal(again, samples) and phonemes_again == phonemes
+    assert espeak().phonemes(SENTENCE, "en-us") == front
+
+
+def test_library_speech_keeps_pauses_and_offsets_each_segments_phonemes():
+    from recipes.drama3_tiny.corpus import aligned_synthesize, espeak_calls
+
+    pytest.importorskip("espeakng_loader")
+    text = "Hello there. <whisper>Quietly now.</whisper>"
+    calls = espeak_calls(text, VOICE_A)
+    assert len(calls) == 2 and calls[1][1] == f"{VOICE_A.language}+{VOICE_A.whisper_variant}"
+    samples, phonemes = aligned_synthesize(text, VOICE_A)
+    first, first_phonemes = aligned_synthesize("Hello there.", VOICE_A)
+    assert np.array_equal(samples[: len(first)], first)
+    assert phonemes[: len(first_phonemes)] == first_phonemes
+    assert len(phonemes) > len(first_phonemes)
+    assert all(start >= len(first) for _, start in phonemes[len(first_phonemes):])
+    # a segment of pauses alone is silence of the pause length, without phonemes
+    silent, none = aligned_synthesize("[pause] [pause]", VOICE_A)
+    assert len(silent) == 2 * SAMPLING_RATE * PAUSE_MS // 1000 and not silent.any() and none == []
+
+
+def test_an_unknown_library_voice_is_refused_by_name():
+    from transformers_drama3.prompting.phonemes import espeak, speak_in_fresh_process
+
+    pytest.importorskip("espeakng_loader")
+    with pytest.raises(ValueError, match="no voice 'xx-nowhere'"):
+        speak_in_fresh_process("<speak>Hi.</speak>", "xx-nowhere", 50, 170)
+    assert espeak().phonemes("Hello", "en-us") == "həlˈoʊ"

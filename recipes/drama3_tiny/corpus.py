@@ -160,8 +160,9 @@ def plain_transcript(directed_text: str) -> str:
 
 # espeak-ng itself is called by the package (`transformers_drama3.evaluation.espeak`): `drama3
 # eval` renders its originals with the same call, so a corpus and an evaluation hear the same voice.
-def synthesize(directed_text: str, voice: Voice) -> np.ndarray:
-    """Speak directed text in `voice` with espeak-ng; int16 samples [time] at 22.05 kHz."""
+def espeak_calls(directed_text: str, voice: Voice) -> list[tuple[str, str, int, int] | int]:
+    """How `synthesize` speaks directed text: per segment, one espeak-ng call (SSML, voice name,
+    pitch, speed) or, for a segment of pauses alone, its number of silent samples."""
     directed = parse_directed(directed_text)
     speed, pitch = float(voice.speed), voice.pitch
     for style in directed.styles:
@@ -169,18 +170,41 @@ def synthesize(directed_text: str, voice: Voice) -> np.ndarray:
         speed, pitch = speed * factor, pitch + offset
     speed, pitch = int(round(speed)), min(99, max(0, pitch))
     pause = f'<break time="{PAUSE_MS}ms"/>'
-    parts = []
+    calls = []
     for segment in directed.segments:
         words = [p for p in segment.pieces if p is not PAUSE]
         if not words:  # pauses alone: espeak is not needed for silence
-            count = len(segment.pieces)
-            parts.append(np.zeros(count * SAMPLING_RATE * PAUSE_MS // 1000, dtype=np.int16))
+            calls.append(len(segment.pieces) * SAMPLING_RATE * PAUSE_MS // 1000)
             continue
         ssml = " ".join(pause if p is PAUSE else escape(p) for p in segment.pieces)
         variant = voice.whisper_variant if segment.whisper else voice.variant
-        name = f"{segment.language or voice.language}+{variant}"
-        parts.append(espeak_pcm(f"<speak>{ssml}</speak>", name, pitch, speed))
+        calls.append((f"<speak>{ssml}</speak>", f"{segment.language or voice.language}+{variant}", pitch, speed))
+    return calls
+
+
+def synthesize(directed_text: str, voice: Voice) -> np.ndarray:
+    """Speak directed text in `voice` with espeak-ng; int16 samples [time] at 22.05 kHz."""
+    parts = [np.zeros(call, dtype=np.int16) if isinstance(call, int) else espeak_pcm(*call)
+             for call in espeak_calls(directed_text, voice)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)
+
+
+def aligned_synthesize(directed_text: str, voice: Voice) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """`synthesize` by libespeak-ng itself (the wheel the phoneme front end loads), keeping where
+    each phoneme starts: int16 samples [time] and [(IPA phoneme with its stress mark, first sample)].
+    The phonemes are the front end's own symbols in its order, so speech made this way labels each
+    frame with what it says. Each segment is spoken in a forked child, as the espeak-ng program is
+    run once a segment: the same samples every call. The wheel (1.52) is not Debian's program
+    (1.51): they speak a few ms apart, so a labelled corpus is spoken by this, not relabelled."""
+    from transformers_drama3.prompting.phonemes import speak_in_fresh_process
+
+    parts, phonemes, offset = [], [], 0
+    for call in espeak_calls(directed_text, voice):
+        samples, starts = (np.zeros(call, dtype=np.int16), []) if isinstance(call, int) else speak_in_fresh_process(*call)
+        phonemes += [(symbol, offset + start) for symbol, start in starts]
+        parts.append(samples)
+        offset += len(samples)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)), phonemes
 
 
 def write_wav(path: Path, samples: np.ndarray) -> None:

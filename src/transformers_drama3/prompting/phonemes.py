@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 FRONTEND_TYPE = "phonemes"
 BACKEND = "espeak-ng"
 WORD_BOUNDARY = " "
@@ -103,8 +105,14 @@ class _Espeak:
 
     _AUDIO_OUTPUT_SYNCHRONOUS = 2
     _INITIALIZE_DONT_EXIT = 0x8000
+    _INITIALIZE_PHONEME_EVENTS = 0x0001  # speech reports each phoneme and where it starts...
+    _INITIALIZE_PHONEME_IPA = 0x0002  # ... named in IPA (what `phonemes` returns is unchanged)
     _CHARS_UTF8 = 1
+    _SSML = 0x10
+    _END_PAUSE = 0x1000  # the pause the espeak-ng program adds at the end
     _PHONEMES_IPA = 0x02
+    _EVENT_LIST_TERMINATED, _EVENT_PHONEME = 0, 7
+    _RATE, _PITCH = 1, 3
 
     def __init__(self):
         try:
@@ -118,8 +126,14 @@ class _Espeak:
         library.espeak_TextToPhonemes.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
         library.espeak_Info.restype = ctypes.c_char_p
         library.espeak_Info.argtypes = [ctypes.c_void_p]
+        library.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        library.espeak_GetParameter.argtypes = [ctypes.c_int, ctypes.c_int]
+        library.espeak_SetSynthCallback.argtypes = [_SYNTH_CALLBACK]
+        library.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
+                                         ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
         data = espeakng_loader.get_data_path().encode()
-        if library.espeak_Initialize(self._AUDIO_OUTPUT_SYNCHRONOUS, 0, data, self._INITIALIZE_DONT_EXIT) <= 0:
+        options = self._INITIALIZE_DONT_EXIT | self._INITIALIZE_PHONEME_EVENTS | self._INITIALIZE_PHONEME_IPA
+        if library.espeak_Initialize(self._AUDIO_OUTPUT_SYNCHRONOUS, 0, data, options) <= 0:
             raise RuntimeError(f"libespeak-ng failed to initialise with its data at {data.decode()}")
         self.library = library
         self.version = library.espeak_Info(None).decode()
@@ -139,6 +153,79 @@ class _Espeak:
             while pointer.value:
                 clauses.append(self.library.espeak_TextToPhonemes(ctypes.byref(pointer), self._CHARS_UTF8, self._PHONEMES_IPA).decode())
         return " ".join(" ".join(_LANGUAGE_SWITCH.sub("", clause).split()) for clause in clauses).strip()
+
+    def speak(self, ssml: str, voice: str, pitch: int, speed: int) -> tuple[np.ndarray, list[tuple[str, int]]]:
+        """`ssml` (`<speak>...</speak>` or plain text) spoken in `voice` at `pitch` (0-99) and
+        `speed` (words a minute): int16 samples [time] at the library's rate, and each phoneme
+        (IPA with its stress mark, the front end's symbols) with the sample it starts at.
+
+        Only the first speech of a process is repeatable: the library carries state from one
+        utterance into the next (`speak_in_fresh_process` speaks each in a forked child)."""
+        chunks, phonemes = [], []
+
+        @_SYNTH_CALLBACK
+        def collect(samples, count, events):
+            if count > 0:
+                chunks.append(np.ctypeslib.as_array(samples, shape=(count,)).copy())
+            index = 0
+            while events[index].type != self._EVENT_LIST_TERMINATED:
+                event = events[index]
+                if event.type == self._EVENT_PHONEME and event.id.string:
+                    phonemes.append((event.id.string.decode("utf-8", "replace"), int(event.sample)))
+                index += 1
+            return 0
+
+        encoded = ssml.encode()
+        with self.lock:
+            if self.library.espeak_SetVoiceByName(voice.encode()) != 0:
+                self.voice = None
+                raise ValueError(f"espeak-ng has no voice {voice!r}")
+            self.voice = voice
+            before = {name: self.library.espeak_GetParameter(name, 1) for name in (self._PITCH, self._RATE)}
+            self.library.espeak_SetParameter(self._PITCH, int(pitch), 0)
+            self.library.espeak_SetParameter(self._RATE, int(speed), 0)
+            self.library.espeak_SetSynthCallback(collect)
+            try:
+                flags = self._CHARS_UTF8 | self._SSML | self._END_PAUSE
+                status = self.library.espeak_Synth(encoded, len(encoded) + 1, 0, 1, 0, flags, None, None)
+            finally:  # the phoneme front end finds the library as it was
+                self.library.espeak_SetSynthCallback(_NO_CALLBACK)
+                for name, value in before.items():
+                    self.library.espeak_SetParameter(name, value, 0)
+        if status != 0:
+            raise RuntimeError(f"libespeak-ng could not speak {ssml[:60]!r} (status {status})")
+        return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)), phonemes
+
+
+class _EventId(ctypes.Union):
+    _fields_ = [("number", ctypes.c_int), ("name", ctypes.c_char_p), ("string", ctypes.c_char * 8)]
+
+
+class _Event(ctypes.Structure):
+    """libespeak-ng's espeak_EVENT."""
+
+    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
+                ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
+                ("user_data", ctypes.c_void_p), ("id", _EventId)]
+
+
+_SYNTH_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
+_NO_CALLBACK = ctypes.cast(None, _SYNTH_CALLBACK)
+
+
+def _speak_fresh(call: tuple[str, str, int, int]):
+    return espeak().speak(*call)
+
+
+def speak_in_fresh_process(ssml: str, voice: str, pitch: int, speed: int) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """`_Espeak.speak` in a child forked for this one utterance: the same samples every call (the
+    library's first speech in a process), where speaking in this process depends on what it spoke
+    before. POSIX only (fork). The parent must not have spoken itself (`_Espeak.speak`): a child
+    starts from the library's state at the fork."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply(_speak_fresh, ((ssml, voice, pitch, speed),))
 
 
 @lru_cache(maxsize=1)
