@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from transformers_drama3.evaluation import asr
 
+from .corpus import plain_transcript
 from .text_use import REFERENCE_FRAMES, held_out_dataset, round_robin
 
 VARIANTS = ("true codes", "backbone codebook 0", "tower codebooks 1+", "both predicted")
@@ -117,7 +118,7 @@ def measure(model, processor, dataset, utterances: int = 12, seed: int = 0,
     chosen = round_robin(dataset["speaker"], utterances)
     for index in tqdm(chosen, desc="bottleneck", unit="utterance", disable=not progress):
         example = dataset[index]
-        text = example["text"]
+        text = plain_transcript(example["text"])  # what Whisper should hear: no styles, tags or pauses
         audio, rate = sf.read(example["source"], dtype="float32", always_2d=False)
         heard["espeak original"].append((transcribe(audio, rate), text))
         padded = F.pad(torch.from_numpy(audio), (0, -len(audio) % codec.hop_length))  # whole frames, as encoded
