@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recipes.drama3_tiny.text_use import mismatched_partners, round_robin, run_checkpoints
+from tiny_recipe_helpers import held_out_setup
 
 
 def test_each_item_gets_another_text_of_its_own_speaker_next_in_length():
@@ -37,26 +38,12 @@ def test_run_checkpoints_lists_complete_ones_by_step(tmp_path):
 
 @pytest.mark.slow
 def test_the_probe_scores_own_and_mismatched_texts_on_the_same_audio(tmp_path):
-    from recipes.drama3_tiny.corpus import VOICES_BY_NAME, build_corpus, espeak_available
-    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
-    from recipes.drama3_tiny.mel_codec_fit import fit_codec
-    from recipes.drama3_tiny.text_use import held_out_dataset, text_use
-    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
-    from transformers_drama3.processing_drama3 import Drama3Processor
+    from recipes.drama3_tiny.text_use import text_use
     from transformers_drama3.training import CloningCollator
     from transformers_drama3.training.collators import ReferencePool
 
-    if not espeak_available():
-        pytest.skip("espeak-ng binary not on PATH")
-    build_corpus(tmp_path / "corpus", seed=5, utterances_per_voice=2, heldout_sentences=4,
-                 voices=[VOICES_BY_NAME["A"], VOICES_BY_NAME["B"]], progress=False)
-    codec = fit_codec(tmp_path / "corpus", num_codebooks=2, codebook_size=16, iterations=2, progress=False)
-    dataset = held_out_dataset(tmp_path / "corpus", codec, tmp_path / "codes")
+    dataset, model, processor, _ = held_out_setup(tmp_path, heldout_sentences=4)
     assert sorted(set(dataset["speaker"])) == ["A", "B"] and len(dataset) == 8
-    tokenizer = build_tiny_tokenizer(dataset["text"], 16)
-    torch.manual_seed(0)
-    model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16, hidden_size=64)).eval()
-    processor = Drama3Processor(tokenizer, codebook_size=16, num_codebooks=2)
 
     result = text_use(model, processor, dataset, batch_size=len(dataset))
     assert result["utterances"] == 8
