@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from recipes.drama3_tiny.bottleneck import VARIANTS, coarse_log_mel, level_energy, teacher_forced, variants
+from recipes.drama3_tiny.bottleneck import VARIANTS, level_energy, teacher_forced, variants
+from tiny_recipe_helpers import held_out_setup
 
 
 def tiny_codec(num_codebooks=3, codebook_size=8):
@@ -17,16 +18,16 @@ def tiny_codec(num_codebooks=3, codebook_size=8):
     return codec
 
 
-def test_all_levels_are_the_codecs_own_dequantisation_and_one_level_is_the_first_centroid():
+def test_the_first_levels_alone_dequantise_to_their_own_centroids():
     codec = tiny_codec()
     codes = torch.randint(0, 8, (2, 3, 5))
-    torch.testing.assert_close(coarse_log_mel(codec, codes, 3), codec.dequantize(codes))
+    torch.testing.assert_close(codec.dequantize(codes, levels=3), codec.dequantize(codes))
     first = codec.codebooks[0][codes[:, 0]] * codec.feature_scale + codec.feature_mean  # [2, 5, 4 * 80]
     expected = first.reshape(2, 5 * codec.config.mel_frames_per_frame, codec.config.n_mels).transpose(1, 2)
-    torch.testing.assert_close(coarse_log_mel(codec, codes, 1), expected)
+    torch.testing.assert_close(codec.dequantize(codes, levels=1), expected)
     for levels in (0, 4):
         with pytest.raises(ValueError, match="levels must be 1..3"):
-            coarse_log_mel(codec, codes, levels)
+            codec.dequantize(codes, levels=levels)
 
 
 def test_level_energy_sums_each_codebooks_chosen_centroids():
@@ -102,36 +103,31 @@ def test_rows_without_a_target_frame_are_refused():
 
 @pytest.mark.slow
 def test_the_true_codes_decode_to_the_same_audio_as_all_their_levels(tmp_path):
+    import numpy as np
+
     from recipes.drama3_tiny.bottleneck import measure, tables
-    from recipes.drama3_tiny.corpus import VOICES_BY_NAME, build_corpus, espeak_available
-    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
-    from recipes.drama3_tiny.mel_codec_fit import fit_codec
-    from recipes.drama3_tiny.text_use import held_out_dataset
-    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
-    from transformers_drama3.processing_drama3 import Drama3Processor
 
-    if not espeak_available():
-        pytest.skip("espeak-ng binary not on PATH")
-    build_corpus(tmp_path / "corpus", seed=5, utterances_per_voice=2, heldout_sentences=2,
-                 voices=[VOICES_BY_NAME["A"], VOICES_BY_NAME["B"]], progress=False)
-    codec = fit_codec(tmp_path / "corpus", num_codebooks=2, codebook_size=16, iterations=2, progress=False)
-    dataset = held_out_dataset(tmp_path / "corpus", codec, tmp_path / "codes")
-    tokenizer = build_tiny_tokenizer(dataset["text"], 16)
-    torch.manual_seed(0)
-    model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16, hidden_size=64)).eval()
-    processor = Drama3Processor(tokenizer, codebook_size=16, num_codebooks=2)
+    dataset, model, processor, codec = held_out_setup(tmp_path, heldout_sentences=2)
     processor.codec = codec
+    sounds = []
 
-    def fingerprint(audio, rate):  # a stand-in reader that tells different audio apart
-        audio = torch.as_tensor(audio).float()
-        return f"len{len(audio)} rms{audio.square().mean().sqrt().item():.6f}"
+    def keep(audio, rate):  # a stand-in reader: "hears" the index of the audio it was given
+        sounds.append(np.asarray(audio, dtype=np.float32))
+        return str(len(sounds) - 1)
 
-    result = measure(model, processor, dataset, utterances=3, transcribe=fingerprint, progress=False)
+    result = measure(model, processor, dataset, utterances=3, transcribe=keep, progress=False)
     assert result["utterances"] == 3 and [row["codebook"] for row in result["levels"]] == [0, 1]
     heard = result["heard"]
-    # decoding the true codes is Griffin-Lim over all their levels: the same audio, the same reading
-    assert heard["true codes"] == heard["first 2"]
-    assert heard["first 1"] != heard["first 2"]
+
+    def audio(name):
+        return [sounds[int(index)] for index in heard[name]]
+
+    # decoding the true codes is Griffin-Lim over all their levels: the same audio (two paths)
+    for decoded, summed in zip(audio("true codes"), audio("first 2")):
+        assert decoded.shape == summed.shape
+        np.testing.assert_allclose(decoded, summed, rtol=1e-4, atol=1e-5)
+    # one level alone is another sound
+    assert any(not np.allclose(one, both, atol=1e-3) for one, both in zip(audio("first 1"), audio("first 2")))
     assert sum(row["energy_share"] for row in result["levels"]) == pytest.approx(1.0)
     assert all(0.0 <= row["accuracy"] <= 1.0 for row in result["levels"])
     assert "| tower codebooks 1+ |" in tables(result)

@@ -43,18 +43,6 @@ from .text_use import REFERENCE_FRAMES, held_out_dataset, round_robin
 VARIANTS = ("true codes", "backbone codebook 0", "tower codebooks 1+", "both predicted")
 
 
-def coarse_log_mel(codec, codes: torch.Tensor, levels: int) -> torch.Tensor:
-    """The log-mel [batch, n_mels, frames * m] of `codes` [batch, num_codebooks, frames] with only
-    their first `levels` codebooks summed (`levels` = all is `codec.dequantize(codes)`)."""
-    if not 1 <= levels <= codec.num_codebooks:
-        raise ValueError(f"levels must be 1..{codec.num_codebooks}; got {levels}")
-    vectors = sum(codec.codebooks[k][codes[:, k]] for k in range(levels))
-    stacked = vectors * codec.feature_scale + codec.feature_mean
-    batch, frames, _ = stacked.shape
-    per, bands = codec.config.mel_frames_per_frame, codec.config.n_mels
-    return stacked.reshape(batch, frames * per, bands).transpose(1, 2)
-
-
 def level_energy(codec, codes: torch.Tensor) -> torch.Tensor:
     """Summed squared norm of the chosen centroid of each codebook: [num_codebooks]."""
     return torch.stack([codec.codebooks[k][codes[:, k]].square().sum() for k in range(codec.num_codebooks)])
@@ -127,7 +115,7 @@ def measure(model, processor, dataset, utterances: int = 12, seed: int = 0,
             log_mel = codec.log_mel(padded[None])
             heard["vocoder alone"].append((transcribe(codec.synthesize(log_mel)[0].clamp(-1, 1).numpy(), rate), text))
             for k in levels:
-                sound = codec.synthesize(coarse_log_mel(codec, codes, k))[0].clamp(-1, 1).numpy()
+                sound = codec.synthesize(codec.dequantize(codes, levels=k))[0].clamp(-1, 1).numpy()
                 heard[f"first {k}"].append((transcribe(sound, rate), text))
         rows, _ = collator.example_rows(example)
         forced = teacher_forced(model, processor, rows)

@@ -220,12 +220,16 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
             residual = residual - codebook[index]
         return torch.stack(codes, dim=-1).reshape(*features.shape[:2], -1).transpose(1, 2)
 
-    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, codes: torch.Tensor, levels: int | None = None) -> torch.Tensor:
         """codes `[batch, num_codebooks, frames]` -> log-mel `[batch, n_mels, frames * m]`.
 
-        Codes above `codebook_size - 1` are clamped to it (the LM's heads may be wider)."""
+        `levels`: sum only the first this many codebooks (what the coarse levels carry); all when
+        None. Codes above `codebook_size - 1` are clamped to it (the LM's heads may be wider)."""
+        levels = self.num_codebooks if levels is None else levels
+        if not 1 <= levels <= self.num_codebooks:
+            raise ValueError(f"levels must be 1..{self.num_codebooks}; got {levels}")
         codes = codes.clamp(max=self.config.codebook_size - 1)
-        vectors = sum(self.codebooks[k][codes[:, k]] for k in range(self.num_codebooks))
+        vectors = sum(self.codebooks[k][codes[:, k]] for k in range(levels))
         stacked = vectors * self.feature_scale + self.feature_mean
         batch, frames, _ = stacked.shape
         return stacked.reshape(batch, frames * self.config.mel_frames_per_frame, self.config.n_mels).transpose(1, 2)
