@@ -17,7 +17,14 @@ from transformers import (
 )
 
 from . import integrations
-from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3MelCodecModel
+from .codec import (
+    Drama3CodecConfig,
+    Drama3CodecModel,
+    Drama3MelCodecConfig,
+    Drama3MelCodecModel,
+    Drama3PhoneCodecConfig,
+    Drama3PhoneCodecModel,
+)
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .feature_extraction_drama3 import Drama3FeatureExtractor
 from .modeling_drama3 import Drama3Cache, Drama3ForRewardModeling, Drama3ForSpeechGeneration, Drama3Output
@@ -26,14 +33,18 @@ from .static_decoding import Drama3StaticCache
 
 __version__ = "0.1.0"
 
-CODECS = {Drama3CodecConfig: Drama3CodecModel, Drama3MelCodecConfig: Drama3MelCodecModel}
+CODECS = {
+    Drama3CodecConfig: Drama3CodecModel,
+    Drama3MelCodecConfig: Drama3MelCodecModel,
+    Drama3PhoneCodecConfig: Drama3PhoneCodecModel,
+}
 
 
 def register_auto_classes() -> None:
     """Make transformers' Auto classes know Drama 3 (idempotent; `import transformers_drama3` calls it).
 
     The one place that registers: the configs (the model's "fish_omni" and its sub-configs, the
-    codecs' "drama3_codec" and "drama3_mel_codec"), the speech model for `AutoModel` and
+    codecs' "drama3_codec", "drama3_mel_codec" and "drama3_phone_codec"), the speech model for `AutoModel` and
     `AutoModelForTextToWaveform` (the text-to-speech pipeline), the codecs for `AutoModel` (the
     processor loads its `codec/` folder through it), the feature extractor and the processor, and
     the reward model for `AutoModelForSequenceClassification` (one score per take), and the

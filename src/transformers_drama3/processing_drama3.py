@@ -12,7 +12,7 @@ import soundfile
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
 
-from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig
+from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3PhoneCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
 from .files import atomic_output
 from .generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
@@ -717,7 +717,7 @@ def _pending_lines(pending: list[tuple[str, int, str]]) -> str | tuple:
 # AutoConfig and AutoModel (it needs the interface the processor uses: `encode` returning
 # `audio_codes` + `lengths`, `decode` returning `audio_values`, `num_codebooks`, `sampling_rate`,
 # `frame_rate`).
-PACKAGE_CODECS = (Drama3CodecConfig.model_type, Drama3MelCodecConfig.model_type)
+PACKAGE_CODECS = (Drama3CodecConfig.model_type, Drama3MelCodecConfig.model_type, Drama3PhoneCodecConfig.model_type)
 
 
 def _checked_frontend(tokenizer, text_frontend: dict | None) -> dict | None:

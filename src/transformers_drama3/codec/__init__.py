@@ -9,9 +9,11 @@
     for window in stream_decode_windows():                             # 10, 10, 12, 32, 64, ...
         play(stream.push(next_codes(window)))
 
-`Drama3MelCodecModel` (log-mel residual VQ + Griffin-Lim, the drama3-tiny codec) has the same
-interface. `import transformers_drama3` registers "drama3_codec" and "drama3_mel_codec" with
-`AutoConfig` and `AutoModel` (`transformers_drama3.register_auto_classes`).
+`Drama3MelCodecModel` (log-mel residual VQ + Griffin-Lim, the drama3-tiny codec) and
+`Drama3PhoneCodecModel` (phoneme and voice codes, decoded to log-mel by a small convolutional
+network, then Griffin-Lim) have the same interface. `import transformers_drama3` registers
+"drama3_codec", "drama3_mel_codec" and "drama3_phone_codec" with `AutoConfig` and `AutoModel`
+(`transformers_drama3.register_auto_classes`).
 """
 
 from ..feature_extraction_drama3 import is_inaudible
@@ -19,6 +21,7 @@ from .audio import check_audio
 from .configuration_codec import Drama3CodecConfig
 from .convert import convert_codec_checkpoint
 from .mel_codec import Drama3MelCodecConfig, Drama3MelCodecModel, fit_residual_codebooks
+from .phone_codec import Drama3PhoneCodecConfig, Drama3PhoneCodecModel
 from .modeling_codec import Drama3CodecDecoderOutput, Drama3CodecEncoderOutput, Drama3CodecModel
 from .streaming import StreamingDecoder, StreamingEncoder, stream_decode_windows
 
@@ -27,6 +30,8 @@ __all__ = [
     "Drama3CodecModel",
     "Drama3MelCodecConfig",
     "Drama3MelCodecModel",
+    "Drama3PhoneCodecConfig",
+    "Drama3PhoneCodecModel",
     "fit_residual_codebooks",
     "Drama3CodecEncoderOutput",
     "Drama3CodecDecoderOutput",

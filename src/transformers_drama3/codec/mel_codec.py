@@ -135,49 +135,34 @@ def mel_filterbank(sampling_rate: int, n_fft: int, n_mels: int, f_min: float, f_
 class MelStreamState(NamedTuple):
     """A streaming decoder's state: codes not yet synthesised, the complex spectrogram of the last
     `context_mel_frames` frames, the last block's waveform after the emitted audio, and the
-    number of frames synthesised."""
+    number of frames synthesised; for a codec whose decoder looks back, the codes already
+    synthesised that the next block still sees (`history`)."""
 
     codes: torch.Tensor
     context: torch.Tensor | None
     carry: torch.Tensor | None
     frames_done: int
+    history: torch.Tensor | None = None
 
 
-class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
-    """Log-mel residual-VQ codec with Griffin-Lim synthesis (see the module docstring).
+class LogMelGriffinLimCodec(FrameCodec, PreTrainedAudioTokenizerBase):
+    """What the codecs that code a log-mel spectrogram share: the analysis (`log_mel`), the
+    filterbank and window (computed from the config, not stored), and the synthesis (codes ->
+    log-mel by the subclass's `dequantize` / `_block_log_mel`, then block-by-block Griffin-Lim,
+    the same blocks offline and streaming)."""
 
-    Weights: `feature_mean` / `feature_scale` `[feature_dim]` (the standardisation) and
-    `codebooks` `[num_codebooks, codebook_size, feature_dim]`; all fitted, none trained by
-    gradient.
-    """
-
-    config_class = Drama3MelCodecConfig
-    config: Drama3MelCodecConfig
     base_model_prefix = "codec"
     main_input_name = "input_values"
 
-    def __init__(self, config: Drama3MelCodecConfig):
-        super().__init__(config)
-        config.validate_codec_sizes()
-        dim = config.feature_dim
-        self.feature_mean = nn.Parameter(torch.zeros(dim), requires_grad=False)
-        self.feature_scale = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.codebooks = nn.Parameter(torch.zeros(config.num_codebooks, config.codebook_size, dim), requires_grad=False)
+    def _register_mel_buffers(self):
+        config = self.config
         bins = config.n_fft // 2 + 1
         self.register_buffer("mel_basis", torch.zeros(config.n_mels, bins), persistent=False)
         self.register_buffer("mel_inverse", torch.zeros(bins, config.n_mels), persistent=False)
         self.register_buffer("window", torch.zeros(config.n_fft), persistent=False)
-        self.post_init()
 
-    def _init_weights(self, module):
-        """Random codebooks (fitting replaces them); the filterbank, its pseudo-inverse and the
-        window are computed from the config (they are not stored in checkpoints)."""
-        if module is not self:
-            return
+    def _init_mel_buffers(self):
         config = self.config
-        init.zeros_(self.feature_mean)
-        init.ones_(self.feature_scale)
-        init.normal_(self.codebooks, std=0.5)
         f_max = config.f_max if config.f_max is not None else config.sampling_rate / 2
         basis = mel_filterbank(config.sampling_rate, config.n_fft, config.n_mels, config.f_min, f_max)
         init.copy_(self.mel_basis, basis)
@@ -201,44 +186,6 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         spectrum = torch.fft.rfft(self._frames(torch.cat([history, audio], dim=-1)), dim=-1).abs()
         mel = spectrum.float() @ self.mel_basis.T
         return torch.log(mel.clamp_min(self.config.log_floor)).transpose(1, 2)
-
-    def features(self, log_mel: torch.Tensor) -> torch.Tensor:
-        """log-mel `[batch, n_mels, frames * m]` -> standardised frame vectors `[batch, frames, feature_dim]`."""
-        batch, bands, steps = log_mel.shape
-        per = self.config.mel_frames_per_frame
-        stacked = log_mel.transpose(1, 2).reshape(batch, steps // per, per * bands)
-        return (stacked - self.feature_mean) / self.feature_scale
-
-    def quantize(self, features: torch.Tensor) -> torch.Tensor:
-        """Frame vectors `[batch, frames, feature_dim]` -> codes `[batch, num_codebooks, frames]`."""
-        residual = features.reshape(-1, features.shape[-1])
-        codes = []
-        for codebook in self.codebooks:
-            distance = (residual.square().sum(-1, keepdim=True) - 2 * residual @ codebook.T + codebook.square().sum(-1))
-            index = distance.argmin(dim=-1)
-            codes.append(index)
-            residual = residual - codebook[index]
-        return torch.stack(codes, dim=-1).reshape(*features.shape[:2], -1).transpose(1, 2)
-
-    def dequantize(self, codes: torch.Tensor, levels: int | None = None) -> torch.Tensor:
-        """codes `[batch, num_codebooks, frames]` -> log-mel `[batch, n_mels, frames * m]`.
-
-        `levels`: sum only the first this many codebooks (what the coarse levels carry); all when
-        None. Codes above `codebook_size - 1` are clamped to it (the LM's heads may be wider)."""
-        levels = self.num_codebooks if levels is None else levels
-        if not 1 <= levels <= self.num_codebooks:
-            raise ValueError(f"levels must be 1..{self.num_codebooks}; got {levels}")
-        codes = codes.clamp(max=self.config.codebook_size - 1)
-        vectors = sum(self.codebooks[k][codes[:, k]] for k in range(levels))
-        stacked = vectors * self.feature_scale + self.feature_mean
-        batch, frames, _ = stacked.shape
-        return stacked.reshape(batch, frames * self.config.mel_frames_per_frame, self.config.n_mels).transpose(1, 2)
-
-    def encode_frames(self, audio: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
-        """audio `[batch, frames * hop_length]` -> codes `[batch, num_codebooks, frames]`."""
-        if audio.shape[-1] < self.hop_length:
-            return torch.zeros(audio.shape[0], self.num_codebooks, 0, dtype=torch.long, device=audio.device)
-        return self.quantize(self.features(self.log_mel(audio.float(), history)))
 
     # -- synthesis -----------------------------------------------------------------------------
 
@@ -306,7 +253,7 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
             region = torch.cat([mixed, region[:, fade:]], dim=-1)
         context = spectrum[:, -config.context_mel_frames :]
         frames_done = state.frames_done + steps // config.mel_frames_per_frame
-        return region, MelStreamState(state.codes, context, waveform[:, end:], frames_done)
+        return region, state._replace(context=context, carry=waveform[:, end:], frames_done=frames_done)
 
     def _stream_tail(self, carry: torch.Tensor) -> torch.Tensor:
         """The stream's last samples: the last block's `carry`, faded out over the samples that
@@ -319,6 +266,13 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
     def _start_state(self, batch: int, device) -> MelStreamState:
         return MelStreamState(torch.zeros(batch, self.num_codebooks, 0, dtype=torch.long, device=device), None, None, 0)
 
+    decode_lookahead_frames = 0  # codec frames after a block that its spectrogram depends on
+
+    def _block_log_mel(self, pending: torch.Tensor, take: int, state: MelStreamState):
+        """The spectrogram of the first `take` frames of `pending` codes (and the state): here the
+        codes alone decide it. A codec whose decoder looks around a frame overrides this."""
+        return self.dequantize(pending[..., :take]), state
+
     def decode_frames(self, codes: torch.Tensor, state: MelStreamState | None = None, final: bool = True):
         """codes `[batch, num_codebooks, frames]` -> (audio, state). Synthesises every whole block
         of `block_frames` frames available (with `final`, also the rest and the end of the stream)."""
@@ -326,9 +280,11 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         pending = torch.cat([state.codes, codes.to(state.codes.device)], dim=-1)
         pieces = []
         block = self.config.block_frames
-        while pending.shape[-1] >= block or (final and pending.shape[-1] > 0):
+        ahead = self.decode_lookahead_frames
+        while pending.shape[-1] >= block + ahead or (final and pending.shape[-1] > 0):
             take = min(block, pending.shape[-1])
-            audio, state = self._synthesize_block(self.dequantize(pending[..., :take]), state)
+            log_mel, state = self._block_log_mel(pending, take, state)
+            audio, state = self._synthesize_block(log_mel, state)
             pieces.append(audio)
             pending = pending[..., take:]
         if final and state.carry is not None:
@@ -381,11 +337,82 @@ class Drama3MelCodecModel(FrameCodec, PreTrainedAudioTokenizerBase):
         encoded = self.encode(input_values, sampling_rate=self.sampling_rate, lengths=lengths)
         return self.decode(encoded.audio_codes, encoded.lengths)
 
-    def streaming_encoder(self, batch_size: int = 1) -> "MelStreamingEncoder":
-        return MelStreamingEncoder(self, batch_size)
-
     def streaming_decoder(self, batch_size: int = 1) -> "MelStreamingDecoder":
         return MelStreamingDecoder(self, batch_size)
+
+
+class Drama3MelCodecModel(LogMelGriffinLimCodec):
+    """Log-mel residual-VQ codec with Griffin-Lim synthesis (see the module docstring).
+
+    Weights: `feature_mean` / `feature_scale` `[feature_dim]` (the standardisation) and
+    `codebooks` `[num_codebooks, codebook_size, feature_dim]`; all fitted, none trained by
+    gradient.
+    """
+
+    config_class = Drama3MelCodecConfig
+    config: Drama3MelCodecConfig
+
+    def __init__(self, config: Drama3MelCodecConfig):
+        super().__init__(config)
+        config.validate_codec_sizes()
+        dim = config.feature_dim
+        self.feature_mean = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.feature_scale = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.codebooks = nn.Parameter(torch.zeros(config.num_codebooks, config.codebook_size, dim), requires_grad=False)
+        self._register_mel_buffers()
+        self.post_init()
+
+    def _init_weights(self, module):
+        """Random codebooks (fitting replaces them); the filterbank, its pseudo-inverse and the
+        window are computed from the config (they are not stored in checkpoints)."""
+        if module is not self:
+            return
+        config = self.config
+        init.zeros_(self.feature_mean)
+        init.ones_(self.feature_scale)
+        init.normal_(self.codebooks, std=0.5)
+        self._init_mel_buffers()
+
+    def features(self, log_mel: torch.Tensor) -> torch.Tensor:
+        """log-mel `[batch, n_mels, frames * m]` -> standardised frame vectors `[batch, frames, feature_dim]`."""
+        batch, bands, steps = log_mel.shape
+        per = self.config.mel_frames_per_frame
+        stacked = log_mel.transpose(1, 2).reshape(batch, steps // per, per * bands)
+        return (stacked - self.feature_mean) / self.feature_scale
+
+    def quantize(self, features: torch.Tensor) -> torch.Tensor:
+        """Frame vectors `[batch, frames, feature_dim]` -> codes `[batch, num_codebooks, frames]`."""
+        residual = features.reshape(-1, features.shape[-1])
+        codes = []
+        for codebook in self.codebooks:
+            distance = (residual.square().sum(-1, keepdim=True) - 2 * residual @ codebook.T + codebook.square().sum(-1))
+            index = distance.argmin(dim=-1)
+            codes.append(index)
+            residual = residual - codebook[index]
+        return torch.stack(codes, dim=-1).reshape(*features.shape[:2], -1).transpose(1, 2)
+
+    def dequantize(self, codes: torch.Tensor, levels: int | None = None) -> torch.Tensor:
+        """codes `[batch, num_codebooks, frames]` -> log-mel `[batch, n_mels, frames * m]`.
+
+        `levels`: sum only the first this many codebooks (what the coarse levels carry); all when
+        None. Codes above `codebook_size - 1` are clamped to it (the LM's heads may be wider)."""
+        levels = self.num_codebooks if levels is None else levels
+        if not 1 <= levels <= self.num_codebooks:
+            raise ValueError(f"levels must be 1..{self.num_codebooks}; got {levels}")
+        codes = codes.clamp(max=self.config.codebook_size - 1)
+        vectors = sum(self.codebooks[k][codes[:, k]] for k in range(levels))
+        stacked = vectors * self.feature_scale + self.feature_mean
+        batch, frames, _ = stacked.shape
+        return stacked.reshape(batch, frames * self.config.mel_frames_per_frame, self.config.n_mels).transpose(1, 2)
+
+    def encode_frames(self, audio: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """audio `[batch, frames * hop_length]` -> codes `[batch, num_codebooks, frames]`."""
+        if audio.shape[-1] < self.hop_length:
+            return torch.zeros(audio.shape[0], self.num_codebooks, 0, dtype=torch.long, device=audio.device)
+        return self.quantize(self.features(self.log_mel(audio.float(), history)))
+
+    def streaming_encoder(self, batch_size: int = 1) -> "MelStreamingEncoder":
+        return MelStreamingEncoder(self, batch_size)
 
 
 class MelStreamingEncoder:
@@ -436,7 +463,7 @@ class MelStreamingDecoder:
     Griffin-Lim block received so far (often none), `flush()` the rest. The concatenation equals
     `decode` of all the codes."""
 
-    def __init__(self, codec: Drama3MelCodecModel, batch_size: int = 1):
+    def __init__(self, codec: "LogMelGriffinLimCodec", batch_size: int = 1):
         self.codec = codec
         self.batch_size = batch_size
         self.state = codec._start_state(batch_size, codec.device)
@@ -523,6 +550,7 @@ def _nearest(vectors: torch.Tensor, centroids: torch.Tensor, chunk: int = 65536)
 __all__ = [
     "Drama3MelCodecConfig",
     "Drama3MelCodecModel",
+    "LogMelGriffinLimCodec",
     "MelStreamingEncoder",
     "MelStreamingDecoder",
     "fit_residual_codebooks",

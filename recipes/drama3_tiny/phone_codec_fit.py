@@ -1,0 +1,428 @@
+"""Train drama3-tiny's phonetic codec (`Drama3PhoneCodecModel`) on phoneme-labelled espeak speech.
+
+    python -m recipes.drama3_tiny.phone_codec_fit label --corpus CORPUS --out LABELS --utterances 7000 --jobs 2
+    python -m recipes.drama3_tiny.phone_codec_fit train --labels LABELS --out RUN --part decoder --max-steps 3000
+    python -m recipes.drama3_tiny.phone_codec_fit train --labels LABELS --out RUN --part recogniser --max-steps 1500
+    python -m recipes.drama3_tiny.phone_codec_fit export --labels LABELS --out RUN          # RUN/codec
+    python -m recipes.drama3_tiny.phone_codec_fit evaluate --codec RUN/codec --json codec.json  # Whisper WER
+
+`label` speaks the corpus's train texts again with libespeak-ng (`corpus.aligned_synthesize`: the
+same voices, each phoneme with the sample it starts at) and keeps, per utterance, the phoneme of
+every spectrogram frame (`frame_labels`), its voice label (`voice_label`) and its log-mel. `train`
+trains one half of the codec on them: the decoder (labels -> log-mel, L1) or the recogniser
+(log-mel -> labels, cross entropy); the two halves are independent, so they train side by side on
+two cores. Training is step-based (cosine rate over `--max-steps`, each step's batch a function
+of seed and step), time-boxed by `--minutes` and resumable (`--resume`, checkpoints every
+`--save-minutes`). `export` puts both halves into one codec folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HOP = 256  # spectrogram hop of the codec (samples)
+SILENT_MEAN_ABS = 4.0  # int16: a spectrogram hop quieter than this on average is silence
+PARTS = {
+    "decoder": ("phoneme_embedding", "voice_embedding", "decoder", "decoder_norm", "decoder_output"),
+    "recogniser": ("input_mean", "input_scale", "recogniser_input", "recogniser", "recogniser_norm",
+                   "phoneme_head", "voice_head"),
+}
+
+
+# ---- labels -------------------------------------------------------------------------------------
+
+def frame_labels(samples: np.ndarray, phonemes: list[tuple[str, int]], frames: int, silence: str = "_") -> list[str]:
+    """The phoneme sounding in each of `frames` spectrogram frames: the one started last before the
+    centre of the frame's window (frame j covers samples [256 j - 768, 256 j + 256): centre 256 j -
+    256), or `silence` before the first phoneme or where the hop around the centre is silent."""
+    starts = np.array([start for _, start in phonemes] + [np.iinfo(np.int64).max])
+    names = [name for name, _ in phonemes]
+    centres = np.arange(frames) * HOP - HOP
+    which = np.searchsorted(starts, centres, side="right") - 1
+    loudness = np.abs(np.concatenate([np.zeros(2 * HOP), samples.astype(np.float32), np.zeros(2 * HOP)]))
+    labels = []
+    for frame, centre in enumerate(centres):
+        around = loudness[centre + 2 * HOP - HOP // 2 : centre + 2 * HOP + HOP // 2]
+        quiet = around.size == 0 or around.mean() < SILENT_MEAN_ABS
+        labels.append(silence if which[frame] < 0 or quiet else names[which[frame]])
+    return labels
+
+
+def voice_label(directed_text: str, voice) -> str:
+    """What the codec's voice code names: the espeak variant, the pitch after the styles, and
+    whether any of it is whispered, e.g. "m1 p75" or "f2 p65 whisper"."""
+    from .corpus import STYLES, parse_directed
+
+    directed = parse_directed(directed_text)
+    pitch = voice.pitch + sum(STYLES[style][1] for style in directed.styles)
+    whisper = any(segment.whisper for segment in directed.segments)
+    return f"{voice.variant} p{min(99, max(0, pitch))}" + (" whisper" if whisper else "")
+
+
+def aligned_segments_synthesize(directed_text: str, voice) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """`corpus.aligned_synthesize`, with a silence label where each segment starts and after the
+    last (a segment's leading and trailing audio is not its neighbour's last phoneme)."""
+    from transformers_drama3.prompting.phonemes import speak_in_fresh_process
+
+    from .corpus import espeak_calls
+
+    parts, phonemes, offset = [], [], 0
+    for call in espeak_calls(directed_text, voice):
+        samples, starts = (np.zeros(call, dtype=np.int16), []) if isinstance(call, int) else speak_in_fresh_process(*call)
+        phonemes.append(("_", offset))
+        phonemes += [(symbol, offset + start) for symbol, start in starts]
+        parts.append(samples)
+        offset += len(samples)
+    phonemes.append(("_", offset))
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int16)), phonemes
+
+
+def label_utterance(codec, uid: str, directed_text: str, voice) -> dict:
+    """One labelled utterance: id, text, voice label, frame labels, log-mel float16 [n_mels, frames + 4]
+    (the 4 frames after the end see the audio's tail, then silence)."""
+    samples, phonemes = aligned_segments_synthesize(directed_text, voice)
+    frames = -(-len(samples) // codec.hop_length) * codec.config.mel_frames_per_frame
+    audio = torch.zeros(1, (frames + 4) * HOP)
+    audio[0, : len(samples)] = torch.from_numpy(samples.astype(np.float32) / 32768.0)
+    with torch.no_grad():
+        log_mel = codec.log_mel(audio)[0].to(torch.float16)
+    return {"id": uid, "text": directed_text, "voice": voice_label(directed_text, voice),
+            "labels": frame_labels(samples, phonemes, frames), "log_mel": log_mel}
+
+
+def heldout_items(voices: str = "A,B,D,F") -> list[tuple[str, str, str]]:
+    """(id, text, voice name) of `drama3 eval`'s held-out sentences in each voice."""
+    from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES
+
+    return [(f"heldout-{v}-{i:02d}", s, v) for v in voices.split(",") for i, s in enumerate(HELDOUT_SENTENCES)]
+
+
+def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: int) -> Path:
+    from transformers_drama3.codec import Drama3MelCodecModel, Drama3MelCodecConfig
+    from tqdm import tqdm
+
+    from .corpus import VOICES_BY_NAME, read_manifest
+
+    path = out / f"labels-{shard:02d}-of-{shards:02d}.pt"
+    if path.exists():
+        return path
+    torch.set_num_threads(1)
+    analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()  # its log-mel is the phone codec's
+    train = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"][:utterances]
+    items = [(r.id, r.directed_text, r.voice) for r in train][shard::shards]
+    rows = [label_utterance(analysis, uid, text, VOICES_BY_NAME[name])
+            for uid, text, name in tqdm(items, desc=f"labelling {shard + 1}/{shards}", mininterval=30)]
+    temporary = path.with_suffix(".tmp")
+    torch.save(rows, temporary)
+    os.replace(temporary, path)
+    return path
+
+
+def label(corpus: str | Path, out: str | Path, utterances: int, jobs: int = 1) -> list[Path]:
+    """Label the first `utterances` train utterances of `corpus` into `out` (one shard per job,
+    each written whole once done: a killed run redoes only the shards it had not finished)."""
+    corpus, out = Path(corpus), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if jobs == 1:
+        return [label_shard(corpus, out, utterances, 0, 1)]
+    command = [sys.executable, "-m", "recipes.drama3_tiny.phone_codec_fit", "label", "--corpus", str(corpus),
+               "--out", str(out), "--utterances", str(utterances), "--jobs", str(jobs)]
+    workers = [subprocess.Popen([*command, "--shard", str(i)]) for i in range(jobs)]
+    failed = [i for i, worker in enumerate(workers) if worker.wait() != 0]
+    if failed:
+        raise RuntimeError(f"labelling shards {failed} failed")
+    return sorted(out.glob(f"labels-*-of-{jobs:02d}.pt"))
+
+
+def read_labels(folder: str | Path) -> list[dict]:
+    paths = sorted(Path(folder).glob("labels-*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"{folder}: no labels-*.pt shards; run the label step first")
+    return [row for path in paths for row in torch.load(path, weights_only=False)]
+
+
+# ---- the codec ----------------------------------------------------------------------------------
+
+def codec_config(rows: list[dict], **sizes):
+    """The codec config for the phoneme and voice labels of `rows` (silence first, then sorted)."""
+    from transformers_drama3.codec import Drama3PhoneCodecConfig
+
+    phonemes = sorted({label for row in rows for label in row["labels"]} - {"_"})
+    voices = sorted({row["voice"] for row in rows})
+    return Drama3PhoneCodecConfig(phonemes=["_", *phonemes], voices=voices, **sizes)
+
+
+def new_codec(rows: list[dict], **sizes):
+    from transformers_drama3.codec import Drama3PhoneCodecModel
+
+    torch.manual_seed(0)
+    return Drama3PhoneCodecModel(codec_config(rows, **sizes))
+
+
+def part_parameters(codec, part: str) -> list[torch.nn.Parameter]:
+    modules = [getattr(codec, name) for name in PARTS[part]]
+    return [p for module in modules if isinstance(module, torch.nn.Module) for p in module.parameters()]
+
+
+def part_state(codec, part: str) -> dict:
+    return {k: v for k, v in codec.state_dict().items() if k.split(".")[0] in PARTS[part]}
+
+
+def indexed(rows: list[dict], config) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(phoneme ids [frames], voice id, log-mel [n_mels, frames + 4] float32) per row."""
+    phoneme_id = {p: i for i, p in enumerate(config.phonemes)}
+    voice_id = {v: i for i, v in enumerate(config.voices)}
+    return [(torch.tensor([phoneme_id[label] for label in row["labels"]]), voice_id[row["voice"]],
+             row["log_mel"].float()) for row in rows]
+
+
+def batch(data, config, step: int, seed: int, size: int, frames: int):
+    """Crops of `frames` spectrogram frames with the receptive field's context on each side (what
+    `encode` and `decode` read there: silence and the edge frame's voice past the ends):
+    (phonemes [size, left + frames + right], voices [same], log-mel [size, n_mels, same])."""
+    rng = random.Random(seed * 1_000_003 + step)
+    left, right = config.receptive_field
+    floor = math.log(config.log_floor)
+    phonemes, voices, log_mels = [], [], []
+    for _ in range(size):
+        labels, voice, log_mel = data[rng.randrange(len(data))]
+        count = len(labels)
+        start = rng.randrange(max(1, count - frames + 1)) if count > frames else 0
+        low, high = start - left, start + frames + right
+        window = torch.zeros(high - low, dtype=torch.long)
+        inside = slice(max(low, 0), min(high, count))
+        window[inside.start - low : inside.stop - low] = labels[inside]
+        phonemes.append(window)
+        voices.append(torch.full((high - low,), voice))
+        spectrum = torch.full((config.n_mels, high - low), floor)
+        have = slice(max(low, 0), min(high, log_mel.shape[-1]))
+        spectrum[:, have.start - low : have.stop - low] = log_mel[:, have]
+        log_mels.append(spectrum)
+    return torch.stack(phonemes), torch.stack(voices), torch.stack(log_mels)
+
+
+def train_step_loss(codec, part: str, phonemes, voices, log_mel):
+    """The part's loss on a batch (decoder: L1 of the log-mel; recogniser: cross entropy of the
+    phoneme, half that of the voice) and its frame accuracy."""
+    left, right = codec.config.receptive_field
+    inner = slice(left, phonemes.shape[-1] - right)
+    if part == "decoder":
+        predicted = codec.decode_labels(phonemes, voices)
+        return (predicted - log_mel[..., inner]).abs().mean(), None
+    phoneme_logits, voice_logits = codec.recognise(log_mel)
+    loss = F.cross_entropy(phoneme_logits.transpose(1, 2), phonemes[:, inner]) + 0.5 * F.cross_entropy(
+        voice_logits.transpose(1, 2), voices[:, inner])
+    return loss, (phoneme_logits.argmax(-1) == phonemes[:, inner]).float().mean()
+
+
+def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minutes: float, resume: bool = False,
+          learning_rate: float = 1e-3, batch_size: int = 16, frames: int = 160, seed: int = 0,
+          save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
+          log_every: int = 100) -> dict:
+    """Train `part` of the codec to `max_steps` (or until `minutes` pass, or this sitting reaches
+    step `stop_at`); returns the last log line."""
+    from tqdm import tqdm
+
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {sorted(PARTS)}; got {part!r}")
+    torch.set_num_threads(threads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
+    codec = new_codec(rows)
+    data = indexed(rows, codec.config)
+    if part == "recogniser":
+        sample = torch.cat([log_mel for _, _, log_mel in data[:500]], dim=-1)
+        codec.input_mean.copy_(sample.mean(-1, keepdim=True))
+        codec.input_scale.copy_(sample.std(-1, keepdim=True) + 1e-3)
+    parameters = part_parameters(codec, part)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
+    checkpoint, log_path, step = out / f"{part}.pt", out / f"{part}.jsonl", 0
+    if resume and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        codec.load_state_dict(saved["state"], strict=False)
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+    elif not resume and checkpoint.exists():
+        raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or choose another --out")
+
+    def save():
+        temporary = checkpoint.with_suffix(".tmp")
+        torch.save({"state": part_state(codec, part), "optimizer": optimizer.state_dict(), "step": step,
+                    "config": codec.config.to_dict()}, temporary)
+        os.replace(temporary, checkpoint)
+
+    start = last_save = time.time()
+    line, window = {}, []
+    warmup = min(200, max(1, max_steps // 10))
+    bar = tqdm(total=max_steps, initial=step, desc=f"training the {part}", disable=not progress, mininterval=30)
+    codec.train()
+    end = max_steps if stop_at is None else min(stop_at, max_steps)
+    while step < end and time.time() - start < minutes * 60:
+        rate = learning_rate * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        loss, accuracy = train_step_loss(codec, part, *batch(data, codec.config, step, seed, batch_size, frames))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        bar.update()
+        window.append((float(loss.detach()), None if accuracy is None else float(accuracy)))
+        if step % log_every == 0 or step == max_steps:  # means over the steps since the last line
+            line = {"step": step, "loss": round(float(np.mean([w[0] for w in window])), 4),
+                    "seconds": round(time.time() - start, 1)}
+            if window[0][1] is not None:
+                line["frame_accuracy"] = round(float(np.mean([w[1] for w in window])), 4)
+            with open(log_path, "a") as log:
+                log.write(json.dumps(line) + "\n")
+            window = []
+        if time.time() - last_save > save_minutes * 60:
+            save()
+            last_save = time.time()
+    bar.close()
+    save()
+    return line
+
+
+def export(labels: str | Path, out: str | Path) -> Path:
+    """RUN/decoder.pt + RUN/recogniser.pt -> the codec folder RUN/codec."""
+    out = Path(out)
+    rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
+    codec = new_codec(rows).eval()
+    for part in PARTS:
+        saved = torch.load(out / f"{part}.pt", weights_only=False)
+        missing = set(part_state(codec, part)) - set(saved["state"])
+        if missing:
+            raise ValueError(f"{out / f'{part}.pt'} lacks {sorted(missing)[:3]}")
+        codec.load_state_dict(saved["state"], strict=False)
+        print(f"{part}: step {saved['step']}")
+    codec.save_pretrained(out / "codec")
+    return out / "codec"
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+def evaluate(codec_path: str | Path, voices: str = "A,B,D,F", progress: bool = True) -> dict:
+    """Whisper WER per voice on `drama3 eval`'s held-out sentences, spoken by libespeak-ng: the
+    originals, their resyntheses through the codec (encode -> decode), and the decoder given the
+    true phoneme labels (what a model that predicts the codes exactly would sound like)."""
+    from tqdm import tqdm
+    from transformers import AutoModel
+
+    from transformers_drama3.evaluation.asr import transcribe, word_errors
+
+    from .corpus import VOICES_BY_NAME
+
+    codec = AutoModel.from_pretrained(codec_path).eval()
+    phoneme_id = {p: i for i, p in enumerate(codec.config.phonemes)}
+    voice_id = {v: i for i, v in enumerate(codec.config.voices)}
+    edits: dict[tuple[str, str], list[int]] = {}
+    takes = []
+    for uid, text, name in tqdm(heldout_items(voices), desc="held-out", disable=not progress):
+        voice = VOICES_BY_NAME[name]
+        samples, phonemes = aligned_segments_synthesize(text, voice)
+        audio = samples.astype(np.float32) / 32768.0
+        frames = -(-len(samples) // codec.hop_length)
+        labels = frame_labels(samples, phonemes, frames * codec.config.mel_frames_per_frame)
+        m = codec.config.mel_frames_per_frame
+        ids = torch.tensor([phoneme_id.get(label, 0) for label in labels]).reshape(frames, m)
+        true_codes = torch.cat([ids[:, :1], torch.full((frames, 1), voice_id.get(voice_label(text, voice), 0)),
+                                ids[:, 1:]], dim=1).T[None]
+        with torch.no_grad():
+            encoded = codec.encode(audio, sampling_rate=codec.sampling_rate)
+            outputs = {"original": audio, "resynthesis": codec.decode(encoded.audio_codes).audio_values[0].numpy(),
+                       "true labels": codec.decode(true_codes).audio_values[0].numpy()}
+        take = {"id": uid, "text": text, "voice": name,
+                "frame_accuracy": float((encoded.audio_codes[0] == true_codes[0]).float().mean())}
+        for kind, waveform in outputs.items():
+            heard = transcribe(waveform, codec.sampling_rate)
+            errors, words = word_errors(heard, text)
+            edits.setdefault((kind, name), [0, 0])
+            edits[(kind, name)][0] += errors
+            edits[(kind, name)][1] += words
+            take[f"heard {kind}"] = heard
+        takes.append(take)
+    table = {kind: {name: edits[(kind, name)][0] / edits[(kind, name)][1] for name in voices.split(",")}
+             for kind in ("original", "resynthesis", "true labels")}
+    for kind, per_voice in table.items():
+        total = [sum(edits[(kind, n)][i] for n in voices.split(",")) for i in (0, 1)]
+        per_voice["all"] = total[0] / total[1]
+    return {"wer": table, "code_accuracy": float(np.mean([t["frame_accuracy"] for t in takes])), "takes": takes}
+
+
+def print_table(result: dict) -> None:
+    voices = [v for v in next(iter(result["wer"].values())) if v != "all"]
+    print("| audio | " + " | ".join(voices) + " | all |")
+    print("|---|" + "---|" * (len(voices) + 1))
+    for kind, per_voice in result["wer"].items():
+        print(f"| {kind} | " + " | ".join(f"{100 * per_voice[v]:.1f}%" for v in [*voices, "all"]) + " |")
+    print(f"codes equal to the true labels' (resynthesis): {100 * result['code_accuracy']:.1f}%")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.phone_codec_fit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("label", help="speak the corpus's train texts with phoneme labels")
+    p.add_argument("--corpus", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--utterances", type=int, default=7000)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
+    p = sub.add_parser("train", help="train the decoder or the recogniser")
+    p.add_argument("--labels", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--part", choices=sorted(PARTS), required=True)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--frames", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
+    p = sub.add_parser("export", help="both halves into RUN/codec")
+    p.add_argument("--labels", required=True)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("evaluate", help="Whisper WER of originals, resyntheses and true-label decodings")
+    p.add_argument("--codec", required=True)
+    p.add_argument("--voices", default="A,B,D,F")
+    p.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "label":
+        if args.utterances < 1 or args.jobs < 1:
+            parser.error("--utterances and --jobs must be >= 1")
+        if args.shard is not None:
+            label_shard(Path(args.corpus), Path(args.out), args.utterances, args.shard, args.jobs)
+        else:
+            print("\n".join(str(p) for p in label(args.corpus, args.out, args.utterances, args.jobs)))
+    elif args.command == "train":
+        if args.max_steps < 1 or args.minutes <= 0:
+            parser.error("--max-steps must be >= 1 and --minutes > 0")
+        print(train(args.labels, args.out, args.part, args.max_steps, args.minutes, args.resume, args.learning_rate,
+                    args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at))
+    elif args.command == "export":
+        print(f"codec saved to {export(args.labels, args.out)}")
+    else:
+        result = evaluate(args.codec, args.voices)
+        print_table(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The phonetic codec's recipe: frame labels, training windows equal to what the codec reads,
+training that learns and resumes exactly, export."""
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.drama3_tiny import phone_codec_fit as fit
+from recipes.drama3_tiny.corpus import VOICES_BY_NAME
+
+
+def test_frame_labels_follow_the_phoneme_starts_and_the_silence():
+    hop = fit.HOP
+    samples = np.zeros(20 * hop, dtype=np.int16)
+    samples[2 * hop : 9 * hop] = 3000  # sound, then silence from hop 9 on
+    samples[12 * hop : 16 * hop] = 3000
+    phonemes = [("_", 0), ("a", 2 * hop), ("b", 5 * hop), ("c", 12 * hop), ("_", 16 * hop)]
+    labels = fit.frame_labels(samples, phonemes, frames=20)
+    # frame j is centred on sample 256 j - 256: frame 3 on the start of "a", frame 10 on the last
+    # loud sample; the 256 samples around a centre decide whether it is silent
+    assert labels[:3] == ["_"] * 3
+    assert labels[3:6] == ["a"] * 3 and labels[6:11] == ["b"] * 5
+    assert labels[11:13] == ["_"] * 2  # "b" has ended in silence
+    assert labels[13:17] == ["c"] * 4 and labels[17:] == ["_"] * 3
+
+
+def test_voice_labels_name_variant_pitch_and_whisper():
+    voice = VOICES_BY_NAME["A"]
+    assert fit.voice_label("Hello there.", voice) == "m1 p50"
+    assert fit.voice_label("(high) Hello there.", voice) == "m1 p75"
+    assert fit.voice_label("Hello <whisper>there.</whisper>", voice) == "m1 p50 whisper"
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """Two labelled utterances spoken by libespeak-ng, with their audio."""
+    from transformers_drama3.codec import Drama3MelCodecConfig, Drama3MelCodecModel
+
+    analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()
+    items = [("u0", "The bucket is in the back garden.", "A"), ("u1", "(slow) Room? [pause] Yes.", "D")]
+    rows = [fit.label_utterance(analysis, uid, text, VOICES_BY_NAME[v]) for uid, text, v in items]
+    audio = [fit.aligned_segments_synthesize(text, VOICES_BY_NAME[v])[0] for _, text, v in items]
+    folder = tmp_path_factory.mktemp("labels")
+    torch.save(rows, folder / "labels-00-of-01.pt")
+    return rows, audio, folder
+
+
+def test_labels_cover_every_frame_with_the_spoken_phonemes(labelled):
+    rows, audio, _ = labelled
+    for row, samples in zip(rows, audio):
+        frames = -(-len(samples) // 1024) * 4
+        assert len(row["labels"]) == frames and row["log_mel"].shape == (80, frames + 4)
+        spoken = [label for label in row["labels"] if label != "_"]
+        assert len(set(spoken)) >= 5 and row["labels"][0] == "_" and row["labels"][-1] == "_"
+    assert rows[0]["voice"] == "m1 p50" and rows[1]["voice"] == "f4 p55"
+
+
+def test_training_windows_are_what_the_codec_reads(labelled):
+    """A training crop over a whole utterance gives the recogniser the log-mel `encode` gives it,
+    and the decoder the labels `decode` gives it."""
+    rows, audio, _ = labelled
+    codec = fit.new_codec(rows, hidden_size=16, dilations=[1, 2, 4]).eval()
+    data = fit.indexed(rows, codec.config)
+    for index, samples in enumerate(audio):
+        frames = len(data[index][0])
+        phonemes, voices, log_mel = fit.batch([data[index]], codec.config, step=0, seed=0, size=1, frames=frames)
+        encoded = codec.encode(samples.astype(np.float32) / 32768, sampling_rate=22050).audio_codes
+        assert torch.equal(codec.encode_log_mel(log_mel), encoded)
+        m = codec.config.mel_frames_per_frame
+        left, right = codec.config.receptive_field
+        labels = phonemes[0, left : left + frames].reshape(-1, m)
+        true_codes = torch.cat([labels[:, :1], torch.full((len(labels), 1), data[index][1]), labels[:, 1:]], 1).T[None]
+        with torch.no_grad():
+            torch.testing.assert_close(codec.decode_labels(phonemes, voices), codec.dequantize(true_codes),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_training_learns_resumes_exactly_and_exports(labelled, tmp_path):
+    import json
+
+    from transformers import AutoModel
+
+    import transformers_drama3  # noqa: F401  (registers the codec types)
+
+    _, audio, folder = labelled
+    sizes = dict(max_steps=60, minutes=10, learning_rate=3e-3, batch_size=2, frames=24, progress=False, log_every=10)
+    fit.train(folder, tmp_path / "straight", "decoder", **sizes)
+    log = [json.loads(line) for line in (tmp_path / "straight" / "decoder.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in log] == [10, 20, 30, 40, 50, 60]
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"]  # it learns
+    # stopped at step 25 and resumed: the same weights and optimizer state, bit for bit
+    fit.train(folder, tmp_path / "resumed", "decoder", stop_at=25, **sizes)
+    assert torch.load(tmp_path / "resumed" / "decoder.pt", weights_only=False)["step"] == 25
+    fit.train(folder, tmp_path / "resumed", "decoder", resume=True, **sizes)
+    straight = torch.load(tmp_path / "straight" / "decoder.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "decoder.pt", weights_only=False)
+    assert resumed["step"] == straight["step"] == 60
+    for name, tensor in straight["state"].items():
+        assert torch.equal(resumed["state"][name], tensor), name
+    with pytest.raises(FileExistsError, match="--resume"):
+        fit.train(folder, tmp_path / "straight", "decoder", **sizes)
+
+    recogniser = fit.train(folder, tmp_path / "straight", "recogniser", **sizes)
+    assert recogniser["frame_accuracy"] > 0.3  # of ~30 labels, on two utterances
+    codec = AutoModel.from_pretrained(fit.export(folder, tmp_path / "straight")).eval()
+    assert codec.config.model_type == "drama3_phone_codec" and codec.config.phonemes[0] == "_"
+    for name, tensor in straight["state"].items():
+        assert torch.equal(codec.state_dict()[name], tensor), name
+    codes = codec.encode(audio[0].astype(np.float32) / 32768, sampling_rate=22050).audio_codes
+    assert codes.shape[1] == 5 and codec.decode(codes).audio_values.shape[-1] == codes.shape[-1] * 1024
