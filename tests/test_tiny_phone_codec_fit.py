@@ -108,3 +108,32 @@ def test_training_learns_resumes_exactly_and_exports(labelled, tmp_path):
         assert torch.equal(codec.state_dict()[name], tensor), name
     codes = codec.encode(audio[0].astype(np.float32) / 32768, sampling_rate=22050).audio_codes
     assert codes.shape[1] == 5 and codec.decode(codes).audio_values.shape[-1] == codes.shape[-1] * 1024
+
+
+@pytest.mark.skipif(not __import__("recipes.drama3_tiny.corpus", fromlist=["x"]).espeak_available(),
+                    reason="espeak-ng binary not on PATH")
+def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(labelled, tmp_path):
+    """`lm_training` takes a phonetic codec folder: five codes a frame, the model and processor
+    saved with it, generation in its layout."""
+    from transformers import AutoModel, AutoProcessor
+
+    from recipes.drama3_tiny.corpus import build_corpus
+    from recipes.drama3_tiny.lm_training import main
+    from transformers_drama3.codec import Drama3PhoneCodecModel
+
+    rows, _, _ = labelled
+    fit.new_codec(rows, hidden_size=16, dilations=[1, 2]).save_pretrained(tmp_path / "codec")
+    build_corpus(tmp_path / "corpus", seed=3, utterances_per_voice=4, heldout_sentences=10,
+                 voices=[VOICES_BY_NAME["A"]], progress=False)
+    main(["--corpus", str(tmp_path / "corpus"), "--codec", str(tmp_path / "codec"), "--out", str(tmp_path / "run"),
+          "--batch-size", "2", "--warmup-steps", "1", "--save-steps", "2", "--threads", "1", "--max-steps", "2",
+          "--text-frontend", "phonemes"])
+    model = AutoModel.from_pretrained(tmp_path / "run" / "model").eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "run" / "model")
+    assert isinstance(processor.codec, Drama3PhoneCodecModel) and model.config.num_codebooks == 5
+    inputs = processor("A short test.", reference_audio=[str(tmp_path / "corpus" / "wavs" / "A-train-00000.wav")],
+                       reference_text=["reference words"], sampling_rate=None)
+    codes = model.generate(**inputs, seed=0, max_new_tokens=4)
+    assert codes.shape[0] == 1 and codes.shape[-1] == 5
+    audio = processor.codec.decode(codes[0].T[None]).audio_values
+    assert audio.shape[-1] == codes.shape[1] * 1024
