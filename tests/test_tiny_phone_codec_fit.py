@@ -31,6 +31,14 @@ def test_voice_labels_name_variant_pitch_and_whisper():
     assert fit.voice_label("Hello <whisper>there.</whisper>", voice) == "m1 p50 whisper"
 
 
+def test_the_labelled_utterances_spread_over_every_voice_of_the_manifest():
+    manifest = [f"{voice}-{i}" for voice in "ABDF" for i in range(6000)]  # a corpus lists voice after voice
+    chosen = fit.spread(manifest, 8000)
+    assert len(chosen) == len(set(chosen)) == 8000
+    assert {voice: sum(c.startswith(voice) for c in chosen) for voice in "ABDF"} == dict.fromkeys("ABDF", 2000)
+    assert fit.spread(manifest[:10], 20) == manifest[:10]
+
+
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
     """Two labelled utterances spoken by libespeak-ng, with their audio."""

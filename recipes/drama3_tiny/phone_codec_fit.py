@@ -109,6 +109,14 @@ def heldout_items(voices: str = "A,B,D,F") -> list[tuple[str, str, str]]:
     return [(f"heldout-{v}-{i:02d}", s, v) for v in voices.split(",") for i, s in enumerate(HELDOUT_SENTENCES)]
 
 
+def spread(records: list, count: int) -> list:
+    """`count` records evenly spaced over `records` (a corpus manifest lists its voices one after
+    another: the first `count` would leave voices out)."""
+    if count >= len(records):
+        return list(records)
+    return [records[i * len(records) // count] for i in range(count)]
+
+
 def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: int) -> Path:
     from transformers_drama3.codec import Drama3MelCodecModel, Drama3MelCodecConfig
     from tqdm import tqdm
@@ -120,7 +128,7 @@ def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: in
         return path
     torch.set_num_threads(1)
     analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()  # its log-mel is the phone codec's
-    train = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"][:utterances]
+    train = spread([r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"], utterances)
     items = [(r.id, r.directed_text, r.voice) for r in train][shard::shards]
     rows = [label_utterance(analysis, uid, text, VOICES_BY_NAME[name])
             for uid, text, name in tqdm(items, desc=f"labelling {shard + 1}/{shards}", mininterval=30)]
@@ -131,7 +139,7 @@ def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: in
 
 
 def label(corpus: str | Path, out: str | Path, utterances: int, jobs: int = 1) -> list[Path]:
-    """Label the first `utterances` train utterances of `corpus` into `out` (one shard per job,
+    """Label `utterances` train utterances of `corpus`, evenly spread, into `out` (one shard per job,
     each written whole once done: a killed run redoes only the shards it had not finished)."""
     corpus, out = Path(corpus), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,6 +336,10 @@ def evaluate(codec_path: str | Path, voices: str = "A,B,D,F", progress: bool = T
     from .corpus import VOICES_BY_NAME
 
     codec = AutoModel.from_pretrained(codec_path).eval()
+    unknown = sorted({voice_label(text, VOICES_BY_NAME[name]) for _, text, name in heldout_items(voices)}
+                     - set(codec.config.voices))
+    if unknown:
+        raise ValueError(f"{codec_path}: the codec was not trained on the voices {unknown}; it knows {codec.config.voices}")
     phoneme_id = {p: i for i, p in enumerate(codec.config.phonemes)}
     voice_id = {v: i for i, v in enumerate(codec.config.voices)}
     edits: dict[tuple[str, str], list[int]] = {}
@@ -340,7 +352,7 @@ def evaluate(codec_path: str | Path, voices: str = "A,B,D,F", progress: bool = T
         labels = frame_labels(samples, phonemes, frames * codec.config.mel_frames_per_frame)
         m = codec.config.mel_frames_per_frame
         ids = torch.tensor([phoneme_id.get(label, 0) for label in labels]).reshape(frames, m)
-        true_codes = torch.cat([ids[:, :1], torch.full((frames, 1), voice_id.get(voice_label(text, voice), 0)),
+        true_codes = torch.cat([ids[:, :1], torch.full((frames, 1), voice_id[voice_label(text, voice)]),
                                 ids[:, 1:]], dim=1).T[None]
         with torch.no_grad():
             encoded = codec.encode(audio, sampling_rate=codec.sampling_rate)
