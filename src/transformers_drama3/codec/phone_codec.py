@@ -10,7 +10,7 @@ turns them back into a log-mel spectrogram, and Griffin-Lim into audio, as in th
     audio [B, T] at 22.05 kHz
       -> log-mel (n_fft 1024, hop 256, 80 bands), as `Drama3MelCodecModel`
       -> recogniser: per spectrogram frame a phoneme (of `phonemes`) and voice (of `voices`) score
-      -> codes [B, 2 + m - 1, T / 1024], m = 4 spectrogram frames a codec frame:
+      -> codes [B, 1 + m, T / 1024], m = 4 spectrogram frames a codec frame:
            codebook 0: the phoneme of the frame's first spectrogram frame
            codebook 1: the voice (the best mean score over the frame's spectrogram frames)
            codebooks 2..m: the phonemes of its other spectrogram frames
