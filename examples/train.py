@@ -111,13 +111,25 @@ def main(argv=None):
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
         optimizer=args.optimizer, pad_id=processor.token_ids.pad,
     )
-    trainer.train(resume_from_checkpoint=args.resume)
-    if trainer.is_world_process_zero():
-        trainer.save_model(os.path.join(args.output, "final"))
-        if args.loss_log:
-            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-            with open(args.loss_log, "w") as handle:
-                json.dump(losses, handle)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume)
+        if trainer.is_world_process_zero():
+            trainer.save_model(os.path.join(args.output, "final"))
+            if args.loss_log:
+                losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+                with open(args.loss_log, "w") as handle:
+                    json.dump(losses, handle)
+    finally:
+        close_process_group()
+
+
+def close_process_group() -> None:
+    """Tear the process group down before the interpreter does: a gloo worker still alive at exit
+    aborts its process (SIGABRT) and fails a run whose training had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
