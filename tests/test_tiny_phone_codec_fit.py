@@ -147,3 +147,32 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
     assert codes.shape[0] == 1 and codes.shape[-1] == 5
     audio = processor.codec.decode(codes[0].T[None]).audio_values
     assert audio.shape[-1] == codes.shape[1] * 1024
+
+
+def test_semantic_tokens_start_as_the_text_tokens_of_their_phonemes(labelled):
+    """`seed_phoneme_codes`: every phoneme the labels use has text tokens (the codec's labels and
+    the phoneme front end spell phonemes alike), and each semantic token starts as their mean."""
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, seed_phoneme_codes, tiny_model_config
+    from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.prompting import semantic_token
+    from transformers_drama3.prompting.phonemes import phoneme_token
+
+    rows, _, _ = labelled
+    config = fit.codec_config(rows)
+    tokenizer = build_tiny_tokenizer(["The bucket is in the back garden.", "Room? Yes."], config.codebook_size,
+                                     text_frontend="phonemes")
+    torch.manual_seed(0)
+    model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, config.num_codebooks, config.codebook_size,
+                                                        hidden_size=32, tower_intermediate_size=32))
+    before = model.get_input_embeddings().weight.detach().clone()
+    assert seed_phoneme_codes(model, tokenizer, config.phonemes) == len(config.phonemes)
+    table, vocabulary = model.get_input_embeddings().weight, tokenizer.get_vocab()
+    silence = vocabulary[semantic_token(0)]
+    torch.testing.assert_close(table[silence], before[vocabulary[phoneme_token(" ")]])
+    spoken = [p for p in config.phonemes[1:] if "ˈ" not in p and "ˌ" not in p and len(p) == 1]
+    assert spoken
+    for phoneme in spoken:
+        code = vocabulary[semantic_token(config.phonemes.index(phoneme))]
+        torch.testing.assert_close(table[code], before[vocabulary[phoneme_token(phoneme)]])
+    untouched = vocabulary[semantic_token(len(config.phonemes))]
+    assert torch.equal(table[untouched], before[untouched])

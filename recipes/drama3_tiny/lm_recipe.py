@@ -163,6 +163,38 @@ def tiny_model_config(
     )
 
 
+def seed_phoneme_codes(model, tokenizer, phonemes) -> int:
+    """Start the embedding of each semantic token of a phonetic codec (`codec.phone_codec`: code
+    k of codebook 0 is the phoneme `phonemes[k]`) as the embedding of that phoneme's text token(s),
+    the mean over its symbols with the stress marks left out; the silence label "_" starts as the
+    word boundary. The backbone then reads the phoneme being spoken and the phoneme to read as one
+    vector from the first step, and has only to learn where in the text it is, not which text
+    token each code denotes. Codes whose phoneme has no text token keep their random start.
+    Returns how many codes were seeded."""
+    import torch
+
+    from transformers_drama3.prompting import semantic_token
+    from transformers_drama3.prompting.phonemes import WORD_BOUNDARY, phoneme_symbols, phoneme_token
+
+    table = model.get_input_embeddings().weight
+    vocabulary = tokenizer.get_vocab()
+    seeded = 0
+    with torch.no_grad():
+        for code, phoneme in enumerate(phonemes):
+            symbols = [WORD_BOUNDARY] if phoneme == "_" else [
+                s for s in phoneme_symbols(phoneme) if s not in STRESS_MARKS
+            ]
+            ids = [vocabulary[phoneme_token(s)] for s in symbols if phoneme_token(s) in vocabulary]
+            if ids:
+                table[vocabulary[semantic_token(code)]] = table[ids].mean(dim=0)
+                seeded += 1
+    return seeded
+
+
+STRESS_MARKS = ("ˈ", "ˌ")
+"""espeak's primary and secondary stress: tokens of their own in the text, not phonemes."""
+
+
 def speaking_rate(processor, texts: Iterable[str], seconds: Iterable[float]) -> float:
     """Text tokens a second of speech, as the processor spells the turn to speak (its
     `speak_span`): the median over (text, seconds) pairs, rounded to 0.1. This goes in the
@@ -181,4 +213,4 @@ def speaking_rate(processor, texts: Iterable[str], seconds: Iterable[float]) -> 
     return round(statistics.median(rates), 1)
 
 
-__all__ = ["TINY_CORPUS_PLAN", "speaking_rate", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]
+__all__ = ["TINY_CORPUS_PLAN", "seed_phoneme_codes", "speaking_rate", "build_tiny_tokenizer", "tiny_model_config", "TEXT_VOCABULARY", "HIDDEN_SIZE"]

@@ -124,6 +124,9 @@ def parse_args(argv=None):
                         help="weight of the semantic-token loss (the paper's 0.5); it is what aligns text and speech")
     parser.add_argument("--codebook-loss-weight", type=float, default=0.5,
                         help="weight of the tower's codebook loss (the paper's 0.5)")
+    parser.add_argument("--seed-phoneme-codes", action="store_true",
+                        help="phonetic codec: start each semantic token's embedding as its phoneme's text token "
+                        "(lm_recipe.seed_phoneme_codes)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -195,7 +198,7 @@ def main(argv=None) -> None:
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.training import CloningCollator, prepare_dataset
-    from .lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from .lm_recipe import build_tiny_tokenizer, seed_phoneme_codes, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +228,11 @@ def main(argv=None) -> None:
     resume = checkpoint is not None
     torch.manual_seed(args.seed)
     model = Drama3ForSpeechGeneration(config)
+    if args.seed_phoneme_codes:
+        if not hasattr(codec.config, "phonemes"):
+            raise SystemExit("--seed-phoneme-codes needs a phonetic codec (its config lists the phonemes its codes are)")
+        seeded = seed_phoneme_codes(model, tokenizer, codec.config.phonemes)
+        print(f"seeded {seeded} of {len(codec.config.phonemes)} phoneme codes from their text tokens")
     print(f"drama3-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
 
     processor = Drama3Processor(
