@@ -415,6 +415,24 @@ class Drama3MelCodecModel(LogMelGriffinLimCodec):
         return MelStreamingEncoder(self, batch_size)
 
 
+def take_whole_hops(encoder, audio, hop: int) -> torch.Tensor:
+    """A streaming encoder's `push`: check the audio chunk (finite, `[batch, samples]` of the
+    encoder's batch, the encoder not flushed), append it to `encoder.pending` and take from there
+    the whole hops of `hop` samples; the rest waits for the next chunk."""
+    if encoder.closed:
+        raise ValueError("this streaming encoder was flushed; start a new one with codec.streaming_encoder()")
+    chunk = as_float_waveform(audio, "audio chunk")
+    chunk = chunk[None] if chunk.dim() == 1 else chunk
+    if chunk.shape[0] != encoder.batch_size:
+        raise ValueError(f"audio chunk has shape {tuple(chunk.shape)}; expected [batch, samples] with batch {encoder.batch_size}")
+    if not torch.isfinite(chunk).all():
+        raise ValueError("audio chunk has NaN or infinite samples; expected finite values in [-1, 1]")
+    encoder.pending = torch.cat([encoder.pending, chunk.to(encoder.pending)], dim=-1)
+    whole = encoder.pending.shape[-1] // hop * hop
+    ready, encoder.pending = encoder.pending[:, :whole], encoder.pending[:, whole:]
+    return ready
+
+
 class MelStreamingEncoder:
     """Audio at the codec's rate in, codes out: `push(audio)` returns the codes of the frames
     completed so far, `flush()` pads the rest with silence to a last frame. Equals `encode`."""
@@ -435,18 +453,7 @@ class MelStreamingEncoder:
 
     @torch.no_grad()
     def push(self, audio) -> torch.Tensor:
-        if self.closed:
-            raise ValueError("this streaming encoder was flushed; start a new one with codec.streaming_encoder()")
-        chunk = as_float_waveform(audio, "audio chunk")
-        chunk = chunk[None] if chunk.dim() == 1 else chunk
-        if chunk.shape[0] != self.batch_size:
-            raise ValueError(f"audio chunk has shape {tuple(chunk.shape)}; expected [batch, samples] with batch {self.batch_size}")
-        if not torch.isfinite(chunk).all():
-            raise ValueError("audio chunk has NaN or infinite samples; expected finite values in [-1, 1]")
-        self.pending = torch.cat([self.pending, chunk.to(self.pending)], dim=-1)
-        whole = self.pending.shape[-1] // self.codec.hop_length * self.codec.hop_length
-        ready, self.pending = self.pending[:, :whole], self.pending[:, whole:]
-        return self._encode(ready)
+        return self._encode(take_whole_hops(self, audio, self.codec.hop_length))
 
     @torch.no_grad()
     def flush(self) -> torch.Tensor:

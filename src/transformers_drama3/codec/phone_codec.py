@@ -34,8 +34,7 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import initialization as init
 
-from .audio import as_float_waveform
-from .mel_codec import Drama3MelCodecConfig, LogMelGriffinLimCodec, MelStreamState
+from .mel_codec import Drama3MelCodecConfig, LogMelGriffinLimCodec, MelStreamState, take_whole_hops
 
 SILENCE = "_"
 
@@ -299,19 +298,7 @@ class PhoneStreamingEncoder:
 
     @torch.no_grad()
     def push(self, audio) -> torch.Tensor:
-        if self.closed:
-            raise ValueError("this streaming encoder was flushed; start a new one with codec.streaming_encoder()")
-        chunk = as_float_waveform(audio, "audio chunk")
-        chunk = chunk[None] if chunk.dim() == 1 else chunk
-        if chunk.shape[0] != self.batch_size:
-            raise ValueError(f"audio chunk has shape {tuple(chunk.shape)}; expected [batch, samples] with batch {self.batch_size}")
-        if not torch.isfinite(chunk).all():
-            raise ValueError("audio chunk has NaN or infinite samples; expected finite values in [-1, 1]")
-        self.pending = torch.cat([self.pending, chunk.to(self.pending)], dim=-1)
-        hop = self.codec.config.mel_hop_length
-        whole = self.pending.shape[-1] // hop * hop
-        ready, self.pending = self.pending[:, :whole], self.pending[:, whole:]
-        self._analyse(ready)
+        self._analyse(take_whole_hops(self, audio, self.codec.config.mel_hop_length))
         return self._encode_ready()
 
     @torch.no_grad()
