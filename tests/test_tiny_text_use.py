@@ -85,3 +85,22 @@ def test_a_diagonal_attention_map_scores_one_and_a_still_one_zero():
     assert monotonic_correlation(still) == 0.0
     two_frames_a_symbol = torch.eye(4).repeat_interleave(2, dim=0)  # [8 frames, 4 symbols]
     assert monotonic_correlation(two_frames_a_symbol) > 0.95
+
+
+def test_following_a_run_skips_a_checkpoint_the_run_rotated_away(tmp_path, monkeypatch, capsys):
+    """A run in training keeps its last checkpoints only: one listed and then removed before the
+    probe reached it is skipped with a note, the others are scored."""
+    from recipes.drama3_tiny import text_use
+
+    _, model, processor, codec = held_out_setup(tmp_path, heldout_sentences=2)
+    run = tmp_path / "run"
+    processor.tokenizer.save_pretrained(run / "tokenizer")
+    codec.save_pretrained(run / "model" / "codec")
+    model.save_pretrained(run / "checkpoint-2")
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    listed = [(1, run / "checkpoint-1"), (2, run / "checkpoint-2")]  # checkpoint-1: gone since it was listed
+    monkeypatch.setattr(text_use, "run_checkpoints", lambda folder, every: listed)
+    text_use.main(["--corpus", str(tmp_path / "corpus"), "--run", str(run), "--json", str(tmp_path / "use.jsonl")])
+    rows = [json.loads(line) for line in (tmp_path / "use.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2]
+    assert "checkpoint-1: removed by the training run" in capsys.readouterr().out

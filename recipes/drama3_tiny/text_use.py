@@ -229,7 +229,14 @@ def main(argv=None) -> None:
         done = {json.loads(line).get("step") for line in args.json.read_text().splitlines() if line.strip()}
     dataset = held_out_dataset(args.corpus, codec, cache)
     for step, folder in tqdm([(s, f) for s, f in models if s is None or s not in done], desc="text use"):
-        model = Drama3ForSpeechGeneration.from_pretrained(folder, attn_implementation="eager")
+        try:
+            model = Drama3ForSpeechGeneration.from_pretrained(folder, attn_implementation="eager")
+        except OSError:
+            if folder.exists():
+                raise
+            # a run in training rotates its checkpoints (save_total_limit): this one went meanwhile
+            print(f"{folder}: removed by the training run before it could be scored; skipped", flush=True)
+            continue
         row = {"step": step, "model": str(folder), **text_use(model, processor, dataset, limit=args.utterances),
                "diagonality": diagonality(model, processor, dataset)}
         print(json.dumps(row))
