@@ -127,6 +127,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed-phoneme-codes", action="store_true",
                         help="phonetic codec: start each semantic token's embedding as its phoneme's text token "
                         "(lm_recipe.seed_phoneme_codes)")
+    parser.add_argument("--guided-attention", type=float, default=0.0,
+                        help="weight of a guided-attention loss on the backbone's attention layers (target frames "
+                        "to the text they speak along the diagonal; recipes.drama3_tiny.guided_attention); 0: none")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -198,6 +201,7 @@ def main(argv=None) -> None:
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.training import CloningCollator, prepare_dataset
+    from .guided_attention import GuidedAttention, SpeakSpanCollator, guided_trainer_class
     from .lm_recipe import build_tiny_tokenizer, seed_phoneme_codes, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
@@ -240,7 +244,11 @@ def main(argv=None) -> None:
         frame_rate=codec.frame_rate,
     )
     pool = reference_pool(dataset, args.min_reference_frames, args.max_reference_frames)
-    collator = CloningCollator(processor, pool, max_references=1, seed=args.seed)
+    guide = None
+    if args.guided_attention > 0:
+        model.set_attn_implementation("eager")  # the guide reads the attention weights
+        guide = GuidedAttention(model, weight=args.guided_attention)
+    collator = (SpeakSpanCollator if guide is not None else CloningCollator)(processor, pool, max_references=1, seed=args.seed)
     training_args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=args.batch_size,
@@ -265,9 +273,9 @@ def main(argv=None) -> None:
     sampler = None
     if args.curriculum_steps > 0:
         sampler = CurriculumSampler(dataset["frames"], args.batch_size, args.curriculum_steps, args.max_steps, args.seed)
-    trainer = curriculum_trainer_class()(
+    trainer = guided_trainer_class(curriculum_trainer_class())(
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
-        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl")], curriculum=sampler,
+        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl")], curriculum=sampler, guide=guide,
     )
     trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
 
