@@ -150,6 +150,31 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
     assert audio.shape[-1] == codes.shape[1] * 1024
 
 
+@pytest.mark.skipif(not __import__("recipes.drama3_tiny.corpus", fromlist=["x"]).espeak_available(),
+                    reason="espeak-ng binary not on PATH")
+def test_a_second_process_encoding_from_the_end_fills_the_runs_codes_cache(labelled, tmp_path):
+    """`lm_training --encode-from-end` encodes the far half of the corpus into RUN/codes and trains
+    nothing; the run's own encoding then reads those utterances from the cache, the same codes as
+    encoding them itself."""
+    from recipes.drama3_tiny.corpus import build_corpus
+    from recipes.drama3_tiny.lm_training import corpus_records, far_half, load_codec, main
+    from transformers_drama3.training import prepare_dataset
+
+    rows, _, _ = labelled
+    fit.new_codec(rows, hidden_size=16, dilations=[1, 2]).save_pretrained(tmp_path / "codec")
+    build_corpus(tmp_path / "corpus", seed=5, utterances_per_voice=5, heldout_sentences=10,
+                 voices=[VOICES_BY_NAME["B"]], progress=False)
+    main(["--corpus", str(tmp_path / "corpus"), "--codec", str(tmp_path / "codec"), "--out", str(tmp_path / "run"),
+          "--encode-from-end"])
+    records, codec = corpus_records(tmp_path / "corpus"), load_codec(tmp_path / "codec")
+    assert len(list((tmp_path / "run" / "codes").glob("*.npy"))) == len(far_half(records)) < len(records)
+    assert not (tmp_path / "run" / "model").exists()
+    cached, report = prepare_dataset(records, codec, tmp_path / "run" / "codes", progress=False)
+    assert report.from_cache == len(far_half(records)) and report.kept == len(records)
+    fresh, _ = prepare_dataset(records, codec, tmp_path / "fresh", progress=False)
+    assert cached["codes"] == fresh["codes"]
+
+
 def test_semantic_tokens_start_as_the_text_tokens_of_their_phonemes(labelled):
     """`seed_phoneme_codes`: every phoneme the labels use has text tokens (the codec's labels and
     the phoneme front end spell phonemes alike), and each semantic token starts as their mean."""

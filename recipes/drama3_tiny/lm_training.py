@@ -142,6 +142,9 @@ def parse_args(argv=None):
     parser.add_argument("--save-steps", type=int, default=200)
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--encode-from-end", action="store_true",
+                        help="only encode the far half of the corpus into the run's codes cache, from its last "
+                        "utterance back, and exit: a second process beside the training run's own encoding")
     return parser.parse_args(argv)
 
 
@@ -154,6 +157,12 @@ def corpus_records(corpus: Path, split: str = CLONING_SPLIT) -> list[dict]:
         for record in read_manifest(corpus / "manifest.jsonl")
         if record.split == split
     ]
+
+
+def far_half(records: list[dict]) -> list[dict]:
+    """The records a second encoding process takes, last first: a little over half, so the two
+    processes meet before either stops (the cache makes the overlap free for the one that reads it)."""
+    return records[::-1][: len(records) // 2 + 1]
 
 
 def load_codec(path: str | os.PathLike):
@@ -209,6 +218,10 @@ def main(argv=None) -> None:
     codec = load_codec(args.codec)
 
     records = corpus_records(corpus)
+    if args.encode_from_end:
+        _, report = prepare_dataset(far_half(records), codec, out / "codes", min_seconds=args.min_seconds)
+        print(f"encoded from the end: {report.summary()}")
+        return
     dataset, report = prepare_dataset(records, codec, out / "codes", report_path=out / "preparation.json",
                                       min_seconds=args.min_seconds)
     print(report.summary())
