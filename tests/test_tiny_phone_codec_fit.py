@@ -125,7 +125,8 @@ def test_training_learns_resumes_exactly_and_exports(labelled, tmp_path):
 def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(labelled, tmp_path):
     """`lm_training` takes a phonetic codec folder: five codes a frame, the model and processor
     saved with it, generation in its layout (with the recipe's two levers for such a codec on:
-    semantic tokens seeded from their phonemes, the guided-attention loss)."""
+    semantic tokens seeded from their phonemes, the guided-attention loss on the alignment read off
+    the codes)."""
     from transformers import AutoModel, AutoProcessor
 
     from recipes.drama3_tiny.corpus import build_corpus
@@ -138,7 +139,8 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
                  voices=[VOICES_BY_NAME["A"]], progress=False)
     main(["--corpus", str(tmp_path / "corpus"), "--codec", str(tmp_path / "codec"), "--out", str(tmp_path / "run"),
           "--batch-size", "2", "--warmup-steps", "1", "--save-steps", "2", "--threads", "1", "--max-steps", "2",
-          "--text-frontend", "phonemes", "--seed-phoneme-codes", "--guided-attention", "1.0"])
+          "--text-frontend", "phonemes", "--seed-phoneme-codes", "--guided-attention", "1.0",
+          "--guided-attention-target", "aligned"])
     model = AutoModel.from_pretrained(tmp_path / "run" / "model").eval()
     processor = AutoProcessor.from_pretrained(tmp_path / "run" / "model")
     assert isinstance(processor.codec, Drama3PhoneCodecModel) and model.config.num_codebooks == 5

@@ -20,6 +20,11 @@ read their weights).
                                                   guide=GuidedAttention(model, weight=1.0))
 
 (`python -m recipes.drama3_tiny.lm_training ... --guided-attention 1.0`)
+
+The second guide, for a phonetic codec (`--guided-attention-target aligned`), replaces the
+straight diagonal by the true alignment read off the target's codes (`code_alignment`): in each
+attention layer head 0 is asked to look at the phoneme the frame is speaking and head 1 at the
+phoneme after it (cross entropy of the head's attention at that row); the other heads are free.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from transformers_drama3.training import CloningCollator
 
 SPAN_KEY = "speak_spans"
+ALIGNED_KEY = "aligned_rows"
 
 
 def diagonal_penalty(frames: int, text: int, width: float = 0.2) -> torch.Tensor:
@@ -60,6 +66,30 @@ def guided_attention_loss(weights: torch.Tensor, frames: torch.Tensor, spans: to
     return torch.stack(losses).mean()
 
 
+def aligned_attention_loss(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of attention heads at their target rows.
+
+    weights: [batch, heads, rows, rows] attention of one layer; targets: [batch, guided heads,
+    rows] the row each guided head (heads 0, 1, ...) of each query row should look at, -1 for a
+    query row that is not guided. The mean of -log(weight at the target) over the guided query
+    rows of every guided head."""
+    heads = targets.shape[1]
+    guided = targets >= 0
+    if not guided.any():
+        return weights.sum() * 0.0
+    picked = weights[:, :heads].gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [batch, heads, rows]
+    return -torch.log(picked[guided].clamp_min(1e-6)).mean()
+
+
+def attention_accuracy(weights: torch.Tensor, targets: torch.Tensor) -> float:
+    """The share of guided query rows whose head puts its largest weight on the target row."""
+    heads = targets.shape[1]
+    guided = targets >= 0
+    if not guided.any():
+        return float("nan")
+    return float((weights[:, :heads].argmax(-1) == targets)[guided].float().mean())
+
+
 class GuidedAttention:
     """Forward hooks on the backbone's attention layers that keep their attention weights of the
     last forward, and the loss over them (`loss(batch)`).
@@ -72,6 +102,7 @@ class GuidedAttention:
 
     def __init__(self, model, weight: float = 1.0, width: float = 0.2):
         self.weight, self.width = weight, width
+        self.last_accuracy = float("nan")
         self.captured: list[torch.Tensor] = []
         layers = [layer.self_attn for layer in model.backbone.layers if hasattr(layer, "self_attn")]
         if not layers:
@@ -90,6 +121,10 @@ class GuidedAttention:
         captured, self.captured = self.captured, []
         if not captured:
             raise ValueError("GuidedAttention: no attention weights were captured by the forward")
+        aligned = inputs.get(ALIGNED_KEY)
+        if aligned is not None:
+            self.last_accuracy = sum(attention_accuracy(w.detach(), aligned) for w in captured) / len(captured)
+            return self.weight * torch.stack([aligned_attention_loss(w, aligned) for w in captured]).mean()
         frames = is_semantic(inputs["input_ids"]) & (inputs["labels"] != -100)
         spans = inputs[SPAN_KEY]
         return self.weight * torch.stack([guided_attention_loss(w, frames, spans, self.width) for w in captured]).mean()
@@ -101,18 +136,51 @@ class GuidedAttention:
 
 class SpeakSpanCollator(CloningCollator):
     """`CloningCollator` whose batches also carry `speak_spans` [batch, 2]: the rows of the text of
-    the turn each item speaks (what `GuidedAttention` guides the target's frames to)."""
+    the turn each item speaks (what `GuidedAttention` guides the target's frames to).
+
+    With `phoneme_rows` (a `code_alignment.PhonemeRows`: a phonetic codec's labels and a phoneme
+    tokenizer) they also carry `aligned_rows` [batch, 2, rows]: for each of the target's frame
+    rows the row of the phoneme it speaks and of the phoneme after it (`code_alignment.
+    frame_targets`), -1 elsewhere."""
+
+    def __init__(self, *args, phoneme_rows=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phoneme_rows = phoneme_rows
 
     def __call__(self, examples):
-        self._spans = []
+        self._spans, self._aligned = [], []
         batch = super().__call__(examples)
         batch[SPAN_KEY] = torch.tensor(self._spans, dtype=torch.long)
+        if self.phoneme_rows is not None:
+            aligned = torch.full((len(self._aligned), 2, batch["input_ids"].shape[1]), -1, dtype=torch.long)
+            for item, targets in enumerate(self._aligned):
+                aligned[item, :, : targets.shape[1]] = targets
+            batch[ALIGNED_KEY] = aligned
         return batch
 
     def example_rows(self, example, position=0):
         rows, weights = super().example_rows(example, position)
         self._spans.append(rows.speak_span)
+        if self.phoneme_rows is not None:
+            self._aligned.append(self.aligned_rows(rows))
         return rows, weights
+
+    def aligned_rows(self, rows) -> torch.Tensor:
+        """[2, rows]: the current and next phoneme rows of each target frame row, -1 elsewhere."""
+        from .code_alignment import frame_targets
+
+        ids = self.processor.token_ids
+        semantic = (rows.input_ids >= ids.semantic_start) & (rows.input_ids < ids.semantic_start + ids.codebook_size)
+        frames = (semantic & rows.supervised).nonzero().flatten()
+        targets = torch.full((2, len(rows)), -1, dtype=torch.long)
+        start, stop = rows.speak_span
+        if frames.numel() == 0 or stop <= start:
+            return targets
+        current, following = frame_targets(rows.audio_codes[frames].numpy(), rows.input_ids[start:stop].tolist(),
+                                           self.phoneme_rows)
+        targets[0, frames] = torch.from_numpy(current) + start
+        targets[1, frames] = torch.from_numpy(following) + start
+        return targets
 
 
 def guided_trainer_class(base):
@@ -127,12 +195,22 @@ def guided_trainer_class(base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             inputs = dict(inputs)
             spans = inputs.pop(SPAN_KEY, None)
+            aligned = inputs.pop(ALIGNED_KEY, None)
             loss, output = drama3_loss(model, inputs, self.pad_id)
             if self.guide is not None and model.training:
                 unwrapped = self.accelerator.unwrap_model(model)
-                loss = loss + self.guide.loss({**inputs, SPAN_KEY: spans}, unwrapped.is_semantic)
+                guided = {**inputs, SPAN_KEY: spans} if aligned is None else {**inputs, SPAN_KEY: spans, ALIGNED_KEY: aligned}
+                guide_loss = self.guide.loss(guided, unwrapped.is_semantic)
+                self._guide_log = (float(guide_loss), self.guide.last_accuracy)
+                loss = loss + guide_loss
             elif self.guide is not None:
                 self.guide.captured = []
             return (loss, output) if return_outputs else loss
+
+        def log(self, logs, *args, **kwargs):
+            last = getattr(self, "_guide_log", None)
+            if last is not None and "loss" in logs:  # the last step's guide term, and how often heads hit their row
+                logs = {**logs, "guide_loss": round(last[0], 4), "guide_accuracy": round(last[1], 4)}
+            return super().log(logs, *args, **kwargs)
 
     return _Guided

@@ -130,6 +130,10 @@ def parse_args(argv=None):
     parser.add_argument("--guided-attention", type=float, default=0.0,
                         help="weight of a guided-attention loss on the backbone's attention layers (target frames "
                         "to the text they speak along the diagonal; recipes.drama3_tiny.guided_attention); 0: none")
+    parser.add_argument("--guided-attention-target", default="diagonal", choices=["diagonal", "aligned"],
+                        help="diagonal: the straight line from the first text row to the last; aligned (a phonetic "
+                        "codec): heads 0 and 1 of each attention layer to the phoneme each frame speaks and the "
+                        "next one, read off the target's codes (recipes.drama3_tiny.code_alignment)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=200)
@@ -210,6 +214,7 @@ def main(argv=None) -> None:
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.training import CloningCollator, prepare_dataset
+    from .code_alignment import PhonemeRows
     from .guided_attention import GuidedAttention, SpeakSpanCollator, guided_trainer_class
     from .lm_recipe import build_tiny_tokenizer, seed_phoneme_codes, tiny_model_config
 
@@ -261,7 +266,15 @@ def main(argv=None) -> None:
     if args.guided_attention > 0:
         model.set_attn_implementation("eager")  # the guide reads the attention weights
         guide = GuidedAttention(model, weight=args.guided_attention)
-    collator = (SpeakSpanCollator if guide is not None else CloningCollator)(processor, pool, max_references=1, seed=args.seed)
+    if guide is None:
+        collator = CloningCollator(processor, pool, max_references=1, seed=args.seed)
+    else:
+        phoneme_rows = None
+        if args.guided_attention_target == "aligned":
+            if not hasattr(codec.config, "phonemes") or args.text_frontend != "phonemes" and not resume:
+                raise SystemExit("--guided-attention-target aligned needs a phonetic codec and --text-frontend phonemes")
+            phoneme_rows = PhonemeRows(tokenizer, codec.config.phonemes)
+        collator = SpeakSpanCollator(processor, pool, max_references=1, seed=args.seed, phoneme_rows=phoneme_rows)
     training_args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=args.batch_size,
