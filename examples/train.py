@@ -61,6 +61,14 @@ def load_data(args, processor):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        train(args)
+    finally:
+        close_process_group()
+
+
+def train(args) -> None:
+    """Train and save; every rank runs all of it (Trainer writes from the main process only)."""
     from transformers import AutoTokenizer, TrainingArguments
 
     from transformers_drama3 import Drama3ForSpeechGeneration
@@ -111,24 +119,30 @@ def main(argv=None):
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
         optimizer=args.optimizer, pad_id=processor.token_ids.pad,
     )
-    try:
-        trainer.train(resume_from_checkpoint=args.resume)
-        if trainer.is_world_process_zero():
-            trainer.save_model(os.path.join(args.output, "final"))
-            if args.loss_log:
-                losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-                with open(args.loss_log, "w") as handle:
-                    json.dump(losses, handle)
-    finally:
-        close_process_group()
+    trainer.train(resume_from_checkpoint=args.resume)
+    trainer.save_model(os.path.join(args.output, "final"))
+    if trainer.is_world_process_zero() and args.loss_log:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        with open(args.loss_log, "w") as handle:
+            json.dump(losses, handle)
+    trainer.accelerator.wait_for_everyone()  # no rank tears the group down while another still uses it
 
 
 def close_process_group() -> None:
     """Tear the process group down before the interpreter does: a gloo worker still alive at exit
-    aborts its process (SIGABRT) and fails a run whose training had finished."""
+    aborts its process (SIGABRT) and fails a run whose training had finished. The trainer and its
+    DDP wrapper are gone by now (`train` has returned) and are collected first, so the last
+    reference to the group is dropped here, not by the DDP reducer's destructor at interpreter
+    exit: that one joins gloo's worker threads while holding the GIL, and a worker releasing a
+    finished collective's tensors waits for the GIL (a deadlock seen at exit)."""
+    import gc
+    import time
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        time.sleep(0.2)  # the GIL released: workers drop the works they have finished
         dist.destroy_process_group()
 
 
