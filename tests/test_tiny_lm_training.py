@@ -3,6 +3,7 @@
 package folder with bundled voices."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -123,6 +124,42 @@ def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir
                    "text_tokens_per_second", None) is None
     rate = reloaded.generation_config.text_tokens_per_second
     assert isinstance(rate, float) and 1.0 < rate < 30.0
+
+
+def test_a_run_on_some_voices_reads_only_their_utterances(corpus, tmp_path):
+    """`lm_training --voices` (and `text_use --voices`) take the named voices' utterances only, and
+    `export --voices` measures the speaking rate on those voices and bundles only them."""
+    from recipes.drama3_tiny.corpus import read_manifest
+    from recipes.drama3_tiny.lm_training import corpus_records, main
+
+    every = corpus_records(corpus)
+    only_b = corpus_records(corpus, voices=["B"])
+    assert {r["speaker"] for r in every} == {"A", "B"} and only_b
+    assert only_b == [r for r in every if r["speaker"] == "B"]
+    assert {r["speaker"] for r in corpus_records(corpus, "heldout", ["A"])} == {"A"}
+    assert len(read_manifest(corpus / "manifest.jsonl")) > len(every)  # the held-out split is left out
+    with pytest.raises(SystemExit, match="no train utterances of voices Z"):
+        main(["--corpus", str(corpus), "--codec", "unused", "--out", str(tmp_path / "run"), "--voices", "Z"])
+
+
+def test_export_measures_the_speaking_rate_on_the_bundled_voices(corpus, codec_dir, tmp_path):
+    from recipes.drama3_tiny.export import record_speaking_rate
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from recipes.drama3_tiny.lm_training import assemble_model_folder, load_codec
+    from transformers_drama3 import Drama3ForSpeechGeneration
+
+    codec = load_codec(codec_dir)
+    tokenizer = build_tiny_tokenizer(["some corpus words here"] * 4, 16)
+    assemble_model_folder(Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16)), tokenizer, codec,
+                          tmp_path / "model")
+    rates = {}
+    for voices in (("A",), ("B",), None):
+        folder = tmp_path / f"rate-{voices}"
+        shutil.copytree(tmp_path / "model", folder)
+        rates[voices] = record_speaking_rate(tmp_path / "model", corpus, folder, voices)
+    # voice A speaks at 170 words a minute, B at 160: the same texts take B longer
+    assert rates[("A",)] != rates[("B",)]
+    assert min(rates[("A",)], rates[("B",)]) <= rates[None] <= max(rates[("A",)], rates[("B",)])
 
 
 def test_the_speaking_rate_is_the_median_of_tokens_a_second(tmp_path):

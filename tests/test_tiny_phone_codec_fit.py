@@ -126,7 +126,7 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
     """`lm_training` takes a phonetic codec folder: five codes a frame, the model and processor
     saved with it, generation in its layout (with the recipe's two levers for such a codec on:
     semantic tokens seeded from their phonemes, the guided-attention loss on the alignment read off
-    the codes)."""
+    the codes, every code of a frame fused into the backbone's input)."""
     from transformers import AutoModel, AutoProcessor
 
     from recipes.drama3_tiny.corpus import build_corpus
@@ -140,10 +140,11 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
     main(["--corpus", str(tmp_path / "corpus"), "--codec", str(tmp_path / "codec"), "--out", str(tmp_path / "run"),
           "--batch-size", "2", "--warmup-steps", "1", "--save-steps", "2", "--threads", "1", "--max-steps", "2",
           "--text-frontend", "phonemes", "--seed-phoneme-codes", "--guided-attention", "1.0",
-          "--guided-attention-target", "aligned"])
+          "--guided-attention-target", "aligned", "--codebook-fusion", "4"])
     model = AutoModel.from_pretrained(tmp_path / "run" / "model").eval()
     processor = AutoProcessor.from_pretrained(tmp_path / "run" / "model")
     assert isinstance(processor.codec, Drama3PhoneCodecModel) and model.config.num_codebooks == 5
+    assert model.config.audio_decoder_config.vq_backbone_codebooks == 4  # every sub-frame phoneme reaches the backbone
     inputs = processor("A short test.", reference_audio=[str(tmp_path / "corpus" / "wavs" / "A-train-00000.wav")],
                        reference_text=["reference words"], sampling_rate=None)
     codes = model.generate(**inputs, seed=0, max_new_tokens=4)
@@ -193,7 +194,8 @@ def test_semantic_tokens_start_as_the_text_tokens_of_their_phonemes(labelled):
     model = Drama3ForSpeechGeneration(tiny_model_config(tokenizer, config.num_codebooks, config.codebook_size,
                                                         hidden_size=32, tower_intermediate_size=32))
     before = model.get_input_embeddings().weight.detach().clone()
-    assert seed_phoneme_codes(model, tokenizer, config.phonemes) == len(config.phonemes)
+    codebooks_before = model.audio_decoder.codebook_embeddings.weight.detach().clone()
+    assert seed_phoneme_codes(model, tokenizer, config.phonemes, codebooks=[2, 3]) == len(config.phonemes)
     table, vocabulary = model.get_input_embeddings().weight, tokenizer.get_vocab()
     silence = vocabulary[semantic_token(0)]
     torch.testing.assert_close(table[silence], before[vocabulary[phoneme_token(" ")]])
@@ -204,3 +206,12 @@ def test_semantic_tokens_start_as_the_text_tokens_of_their_phonemes(labelled):
         torch.testing.assert_close(table[code], before[vocabulary[phoneme_token(phoneme)]])
     untouched = vocabulary[semantic_token(len(config.phonemes))]
     assert torch.equal(table[untouched], before[untouched])
+    # the sub-frame codebooks asked for start like the semantic tokens (what partial codebook fusion
+    # adds to an audio row); the voice codebook and the others keep their random start
+    codebooks, size = model.audio_decoder.codebook_embeddings.weight, config.codebook_size
+    for code in range(len(config.phonemes)):
+        for codebook in (2, 3):
+            torch.testing.assert_close(codebooks[codebook * size + code], table[vocabulary[semantic_token(code)]])
+    for codebook in (0, 1, 4):
+        block = slice(codebook * size, (codebook + 1) * size)
+        assert torch.equal(codebooks[block], codebooks_before[block])

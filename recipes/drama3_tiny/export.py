@@ -41,7 +41,7 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
             if (run_model / name).is_file():
                 shutil.copy(run_model / name, building / name)
         shutil.copytree(run_model / "codec", building / "codec")
-        record_speaking_rate(run_model, corpus, building)
+        record_speaking_rate(run_model, corpus, building, voice_names)
         (building / "voices").mkdir()
         for voice, clip in clips.items():
             shutil.copy(corpus / clip.wav, building / "voices" / f"{voice}.wav")
@@ -51,16 +51,18 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
         )
 
 
-def record_speaking_rate(run_model: Path, corpus: Path, building: Path) -> float:
-    """Measure the corpus's speaking rate in the model's text tokens (`lm_training.corpus_speaking_rate`)
-    and write it to `building`'s generation config as `text_tokens_per_second` (a model trained
-    before the rate was recorded gets it here; one that has it gets it measured again)."""
+def record_speaking_rate(run_model: Path, corpus: Path, building: Path, voice_names=None) -> float:
+    """Measure the corpus's speaking rate in the model's text tokens (`lm_training.corpus_speaking_rate`),
+    over the utterances of `voice_names` (all voices when None), and write it to `building`'s
+    generation config as `text_tokens_per_second` (a model trained before the rate was recorded
+    gets it here; one that has it gets it measured again)."""
     from transformers import GenerationConfig
 
     from transformers_drama3.processing_drama3 import Drama3Processor
     from .lm_training import corpus_speaking_rate
 
-    records = [r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"]
+    records = [r for r in read_manifest(corpus / "manifest.jsonl")
+               if r.split == "train" and (voice_names is None or r.voice in voice_names)]
     rate = corpus_speaking_rate(
         Drama3Processor.from_pretrained(run_model),
         [{"audio": str(corpus / r.wav), "text": r.directed_text} for r in records],
@@ -99,9 +101,11 @@ def main(argv=None) -> None:
     parser.add_argument("--corpus", required=True, help="the corpus the run trained on (for the reference clips)")
     parser.add_argument("--to", required=True, help="the folder to write (replaced whole once the copy is complete)")
     parser.add_argument("--force", action="store_true", help="allow --to to be the installed package's own drama3-tiny")
+    parser.add_argument("--voices", default="A,B,D,F",
+                        help="the voices to bundle (comma-separated; the voices the run trained on)")
     args = parser.parse_args(argv)
     try:
-        export(args.run_model, args.corpus, args.to, force=args.force)
+        export(args.run_model, args.corpus, args.to, voice_names=tuple(args.voices.split(",")), force=args.force)
     except ValueError as error:
         parser.exit(2, f"export: {error}\n")
     print(f"drama3-tiny exported to {args.to}")

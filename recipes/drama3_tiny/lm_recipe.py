@@ -163,32 +163,47 @@ def tiny_model_config(
     )
 
 
-def seed_phoneme_codes(model, tokenizer, phonemes) -> int:
+def seed_phoneme_codes(model, tokenizer, phonemes, codebooks=()) -> int:
     """Start the embedding of each semantic token of a phonetic codec (`codec.phone_codec`: code
     k of codebook 0 is the phoneme `phonemes[k]`) as the embedding of that phoneme's text token(s),
     the mean over its symbols with the stress marks left out; the silence label "_" starts as the
     word boundary. The backbone then reads the phoneme being spoken and the phoneme to read as one
     vector from the first step, and has only to learn where in the text it is, not which text
     token each code denotes. Codes whose phoneme has no text token keep their random start.
-    Returns how many codes were seeded."""
+
+    `codebooks` (the codec's other phoneme codebooks, e.g. 2-4) start the same way in the tower's
+    codebook table, which is also what partial codebook fusion adds to an audio row's backbone
+    input: with those codebooks fused, an audio row starts as the mean of its phonemes' text
+    tokens. Returns how many semantic codes were seeded."""
     import torch
 
     from transformers_drama3.prompting import semantic_token
-    from transformers_drama3.prompting.phonemes import WORD_BOUNDARY, phoneme_symbols, phoneme_token
 
     table = model.get_input_embeddings().weight
+    codebook_table = model.audio_decoder.codebook_embeddings.weight
+    size = model.audio_decoder.codebook_size
     vocabulary = tokenizer.get_vocab()
     seeded = 0
     with torch.no_grad():
         for code, phoneme in enumerate(phonemes):
-            symbols = [WORD_BOUNDARY] if phoneme == "_" else [
-                s for s in phoneme_symbols(phoneme) if s not in STRESS_MARKS
-            ]
-            ids = [vocabulary[phoneme_token(s)] for s in symbols if phoneme_token(s) in vocabulary]
-            if ids:
-                table[vocabulary[semantic_token(code)]] = table[ids].mean(dim=0)
-                seeded += 1
+            ids = phoneme_text_ids(vocabulary, phoneme)
+            if not ids:
+                continue
+            mean = table[ids].mean(dim=0)
+            table[vocabulary[semantic_token(code)]] = mean
+            for codebook in codebooks:
+                codebook_table[codebook * size + code] = mean.to(codebook_table.dtype)
+            seeded += 1
     return seeded
+
+
+def phoneme_text_ids(vocabulary: dict, phoneme: str) -> list[int]:
+    """The text token ids that spell a codec phoneme label (its symbols without stress marks; the
+    word boundary for the silence label "_"); the symbols the tokenizer lacks are left out."""
+    from transformers_drama3.prompting.phonemes import WORD_BOUNDARY, phoneme_symbols, phoneme_token
+
+    symbols = [WORD_BOUNDARY] if phoneme == "_" else [s for s in phoneme_symbols(phoneme) if s not in STRESS_MARKS]
+    return [vocabulary[phoneme_token(s)] for s in symbols if phoneme_token(s) in vocabulary]
 
 
 STRESS_MARKS = ("ˈ", "ˌ")

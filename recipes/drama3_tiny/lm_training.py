@@ -103,6 +103,10 @@ def parse_args(argv=None):
     parser.add_argument("--minutes", type=float, default=60.0, help="training time of this call")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--voices", default=None,
+                        help="train on these voices of the corpus only (comma-separated names; default all). The "
+                        "phoneme front end reads en-us: a voice whose accent speaks other phonemes (D's RP, F's en-029) "
+                        "gives codes its text does not spell")
     parser.add_argument("--text-frontend", default="text", choices=["text", "phonemes"],
                         help="how the model reads spoken text (a new run only; a resumed run keeps its tokenizer)")
     parser.add_argument("--curriculum-steps", type=int, default=0,
@@ -113,6 +117,10 @@ def parse_args(argv=None):
     parser.add_argument("--min-reference-frames", type=int, default=0,
                         help="cloning references are utterances of at least this many frames (40 = 1.9 s: a "
                         "one-word utterance shows little of a voice, and inference clones from sentences)")
+    parser.add_argument("--codebook-fusion", type=int, default=1,
+                        help="codebooks 1..K added to an audio row's backbone input (partial codebook fusion; the "
+                        "published K is 1). A phonetic codec's sub-frame phonemes are codebooks 2-4: K = 4 lets the "
+                        "backbone see every phoneme spoken so far, not one sub-frame in four")
     parser.add_argument("--backbone-layers", type=int, default=4, help="backbone layers (alternating DeltaNet / attention)")
     parser.add_argument("--hidden-size", type=int, default=256, help="width of the backbone and the tower")
     parser.add_argument("--tower-intermediate-size", type=int, default=None,
@@ -152,14 +160,15 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def corpus_records(corpus: Path, split: str = CLONING_SPLIT) -> list[dict]:
-    """The corpus's `split` as `prepare_dataset` records: audio path, directed text, voice."""
+def corpus_records(corpus: Path, split: str = CLONING_SPLIT, voices=None) -> list[dict]:
+    """The corpus's `split` as `prepare_dataset` records: audio path, directed text, voice; only
+    the utterances of `voices` (names) when given."""
     from .corpus import read_manifest
 
     return [
         {"audio": str(corpus / record.wav), "text": record.directed_text, "speaker": record.voice}
         for record in read_manifest(corpus / "manifest.jsonl")
-        if record.split == split
+        if record.split == split and (voices is None or record.voice in voices)
     ]
 
 
@@ -219,10 +228,11 @@ def main(argv=None) -> None:
     from .lm_recipe import build_tiny_tokenizer, seed_phoneme_codes, tiny_model_config
 
     corpus, out = Path(args.corpus), Path(args.out)
+    records = corpus_records(corpus, voices=args.voices.split(",") if args.voices else None)
+    if not records:
+        raise SystemExit(f"no {CLONING_SPLIT} utterances of voices {args.voices} in {corpus}")
     out.mkdir(parents=True, exist_ok=True)
     codec = load_codec(args.codec)
-
-    records = corpus_records(corpus)
     if args.encode_from_end:
         _, report = prepare_dataset(far_half(records), codec, out / "codes", min_seconds=args.min_seconds)
         print(f"encoded from the end: {report.summary()}")
@@ -241,7 +251,7 @@ def main(argv=None) -> None:
     config = tiny_model_config(
         tokenizer, codec.num_codebooks, codec.config.codebook_size,
         sampling_rate=codec.sampling_rate, frame_size=codec.hop_length,
-        backbone_layers=args.backbone_layers, hidden_size=args.hidden_size,
+        codebook_fusion=args.codebook_fusion, backbone_layers=args.backbone_layers, hidden_size=args.hidden_size,
         tower_intermediate_size=args.tower_intermediate_size,
     )
     config.semantic_loss_weight = args.semantic_loss_weight
@@ -253,7 +263,8 @@ def main(argv=None) -> None:
     if args.seed_phoneme_codes:
         if not hasattr(codec.config, "phonemes"):
             raise SystemExit("--seed-phoneme-codes needs a phonetic codec (its config lists the phonemes its codes are)")
-        seeded = seed_phoneme_codes(model, tokenizer, codec.config.phonemes)
+        seeded = seed_phoneme_codes(model, tokenizer, codec.config.phonemes,
+                                    codebooks=range(2, codec.num_codebooks))
         print(f"seeded {seeded} of {len(codec.config.phonemes)} phoneme codes from their text tokens")
     print(f"drama3-tiny: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
 

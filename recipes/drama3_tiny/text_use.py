@@ -66,12 +66,13 @@ def round_robin(speakers: Sequence[str], count: int) -> list[int]:
     return sorted(chosen[:count])
 
 
-def held_out_dataset(corpus: Path, codec, cache_dir: Path):
-    """The corpus's held-out utterances encoded with `codec`, with `index` for the collator."""
+def held_out_dataset(corpus: Path, codec, cache_dir: Path, voices=None):
+    """The corpus's held-out utterances (of `voices` only, when given) encoded with `codec`, with
+    `index` for the collator."""
     from transformers_drama3.training import prepare_dataset
     from .lm_training import corpus_records
 
-    dataset, _ = prepare_dataset(corpus_records(corpus, HELDOUT_SPLIT), codec, cache_dir, progress=False)
+    dataset, _ = prepare_dataset(corpus_records(corpus, HELDOUT_SPLIT, voices), codec, cache_dir, progress=False)
     return dataset.map(lambda _, index: {"index": index}, with_indices=True)
 
 
@@ -203,6 +204,8 @@ def main(argv=None) -> None:
     parser.add_argument("--plot", type=Path, help="run: plot every line of --json")
     parser.add_argument("--cache", type=Path, help="where the held-out audio's codes are cached (default: RUN/text_use_codes, "
                         "or a temporary folder for --model)")
+    parser.add_argument("--voices", default=None, help="score the held-out utterances of these voices only "
+                        "(comma-separated; a run trained on some voices: lm_training --voices)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -227,7 +230,7 @@ def main(argv=None) -> None:
     done = set()
     if args.json is not None and args.json.exists():
         done = {json.loads(line).get("step") for line in args.json.read_text().splitlines() if line.strip()}
-    dataset = held_out_dataset(args.corpus, codec, cache)
+    dataset = held_out_dataset(args.corpus, codec, cache, args.voices.split(",") if args.voices else None)
     for step, folder in tqdm([(s, f) for s, f in models if s is None or s not in done], desc="text use"):
         try:
             model = Drama3ForSpeechGeneration.from_pretrained(folder, attn_implementation="eager")
