@@ -142,6 +142,38 @@ def test_a_run_on_some_voices_reads_only_their_utterances(corpus, tmp_path):
         main(["--corpus", str(corpus), "--codec", "unused", "--out", str(tmp_path / "run"), "--voices", "Z"])
 
 
+def test_export_can_bundle_another_codec_of_the_same_codes_and_refuses_one_of_other_codes(corpus, codec_dir, tmp_path):
+    import json
+
+    from recipes.drama3_tiny.export import export
+    from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config
+    from recipes.drama3_tiny.lm_training import assemble_model_folder, load_codec
+    from transformers_drama3 import Drama3ForSpeechGeneration
+
+    codec = load_codec(codec_dir)
+    tokenizer = build_tiny_tokenizer(["some corpus words here"] * 4, 16)
+    assemble_model_folder(Drama3ForSpeechGeneration(tiny_model_config(tokenizer, 2, 16)), tokenizer, codec,
+                          tmp_path / "model")
+    retuned = load_codec(codec_dir)
+    with torch.no_grad():
+        for parameter in retuned.parameters():
+            parameter.add_(0.5)
+    retuned.save_pretrained(tmp_path / "retuned")
+    export(tmp_path / "model", corpus, tmp_path / "package", voice_names=("A",), codec=tmp_path / "retuned")
+    bundled = load_codec(tmp_path / "package" / "codec")
+    for name, tensor in retuned.state_dict().items():
+        assert torch.equal(bundled.state_dict()[name], tensor), name
+
+    shutil.copytree(codec_dir, tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "codebook_size": 32}))
+    with pytest.raises(ValueError, match="its codebook_size differs"):
+        export(tmp_path / "model", corpus, tmp_path / "package", voice_names=("A",), force=True,
+               codec=tmp_path / "other")
+    for name, tensor in retuned.state_dict().items():  # the folder already exported is left as it was
+        assert torch.equal(load_codec(tmp_path / "package" / "codec").state_dict()[name], tensor), name
+
+
 def test_export_measures_the_speaking_rate_on_the_bundled_voices(corpus, codec_dir, tmp_path):
     from recipes.drama3_tiny.export import record_speaking_rate
     from recipes.drama3_tiny.lm_recipe import build_tiny_tokenizer, tiny_model_config

@@ -120,6 +120,38 @@ def test_training_learns_resumes_exactly_and_exports(labelled, tmp_path):
     assert codes.shape[1] == 5 and codec.decode(codes).audio_values.shape[-1] == codes.shape[-1] * 1024
 
 
+def test_a_fine_tune_starts_from_a_trained_half_and_learns_only_the_voices_asked_for(labelled, tmp_path):
+    """`train --init-from RUN/decoder.pt --voices A`: the first step starts from the given weights,
+    batches hold only voice A's utterances, and the codec's labels stay those of every voice."""
+    rows, _, _ = labelled
+    named = [dict(row, id=f"{voice}-train-{i:05d}") for i, (row, voice) in enumerate(zip(rows, "AD"))]
+    folder = tmp_path / "labels"
+    folder.mkdir()
+    torch.save(named, folder / "labels-00-of-01.pt")
+    sizes = dict(minutes=10, learning_rate=3e-3, batch_size=2, frames=24, progress=False, log_every=5)
+    fit.train(folder, tmp_path / "all", "decoder", max_steps=10, **sizes)
+    trained = torch.load(tmp_path / "all" / "decoder.pt", weights_only=False)
+
+    seen = []
+    original_batch = fit.batch
+    fit.batch = lambda data, *args: seen.append(len(data)) or original_batch(data, *args)
+    try:
+        fit.train(folder, tmp_path / "tuned", "decoder", max_steps=1, voices=["A"],
+                  init_from=tmp_path / "all" / "decoder.pt", **{**sizes, "learning_rate": 0.0})
+    finally:
+        fit.batch = original_batch
+    assert seen == [1]  # one utterance of voice A
+    tuned = torch.load(tmp_path / "tuned" / "decoder.pt", weights_only=False)
+    assert tuned["step"] == 1 and tuned["config"] == trained["config"]  # labels of both voices kept
+    for name, tensor in trained["state"].items():  # a zero learning rate leaves the start as it was
+        assert torch.equal(tuned["state"][name], tensor), name
+    with pytest.raises(ValueError, match="no labelled utterance"):
+        fit.train(folder, tmp_path / "none", "decoder", max_steps=1, voices=["B"], **sizes)
+    with pytest.raises(ValueError, match="not a recogniser checkpoint"):
+        fit.train(folder, tmp_path / "wrong", "recogniser", max_steps=1, init_from=tmp_path / "all" / "decoder.pt",
+                  **sizes)
+
+
 @pytest.mark.skipif(not __import__("recipes.drama3_tiny.corpus", fromlist=["x"]).espeak_available(),
                     reason="espeak-ng binary not on PATH")
 def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(labelled, tmp_path):

@@ -1,9 +1,11 @@
 """Copy a finished drama3-tiny training run into the package, where `drama3 say` finds it.
 
-    python -m recipes.drama3_tiny.export RUN/model --corpus CORPUS --to FOLDER [--force]
+    python -m recipes.drama3_tiny.export RUN/model --corpus CORPUS --to FOLDER [--voices A,B] [--codec CODEC] [--force]
 
 RUN/model is what `lm_training` writes; CORPUS the corpus it trained on (one plain English train
-clip per voice becomes that voice's bundled reference). FOLDER is replaced whole once the copy is
+clip per voice becomes that voice's bundled reference). CODEC replaces the run's codec folder: the
+same codes (labels, codebooks) with other weights, e.g. the phonetic codec's decoder fine-tuned
+after the run had encoded its corpus. FOLDER is replaced whole once the copy is
 complete; the package's own `assets/drama3-tiny` (`transformers_drama3.tiny.shipped.TINY_MODEL_PATH`)
 is replaced only with `--force`.
 """
@@ -25,9 +27,11 @@ _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "t
 
 
 def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
-           voice_names: tuple[str, ...] = ("A", "B", "D", "F"), force: bool = False) -> None:
+           voice_names: tuple[str, ...] = ("A", "B", "D", "F"), force: bool = False,
+           codec: str | Path | None = None) -> None:
     """Copy a trained model folder (config, weights, tokenizer, codec) to `destination` and add one
-    plain English train clip per voice from `corpus` as its bundled reference.
+    plain English train clip per voice from `corpus` as its bundled reference. `codec`, when given,
+    is copied instead of the run's `codec/` (it must code the same labels in as many codebooks).
 
     The source is checked before `destination` is touched, the new folder is built beside it and
     swapped in whole, and the installed package's own model folder is replaced only with `force`."""
@@ -35,12 +39,13 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
     if destination.resolve() == Path(TINY_MODEL_PATH).resolve() and not force:
         raise ValueError(f"{destination}: this is the drama3-tiny installed with the package; pass force=True (--force) to replace it")
     clips = _check_export_source(run_model, corpus, voice_names)
+    codec = run_model / "codec" if codec is None else _check_codec_swap(run_model / "codec", Path(codec))
     with atomic_folder(destination) as building:
         building = Path(building)
         for name in _MODEL_FILES:
             if (run_model / name).is_file():
                 shutil.copy(run_model / name, building / name)
-        shutil.copytree(run_model / "codec", building / "codec")
+        shutil.copytree(codec, building / "codec")
         record_speaking_rate(run_model, corpus, building, voice_names)
         (building / "voices").mkdir()
         for voice, clip in clips.items():
@@ -74,6 +79,23 @@ def record_speaking_rate(run_model: Path, corpus: Path, building: Path, voice_na
     return rate
 
 
+CODES_FIELDS = ("model_type", "num_codebooks", "codebook_size", "phonemes", "voices", "sampling_rate", "hop_length")
+"""What a replacement codec must share with the run's: what its codes mean and how many a frame."""
+
+
+def _check_codec_swap(trained: Path, replacement: Path) -> Path:
+    """`replacement` after checking it codes what the run's codec `trained` codes (ValueError naming
+    the first field that differs)."""
+    if not (replacement / "config.json").is_file():
+        raise ValueError(f"--codec {replacement}: no config.json; expected a codec folder")
+    old, new = (json.loads((folder / "config.json").read_text()) for folder in (trained, replacement))
+    for field in CODES_FIELDS:
+        if old.get(field) != new.get(field):
+            raise ValueError(f"--codec {replacement}: its {field} differs from the run's codec's ({trained}); "
+                             "the model was trained on the run codec's codes")
+    return replacement
+
+
 def _check_export_source(run_model: Path, corpus: Path, voice_names) -> dict:
     """voice -> the corpus record of its reference clip, after checking that the run folder and the
     corpus hold everything `export` copies (ValueError naming what is missing)."""
@@ -103,9 +125,11 @@ def main(argv=None) -> None:
     parser.add_argument("--force", action="store_true", help="allow --to to be the installed package's own drama3-tiny")
     parser.add_argument("--voices", default="A,B,D,F",
                         help="the voices to bundle (comma-separated; the voices the run trained on)")
+    parser.add_argument("--codec", default=None, help="a codec folder to bundle instead of the run's (the same codes)")
     args = parser.parse_args(argv)
     try:
-        export(args.run_model, args.corpus, args.to, voice_names=tuple(args.voices.split(",")), force=args.force)
+        export(args.run_model, args.corpus, args.to, voice_names=tuple(args.voices.split(",")), force=args.force,
+               codec=args.codec)
     except ValueError as error:
         parser.exit(2, f"export: {error}\n")
     print(f"drama3-tiny exported to {args.to}")

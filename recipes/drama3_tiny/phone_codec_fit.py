@@ -163,6 +163,11 @@ def read_labels(folder: str | Path) -> list[dict]:
 
 # ---- the codec ----------------------------------------------------------------------------------
 
+def corpus_voice(uid: str) -> str:
+    """The corpus voice of a labelled utterance, from its corpus id ("A-train-00012" -> "A")."""
+    return uid.split("-", 1)[0]
+
+
 def codec_config(rows: list[dict], **sizes):
     """The codec config for the phoneme and voice labels of `rows` (silence first, then sorted)."""
     from transformers_drama3.codec import Drama3PhoneCodecConfig
@@ -238,9 +243,14 @@ def train_step_loss(codec, part: str, phonemes, voices, log_mel):
 def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minutes: float, resume: bool = False,
           learning_rate: float = 1e-3, batch_size: int = 16, frames: int = 160, seed: int = 0,
           save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
-          log_every: int = 100) -> dict:
+          log_every: int = 100, voices: list[str] | None = None, init_from: str | Path | None = None) -> dict:
     """Train `part` of the codec to `max_steps` (or until `minutes` pass, or this sitting reaches
-    step `stop_at`); returns the last log line."""
+    step `stop_at`); returns the last log line.
+
+    `voices` (corpus voice names) trains on those voices' utterances only; the codec's labels stay
+    those of every labelled utterance. `init_from` (a `train` checkpoint of the same part) starts
+    from its weights, with a new optimiser and schedule: a fine-tune, e.g. the decoder on the
+    bundled model's voices after it learnt all of them."""
     from tqdm import tqdm
 
     if part not in PARTS:
@@ -250,8 +260,18 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
     codec = new_codec(rows)
+    if voices is not None:
+        rows = [r for r in rows if corpus_voice(r["id"]) in voices]
+        if not rows:
+            raise ValueError(f"voices {voices}: no labelled utterance of them in {labels}")
     data = indexed(rows, codec.config)
-    if part == "recogniser":
+    if init_from is not None and not resume:
+        saved = torch.load(init_from, weights_only=False)
+        missing = set(part_state(codec, part)) - set(saved["state"])
+        if missing:
+            raise ValueError(f"{init_from}: not a {part} checkpoint (lacks {sorted(missing)[:3]})")
+        codec.load_state_dict(saved["state"], strict=False)
+    if part == "recogniser" and init_from is None:
         sample = torch.cat([log_mel for _, _, log_mel in data[:500]], dim=-1)
         codec.input_mean.copy_(sample.mean(-1, keepdim=True))
         codec.input_scale.copy_(sample.std(-1, keepdim=True) + 1e-3)
@@ -407,6 +427,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
+    p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this checkpoint of the part (RUN/decoder.pt), with a new schedule: a fine-tune")
     p = sub.add_parser("export", help="both halves into RUN/codec")
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
@@ -426,7 +449,8 @@ def main(argv=None) -> None:
         if args.max_steps < 1 or args.minutes <= 0:
             parser.error("--max-steps must be >= 1 and --minutes > 0")
         print(train(args.labels, args.out, args.part, args.max_steps, args.minutes, args.resume, args.learning_rate,
-                    args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at))
+                    args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at,
+                    voices=args.voices.split(",") if args.voices else None, init_from=args.init_from))
     elif args.command == "export":
         print(f"codec saved to {export(args.labels, args.out)}")
     else:
