@@ -45,8 +45,11 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     from transformers_drama3.codec import Drama3MelCodecModel
 
     out = tmp_path / "run"
-    # a backbone-only stage (codebook loss weight 0: no tower), then the full loss on resume
-    run_training(corpus, codec_dir, out, "--max-steps", "2", "--codebook-loss-weight", "0")
+    # a backbone-only stage (codebook loss weight 0: no tower) stopped after step 2 of 4, then the
+    # full loss on resume
+    run_training(corpus, codec_dir, out, "--max-steps", "4", "--stop-at", "2", "--codebook-loss-weight", "0")
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
     first = [json.loads(line) for line in open(out / "losses.jsonl")]
     from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 

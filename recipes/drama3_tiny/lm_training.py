@@ -151,6 +151,9 @@ def parse_args(argv=None):
         "(a run can go on at a constant rate and end with a decay)",
     )
     parser.add_argument("--max-steps", type=int, default=100_000, help="an upper bound; --minutes stops earlier")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="end this call after this step (with a checkpoint); --resume goes on from there, on the "
+                        "schedule of its own --max-steps")
     parser.add_argument("--save-steps", type=int, default=200)
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -189,10 +192,10 @@ def load_codec(path: str | os.PathLike):
 
 
 class TimeBudget:
-    """A `TrainerCallback` that ends training (with a checkpoint) after `minutes`, and appends the
-    logged losses to a JSON-lines file."""
+    """A `TrainerCallback` that ends training (with a checkpoint) after `minutes`, or once step
+    `stop_at` is done, and appends the logged losses to a JSON-lines file."""
 
-    def __new__(cls, minutes: float, log_path: Path):
+    def __new__(cls, minutes: float, log_path: Path, stop_at: int | None = None):
         from transformers import TrainerCallback
 
         class _TimeBudget(TrainerCallback):
@@ -200,7 +203,7 @@ class TimeBudget:
                 self.deadline = time.monotonic() + minutes * 60
 
             def on_step_end(self, args, state, control, **kwargs):
-                if time.monotonic() > self.deadline:
+                if time.monotonic() > self.deadline or stop_at is not None and state.global_step >= stop_at:
                     control.should_training_stop = True
                     control.should_save = True
                 return control
@@ -312,7 +315,7 @@ def main(argv=None) -> None:
         sampler = CurriculumSampler(dataset["frames"], args.batch_size, args.curriculum_steps, args.max_steps, args.seed)
     trainer = guided_trainer_class(curriculum_trainer_class())(
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
-        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl")], curriculum=sampler, guide=guide,
+        callbacks=[TimeBudget(args.minutes, out / "losses.jsonl", args.stop_at)], curriculum=sampler, guide=guide,
     )
     trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
 
