@@ -243,14 +243,16 @@ def train_step_loss(codec, part: str, phonemes, voices, log_mel):
 def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minutes: float, resume: bool = False,
           learning_rate: float = 1e-3, batch_size: int = 16, frames: int = 160, seed: int = 0,
           save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
-          log_every: int = 100, voices: list[str] | None = None, init_from: str | Path | None = None) -> dict:
+          log_every: int = 100, voices: list[str] | None = None, init_from: str | Path | None = None,
+          warmup_steps: int | None = None) -> dict:
     """Train `part` of the codec to `max_steps` (or until `minutes` pass, or this sitting reaches
     step `stop_at`); returns the last log line.
 
     `voices` (corpus voice names) trains on those voices' utterances only; the codec's labels stay
     those of every labelled utterance. `init_from` (a `train` checkpoint of the same part) starts
     from its weights, with a new optimiser and schedule: a fine-tune, e.g. the decoder on the
-    bundled model's voices after it learnt all of them."""
+    bundled model's voices after it learnt all of them. The rate warms up linearly over
+    `warmup_steps` (default a tenth of `max_steps`, at most 200), then follows a cosine to zero."""
     from tqdm import tqdm
 
     if part not in PARTS:
@@ -294,7 +296,7 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
 
     start = last_save = time.time()
     line, window = {}, []
-    warmup = min(200, max(1, max_steps // 10))
+    warmup = min(200, max(1, max_steps // 10)) if warmup_steps is None else max(1, warmup_steps)
     bar = tqdm(total=max_steps, initial=step, desc=f"training the {part}", disable=not progress, mininterval=30)
     codec.train()
     end = max_steps if stop_at is None else min(stop_at, max_steps)
@@ -428,6 +430,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
     p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
     p.add_argument("--init-from", default=None,
                    help="start from this checkpoint of the part (RUN/decoder.pt), with a new schedule: a fine-tune")
     p = sub.add_parser("export", help="both halves into RUN/codec")
@@ -450,7 +453,8 @@ def main(argv=None) -> None:
             parser.error("--max-steps must be >= 1 and --minutes > 0")
         print(train(args.labels, args.out, args.part, args.max_steps, args.minutes, args.resume, args.learning_rate,
                     args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at,
-                    voices=args.voices.split(",") if args.voices else None, init_from=args.init_from))
+                    voices=args.voices.split(",") if args.voices else None, init_from=args.init_from,
+                    warmup_steps=args.warmup_steps))
     elif args.command == "export":
         print(f"codec saved to {export(args.labels, args.out)}")
     else:
