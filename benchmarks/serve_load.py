@@ -28,6 +28,7 @@ import numpy as np
 import uvicorn
 
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app
+from transformers_drama3.tiny import shipped
 
 TEXTS = [
     "Hello there, how are you today?",
@@ -35,7 +36,7 @@ TEXTS = [
     "The weather is lovely this morning.",
     "Please read the next line slowly and clearly.",
 ]
-VOICES = ["A", "B", "D", "F"]
+VOICES = sorted(shipped.voices())  # drama3-tiny's bundled voices
 
 
 def free_port() -> int:

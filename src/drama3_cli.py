@@ -6,11 +6,11 @@
     drama3 table [--config config.json]
     drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
     drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
-    drama3 eval [--model PATH_OR_REPO] [--voice A,B,D,F] [--sentences N | --sentences-file FILE] [--json out.json]
+    drama3 eval [--model PATH_OR_REPO] [--voice A,B] [--sentences N | --sentences-file FILE] [--json out.json]
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
-voices (`--voice`, default A; `--voice A,D` gives speaker 0 voice A and speaker 1 voice D). Each
+voices (`--voice`, default A; `--voice A,B` gives speaker 0 voice A and speaker 1 voice B). Each
 `--reference` clones speaker 0 unless its `--reference-speaker` says otherwise.
 
 This module sits beside the `transformers_drama3` package, not inside it: importing the package
@@ -59,7 +59,7 @@ def add_say(subparsers) -> None:
     )
     parser.add_argument(
         "--voice", default=None,
-        help="bundled drama3-tiny voices (A, B, D, F) when no --reference is given; a comma list gives "
+        help="bundled drama3-tiny voices (A, B) when no --reference is given; a comma list gives "
              "speaker i of the text the i-th voice (--voice A,D)",
     )
     parser.add_argument(
@@ -144,7 +144,7 @@ def add_eval(subparsers) -> None:
                     "output. Prints a WER table per voice. Needs espeak-ng.",
     )
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
-    parser.add_argument("--voice", default="A,B,D,F", help="bundled drama3-tiny voices to clone (default A,B,D,F)")
+    parser.add_argument("--voice", default=None, help="bundled drama3-tiny voices to clone (default: all of them, A,B)")
     parser.add_argument("--sentences", type=int, default=None, help="speak only the first N held-out sentences (of 12)")
     parser.add_argument("--sentences-file", default=None, help="a UTF-8 file of sentences to speak instead, one per line")
     parser.add_argument("--seed", type=int, default=0, help="take i of each voice uses seed + i")

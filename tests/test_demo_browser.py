@@ -77,7 +77,7 @@ def test_a_scene_is_generated_revised_and_an_empty_script_refused_in_chromium(pa
     rate = demo_backend.service.processor.sampling_rate
     page.locator("#script textarea").fill(SCENE)
     pick_voice(page, 0, "B")
-    pick_voice(page, 1, "D")
+    pick_voice(page, 1, "A")
     page.locator("#generate").click()
     page.locator("#report", has_text="Take 1").wait_for(timeout=TAKE_SECONDS)
     page.locator("#stream audio").wait_for(state="attached")  # the streamed take's player

@@ -10,7 +10,7 @@ pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
 SCENE = "<|speaker:0|> Good morning to you. <|speaker:1|> Hello there."
-VOICES = ["A", None, "", "D", None, "", "B", None, "", "F", None, ""]  # (voice, clip, transcript) per speaker
+VOICES = ["A", None, "", "B", None, "", "B", None, "", "A", None, ""]  # (voice, clip, transcript) per speaker
 SAMPLING = ["model default", 5, 0, 0, 0, 24]  # preset, seed, temperature, top-p, top-k, max frames
 
 

@@ -13,15 +13,25 @@ from transformers_drama3.tiny import shipped
 
 needs_espeak = pytest.mark.skipif(not espeak_available(), reason="espeak-ng not on PATH (CI installs it)")
 
-SAMPLE = (HELDOUT_SENTENCES[0], HELDOUT_SENTENCES[9])
-SAMPLE_VOICES = ("A", "B", "D", "F")
+SAMPLE = HELDOUT_SENTENCES
+SAMPLE_VOICES = ("A", "B")
+"""`drama3 eval`'s fixed held-out sample: its 12 everyday sentences in each bundled voice."""
+ESPEAK_SAMPLE = (HELDOUT_SENTENCES[0], HELDOUT_SENTENCES[9])
+ESPEAK_VOICES = ("A", "B", "D", "F")
 ORIGINALS_BAR = 0.20
-"""Whisper on espeak's own renderings; measured on SAMPLE x SAMPLE_VOICES: 10.5% (on all 12
-sentences: 24.1%, the RP and Caribbean voices D and F the hardest)."""
+"""Whisper on espeak's own renderings; measured on ESPEAK_SAMPLE x ESPEAK_VOICES: 10.5% (on all
+12 sentences: 24.1%, the RP and Caribbean voices D and F the hardest)."""
 GARBLED_BAR = 0.80
-RESYNTHESIS_BAR_TODAY = 0.55
-"""What the shipped log-mel codec meets on SAMPLE x SAMPLE_VOICES (measured 43.4%; all 12
-sentences: 50.0%). The issue's target is 15% (docs/tiny_codec.md: the levers measured for it)."""
+RESYNTHESIS_BAR = 0.20
+OUTPUTS_BAR = 0.40
+"""Guards on the bundled model's codec resyntheses and outputs (Whisper WER, pooled over SAMPLE x
+SAMPLE_VOICES, seed 0): today's level with a small margin, so that a change that loses words
+fails. Measured (step 6,000, seed 0): 17.9% and 33.0%; outputs at seeds 100 and 200: 42.9%.
+The aim (issue 19) is 15% and 35%; the model card says where it stands."""
+README_JOB_BAR = 0.55
+"""Guard on the README's main job (its sentence, voice A, seeds 0-2 pooled); measured 45.8%: "Hello,
+Narrow. This is Natai, the Martyrdol speaking." / "... Nataly Marado speaking." / "Below there it,
+this is the tidy model speaking."."""
 DURATION_BOUNDS = (0.6, 1.6)
 
 
@@ -66,13 +76,21 @@ def test_unknown_voices_and_empty_sentences_are_refused_by_name():
 
 
 @pytest.mark.slow  # plans drama3-tiny's 24,000-utterance corpus: ~15-50 s
-def test_the_heldout_sentences_are_in_no_training_corpus():
+def test_the_heldout_and_development_sentences_are_in_no_training_corpus():
     from recipes.drama3_tiny.corpus import VOICES_BY_NAME, plan_corpus
     from recipes.drama3_tiny.lm_recipe import TINY_CORPUS_PLAN
+
+    from pathlib import Path
 
     plan = {**TINY_CORPUS_PLAN, "voices": [VOICES_BY_NAME[name] for name in TINY_CORPUS_PLAN["voices"]]}
     corpus = {tuple(asr.normalize_text(record.transcript)) for record in plan_corpus(**plan)}
     assert not corpus & {tuple(asr.normalize_text(sentence)) for sentence in HELDOUT_SENTENCES}
+    # the recipe's development sentences (its decisions are measured on them, never on the held-out 12)
+    development = Path(__file__).resolve().parent.parent / "recipes" / "drama3_tiny" / "dev_sentences.txt"
+    sentences = [line.strip() for line in development.read_text(encoding="utf-8").splitlines() if line.strip()]
+    normalised = {tuple(asr.normalize_text(sentence)) for sentence in sentences}
+    assert len(normalised) == len(sentences) == 36
+    assert not normalised & corpus and not normalised & {tuple(asr.normalize_text(s)) for s in HELDOUT_SENTENCES}
 
 
 def test_the_bundled_voices_are_the_corpus_voices():
@@ -88,8 +106,8 @@ def test_the_bundled_voices_are_the_corpus_voices():
 
 @pytest.fixture(scope="module")
 def renderings():
-    """espeak-ng's renderings of the sample in every voice: [(sentence, float32 [time] at 22.05 kHz)]."""
-    return [(sentence, speak(sentence, TINY_VOICES[voice])) for voice in SAMPLE_VOICES for sentence in SAMPLE]
+    """espeak-ng's renderings of a sample in every corpus voice: [(sentence, float32 [time] at 22.05 kHz)]."""
+    return [(sentence, speak(sentence, TINY_VOICES[voice])) for voice in ESPEAK_VOICES for sentence in ESPEAK_SAMPLE]
 
 
 @pytest.mark.slow
@@ -118,7 +136,7 @@ def test_whisper_does_not_loop_on_the_rendering_that_once_sent_it_into_a_loop():
 @pytest.mark.slow
 def test_whisper_hears_no_sentence_in_noise():
     noise = 0.1 * np.random.default_rng(0).standard_normal(2 * 16000).astype(np.float32)
-    assert asr.wer(asr.transcribe(noise, 16000), SAMPLE[0]) >= GARBLED_BAR
+    assert asr.wer(asr.transcribe(noise, 16000), ESPEAK_SAMPLE[0]) >= GARBLED_BAR
 
 
 # ---- drama3 eval on the bundled drama3-tiny ------------------------------------------------------------
@@ -156,22 +174,21 @@ def test_drama3_eval_prints_a_wer_table_per_voice(eval_run):
 
 @pytest.mark.slow
 @needs_espeak
-def test_the_bundled_codec_resyntheses_hold_todays_word_error_rate(eval_run):
-    """Resyntheses of the espeak originals through drama3-tiny's codec: today's level, a bar that
-    catches a regression. The issue's target is <= 15% (not met yet: see docs/tiny_codec.md)."""
+def test_the_bundled_codec_resyntheses_let_the_words_through(eval_run):
+    """Resyntheses of the espeak originals through drama3-tiny's codec (encode, decode) are read
+    by Whisper at most at RESYNTHESIS_BAR."""
     _, _, report = eval_run
-    assert report["overall"]["wer_resyntheses"] <= RESYNTHESIS_BAR_TODAY, report["overall"]
+    assert report["overall"]["wer_resyntheses"] <= RESYNTHESIS_BAR, report["overall"]
 
 
 @pytest.mark.slow
 @needs_espeak
-def test_the_bundled_model_outputs_are_measured_and_stop_at_a_plausible_length(eval_run, record_property):
-    """The outputs' WER is measured and reported (test property `wer_outputs`; measured 104% on
-    this sample, 103% on all 12 sentences: fluent words that are not the sentence). The issue's
-    bar, <= 35%, is not met yet (model_card.md), so it is not asserted; what is: every output
-    stops by itself at a length near espeak's."""
+def test_the_bundled_model_says_the_words_and_stops_at_a_plausible_length(eval_run, record_property):
+    """The outputs (each voice cloned from its bundled clip, seed 0) are read by Whisper at most at
+    OUTPUTS_BAR, and every output stops by itself at a length near espeak's."""
     _, _, report = eval_run
     record_property("wer_outputs", report["overall"]["wer_outputs"])
+    assert report["overall"]["wer_outputs"] <= OUTPUTS_BAR, report["overall"]
     low, high = DURATION_BOUNDS
     for take in report["takes"]:
         assert take["finish"] == "eos" and low <= take["duration_ratio"] <= high, take
@@ -188,3 +205,34 @@ def test_drama3_eval_refuses_bad_arguments_before_loading_anything(capsys):
     assert "either --sentences or --sentences-file" in capsys.readouterr().err
     assert main(["eval", "--sentences-file", "/nonexistent/s.txt"]) == 2
     assert "--sentences-file /nonexistent/s.txt: could not read it" in capsys.readouterr().err
+
+
+def readme_main_job_sentence() -> str:
+    """The sentence the README's main job (`... && drama3 say "..." -o hello.wav`) speaks."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    found = re.search(r'drama3 say "([^"]+)" -o hello\.wav', readme)
+    assert found, "the README's main job command (drama3 say \"...\" -o hello.wav) was not found"
+    return found.group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_main_job_is_heard_saying_its_sentence(tmp_path):
+    """`drama3 say "<the README's sentence>" -o hello.wav` (the bundled model, its default voice),
+    three seeds: Whisper hears most of the sentence, pooled WER within README_JOB_BAR."""
+    if not shipped.is_available():
+        pytest.skip("this checkout carries no drama3-tiny weights")
+    import soundfile
+
+    from transformers_drama3.cli import main
+
+    sentence = readme_main_job_sentence()
+    heard = []
+    for seed in range(3):
+        path = tmp_path / f"hello-{seed}.wav"
+        assert main(["say", sentence, "-o", str(path), "--seed", str(seed), "--quiet"]) == 0
+        audio, rate = soundfile.read(path, dtype="float32")
+        heard.append((asr.transcribe(audio, rate), sentence))
+    assert asr.corpus_wer(heard) <= README_JOB_BAR, heard

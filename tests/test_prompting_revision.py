@@ -19,10 +19,11 @@ def test_a_revision_keeps_the_take_as_history_and_asks_again_with_the_instructio
 
 def test_a_revision_lays_out_as_the_script_with_the_take_written_by_hand(bundled_tiny):
     _, processor = bundled_tiny
+    codes = torch.arange(10 * processor.num_codebooks).reshape(processor.num_codebooks, 10) % 7
     script = Script([Line("Go home now.", 0), Line("Not yet.", 1)], references=[
-        Reference("Hello.", CODES, 0), Reference("Hi.", CODES, 1)])
-    by_hand = Script(script.lines, script.references, history=[Take(script.lines, CODES + 2)], instruction="softer")
-    rows = processor(revision(script, CODES + 2, "softer"))
+        Reference("Hello.", codes, 0), Reference("Hi.", codes, 1)])
+    by_hand = Script(script.lines, script.references, history=[Take(script.lines, codes + 2)], instruction="softer")
+    rows = processor(revision(script, codes + 2, "softer"))
     expected = processor(by_hand)
     assert torch.equal(rows["input_ids"], expected["input_ids"])
     assert torch.equal(rows["audio_codes"], expected["audio_codes"])

@@ -20,7 +20,7 @@ SCENE = (
     "<|speaker:1|>Where is the dog?<|speaker:1|>It ran away."
     "<|speaker:0|>Then let us find it.<|speaker:0|>Come with me."
 )
-SCENE_VOICES = ("A", "D")  # speaker i clones bundled voice i
+SCENE_VOICES = ("A", "B")  # speaker i clones bundled voice i
 
 
 def bundled_reference(voice: str, speaker: int) -> Reference:
@@ -134,10 +134,10 @@ def test_drama3_say_speaks_a_scene_with_one_bundled_voice_per_speaker(tmp_path, 
     from transformers_drama3.cli import main
 
     text = "<|speaker:0|>Hello there.<|speaker:1|>Hi."
-    code = main(["say", text, "-o", str(tmp_path / "scene.wav"), "--voice", "A,D", "--seed", "0", "--quiet"])
+    code = main(["say", text, "-o", str(tmp_path / "scene.wav"), "--voice", "A,B", "--seed", "0", "--quiet"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "2 turn(s)" in captured.out and "A (speaker 0), D (speaker 1)" in captured.err
+    assert "2 turn(s)" in captured.out and "A (speaker 0), B (speaker 1)" in captured.err
     audio, rate = soundfile.read(tmp_path / "scene.wav")
     assert rate == 22050 and len(audio) > rate * 0.5
 
@@ -156,9 +156,9 @@ def test_drama3_say_binds_each_reference_to_its_reference_speaker(tmp_path, caps
     from transformers_drama3.cli import main
 
     text = "<|speaker:0|>Hello there.<|speaker:1|>Hi."
-    by_voice = main(["say", text, "-o", str(tmp_path / "voices.wav"), "--voice", "A,D", "--seed", "0", "--quiet"])
+    by_voice = main(["say", text, "-o", str(tmp_path / "voices.wav"), "--voice", "A,B", "--seed", "0", "--quiet"])
     references = []
-    for speaker, voice in enumerate(("A", "D")):
+    for speaker, voice in enumerate(("A", "B")):
         audio, transcript = shipped.reference_voice(voice)
         references += ["--reference", audio, "--reference-text", transcript, "--reference-speaker", str(speaker)]
     by_reference = main(["say", text, "-o", str(tmp_path / "references.wav"), *references, "--seed", "0", "--quiet"])

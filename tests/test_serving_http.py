@@ -112,18 +112,18 @@ def test_sse_events_carry_the_audio_then_a_done_event(client):
 def test_a_voice_is_created_listed_used_and_deleted(client, server):
     base = server[0]
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    clip, transcript = shipped.reference_voice("D")
+    clip, transcript = shipped.reference_voice("B")
     audio = base64.b64encode(open(clip, "rb").read()).decode()
     created = httpx.post(base + "/v1/audio/voices", headers=headers, json={"name": "dee", "audio": audio, "text": transcript})
     assert created.status_code == 200, created.text
     listed = httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]
     assert {"id": "dee", "name": "dee"} in listed and {"id": "A", "name": "A"} in listed
     as_dee = speech(client, seed=4, voice="dee", response_format="pcm").content
-    as_d = speech(client, seed=4, voice="D", response_format="pcm").content
-    assert_same_take(as_dee, as_d)  # the same clip and transcript as the bundled voice D
+    as_b = speech(client, seed=4, voice="B", response_format="pcm").content
+    assert_same_take(as_dee, as_b)  # the same clip and transcript as the bundled voice B
     inline = speech(client, seed=4, voice=None, response_format="pcm",
                     extra={"references": [{"audio": audio, "text": transcript, "speaker": 0}]}).content
-    assert_same_take(inline, as_d)
+    assert_same_take(inline, as_b)
     assert httpx.delete(base + "/v1/audio/voices/dee", headers=headers).status_code == 200
     assert {"id": "dee", "name": "dee"} not in httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]
     with pytest.raises(openai.NotFoundError, match="voice"):
@@ -204,7 +204,7 @@ def test_a_full_queue_answers_429(server):
 
 
 def test_sixteen_concurrent_requests_each_equal_the_same_request_alone(client):
-    voices = ["A", "B", "D", "F"]
+    voices = ["A", "B", "B", "A"]
     texts = ["Hi.", "Hello there, how are you?", "The barrel is sturdy today.", "Please polish the rabbit now, Delia."]
     requests = [dict(seed=100 + i, voice=voices[i % 4], text=texts[i // 4], response_format="pcm",
                      extra={"max_new_tokens": 8 + i}) for i in range(16)]
@@ -263,7 +263,11 @@ def test_instructions_become_the_directors_note_of_each_line(server):
     body = {"input": "Hello there. <|speaker:0|>Goodbye.", "voice": "A", "instructions": "whispering softly"}
     job = service.job(parse_speech(body, Limits(), lambda voice: voice in service.voices), timeout=None)
     text = service.processor.tokenizer.decode(job.input_ids[0])
-    assert "[whispering softly] Hello there." in text and "[whispering softly] Goodbye." in text
+    # the note stays text before each line (a phoneme model spells the line's words as phonemes)
+    turn = text[text.rindex("<|im_start|>user"):]
+    assert turn.count("[whispering softly]") == 2
+    for line in turn.split("[whispering softly]")[1:]:
+        assert line.strip() and not line.lstrip().startswith("<|speaker")
     with pytest.raises(Exception, match="instructions"):
         service.job(parse_speech({**body, "instructions": "no [brackets]"}, Limits(), lambda v: True), timeout=None)
 
@@ -280,7 +284,7 @@ def test_drama3_serve_refuses_bad_options_by_name(capsys, tmp_path):
 def test_a_voice_clip_far_too_short_for_its_transcript_is_refused_when_registered(server):
     base = server[0]
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    clip, transcript = shipped.reference_voice("D")
+    clip, transcript = shipped.reference_voice("B")
     samples, rate = soundfile.read(clip, dtype="float32")
     buffer = io.BytesIO()
     soundfile.write(buffer, samples[: rate // 10], rate, format="WAV")  # a tenth of a second for a sentence

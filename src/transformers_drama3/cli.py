@@ -186,7 +186,7 @@ def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int]
         return shipped.TINY_MODEL_PATH, args.reference, args.reference_text, args.reference_speaker or None
     names = [name.strip() for name in (args.voice or shipped.DEFAULT_VOICE).split(",")]
     if not all(names):
-        raise CommandError(f"--voice {args.voice}: expected voice names separated by commas, like A,D")
+        raise CommandError(f"--voice {args.voice}: expected voice names separated by commas, like A,B")
     references, transcripts = [], []
     for voice in names:
         try:
@@ -303,10 +303,13 @@ def _eval_sentences(args) -> list[str]:
     return list(HELDOUT_SENTENCES[:count])
 
 
-def _eval_references(voice_list: str) -> dict[str, tuple[str, str]]:
-    """Voice name -> (bundled reference clip, its transcript), for `--voice A,B,...`."""
+def _eval_references(voice_list: str | None) -> dict[str, tuple[str, str]]:
+    """Voice name -> (bundled reference clip, its transcript), for `--voice A,B,...` (None: every
+    bundled voice)."""
     if not shipped.is_available():
         raise CommandError("this installation carries no drama3-tiny, whose bundled voices eval clones")
+    if voice_list is None:
+        voice_list = ",".join(shipped.voices())
     try:
         names = check_voices([name.strip() for name in voice_list.split(",") if name.strip()])
         return {name: shipped.reference_voice(name) for name in names}

@@ -85,7 +85,7 @@ def check_voices(voices: Sequence[str]) -> list[str]:
     """The voice names, checked against the espeak voices known here (bundled with drama3-tiny)."""
     voices = list(voices)
     if not voices:
-        raise ValueError("voices: none given; expected names like A,B,D,F")
+        raise ValueError("voices: none given; expected names like A,B")
     unknown = [name for name in voices if name not in TINY_VOICES]
     if unknown:
         raise ValueError(f"voice {unknown[0]!r} has no espeak-ng voice here; choose from {sorted(TINY_VOICES)}")

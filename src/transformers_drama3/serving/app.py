@@ -109,7 +109,7 @@ class SpeechService:
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
              start_engine: bool = True, threads: int | str | None = "auto"):
-        """Load a model (default: the bundled drama3-tiny, with its voices A, B, D, F registered).
+        """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
         steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call

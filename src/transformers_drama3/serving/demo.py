@@ -1,6 +1,6 @@
 """The Gradio demo: direct a scene, hear it stream, then revise the take with a director's note.
 
-    demo = build_demo(load_backend())         # drama3-tiny and its voices A, B, D, F, offline
+    demo = build_demo(load_backend())         # drama3-tiny and its voices A and B, offline
     demo.queue().launch()                     # or `drama3 demo`; the Space's app.py does the same
 
 The demo speaks through the server's path, not a second one: a `SpeechService` (the processor
@@ -75,10 +75,10 @@ INSERTS = (
 
 EXAMPLES = (
     ("<|speaker:0|> Did you hear that? [pause] Something moved downstairs.\n"
-     "<|speaker:1|> It is only the wind. Go back to sleep.", "hushed, late at night", "A", "D"),
-    ("<|speaker:0|> Good morning to you. [laughs] What a lovely day it is.", "", "B", "D"),
+     "<|speaker:1|> It is only the wind. Go back to sleep.", "hushed, late at night", "A", "B"),
+    ("<|speaker:0|> Good morning to you. [laughs] What a lovely day it is.", "", "B", "A"),
     ("<|speaker:0|> We have to leave now.\n<|speaker:1|> Not without the others.\n"
-     "<|speaker:0|> Then hurry.", "urgent", "F", "A"),
+     "<|speaker:0|> Then hurry.", "urgent", "B", "A"),
 )
 """Ready scripts: (script, director's note, voice of speaker 0, voice of speaker 1)."""
 

@@ -160,7 +160,7 @@ class VoiceStore:
 
 
 def register_bundled_voices(store: VoiceStore) -> None:
-    """Store drama3-tiny's bundled voices (A, B, D, F) when they are not stored yet."""
+    """Store drama3-tiny's bundled voices (A and B) when they are not stored yet."""
     for name in shipped.voices():
         if name in store:
             continue
