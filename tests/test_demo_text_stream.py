@@ -15,7 +15,8 @@ from transformers_drama3.generation_text_stream import ChunkSpoken  # noqa: E402
 from transformers_drama3.serving.demo import ArrivingText, Director, TakeSettings, VoiceChoice  # noqa: E402
 
 TEXT = "Good morning to you. It is a lovely day. Shall we walk to the river? The boats are out."
-FRAMES = 12  # frame cap per chunk: enough to hear, cheap on a CPU
+FRAMES = 40  # frame cap per chunk: more than the codec holds back before a first block (its decoder reads 8
+# frames ahead), so a chunk is heard before the text ends; still cheap on a CPU
 
 
 @pytest.fixture(scope="module")
