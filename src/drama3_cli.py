@@ -60,7 +60,7 @@ def add_say(subparsers) -> None:
     parser.add_argument(
         "--voice", default=None,
         help="bundled drama3-tiny voices (A, B) when no --reference is given; a comma list gives "
-             "speaker i of the text the i-th voice (--voice A,D)",
+             "speaker i of the text the i-th voice (--voice A,B)",
     )
     parser.add_argument(
         "--scene", choices=["auto", "joint", "turns"], default="auto",

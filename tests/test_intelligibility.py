@@ -2,6 +2,8 @@
 and measures the bundled drama3-tiny's codec resyntheses and outputs on fixed held-out sentences."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,8 +81,6 @@ def test_unknown_voices_and_empty_sentences_are_refused_by_name():
 def test_the_heldout_and_development_sentences_are_in_no_training_corpus():
     from recipes.drama3_tiny.corpus import VOICES_BY_NAME, plan_corpus
     from recipes.drama3_tiny.lm_recipe import TINY_CORPUS_PLAN
-
-    from pathlib import Path
 
     plan = {**TINY_CORPUS_PLAN, "voices": [VOICES_BY_NAME[name] for name in TINY_CORPUS_PLAN["voices"]]}
     corpus = {tuple(asr.normalize_text(record.transcript)) for record in plan_corpus(**plan)}
@@ -209,9 +209,6 @@ def test_drama3_eval_refuses_bad_arguments_before_loading_anything(capsys):
 
 def readme_main_job_sentence() -> str:
     """The sentence the README's main job (`... && drama3 say "..." -o hello.wav`) speaks."""
-    import re
-    from pathlib import Path
-
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     found = re.search(r'drama3 say "([^"]+)" -o hello\.wav', readme)
     assert found, "the README's main job command (drama3 say \"...\" -o hello.wav) was not found"
