@@ -53,6 +53,34 @@ def test_a_reference_over_sixty_seconds_is_refused():
         processor("x", reference_audio=random_codes(frames), reference_text="r")
 
 
+def test_a_reference_shorter_than_the_model_clones_from_is_taken_with_a_warning(tmp_path):
+    """`short_reference_seconds` (drama3-tiny records where its cloning broke down): a shorter
+    reference is warned about, naming it, and encoded as without the setting; the
+    setting survives saving; without it (the default) nothing is said."""
+    from transformers.testing_utils import CaptureLogger
+
+    from transformers_drama3 import Drama3Processor
+    from transformers_drama3 import processing_drama3
+
+    warned = tiny_processor(short_reference_seconds=2.0)
+    short, long = random_codes(int(1.0 * warned.frame_rate)), random_codes(int(2.5 * warned.frame_rate), seed=1)
+    with CaptureLogger(processing_drama3.logger) as captured:
+        inputs = warned("x", reference_audio=[long, short], reference_text=["r", "s"])
+    assert "references[1].audio: the reference is 1.0 s long" in captured.out
+    assert "at least 2 s" in captured.out and "references[0]" not in captured.out
+    plain = tiny_processor()
+    with CaptureLogger(processing_drama3.logger) as captured:
+        expected = plain("x", reference_audio=[long, short], reference_text=["r", "s"])
+    assert captured.out == ""
+    assert torch.equal(inputs["input_ids"], expected["input_ids"])
+    assert torch.equal(inputs["audio_codes"], expected["audio_codes"])
+    assert "short_reference_seconds" not in plain.to_dict()
+    warned.save_pretrained(tmp_path)
+    assert Drama3Processor.from_pretrained(tmp_path).short_reference_seconds == 2.0
+    with pytest.raises(ValueError, match="short_reference_seconds must be a positive number"):
+        tiny_processor(short_reference_seconds=0)
+
+
 def test_long_history_takes_are_fine():
     processor = tiny_processor()
     frames = int(61 * processor.frame_rate)

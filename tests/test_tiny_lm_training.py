@@ -127,6 +127,11 @@ def test_export_bundles_the_model_and_one_plain_clip_per_voice(corpus, codec_dir
                    "text_tokens_per_second", None) is None
     rate = reloaded.generation_config.text_tokens_per_second
     assert isinstance(rate, float) and 1.0 < rate < 30.0
+    # the processor warns about references shorter than drama3-tiny clones from
+    from recipes.drama3_tiny.export import SHORT_REFERENCE_SECONDS
+    from transformers_drama3 import Drama3Processor
+
+    assert Drama3Processor.from_pretrained(tmp_path / "package").short_reference_seconds == SHORT_REFERENCE_SECONDS
 
 
 def test_a_run_on_some_voices_reads_only_their_utterances(corpus, tmp_path):

@@ -47,6 +47,7 @@ def export(run_model: str | Path, corpus: str | Path, destination: str | Path,
                 shutil.copy(run_model / name, building / name)
         shutil.copytree(codec, building / "codec")
         record_speaking_rate(run_model, corpus, building, voice_names)
+        record_short_reference(building)
         (building / "voices").mkdir()
         for voice, clip in clips.items():
             shutil.copy(corpus / clip.wav, building / "voices" / f"{voice}.wav")
@@ -77,6 +78,21 @@ def record_speaking_rate(run_model: Path, corpus: Path, building: Path, voice_na
     config.text_tokens_per_second = rate
     config.save_pretrained(building)
     return rate
+
+
+SHORT_REFERENCE_SECONDS = 1.0
+"""drama3-tiny's cloning broke down under this (model_card.md, "Cloning wants a reference of 2-3 s":
+6 of 10 takes cloned from a 0.75 s reference stopped after a word or two; none from 1.0 s or
+longer did). It was trained on references of 1.9-3.3 s."""
+
+
+def record_short_reference(building: Path, seconds: float = SHORT_REFERENCE_SECONDS) -> None:
+    """Write `short_reference_seconds` into `building`'s processor config, so that the processor
+    warns about references shorter than the model clones from."""
+    path = building / "processor_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["short_reference_seconds"] = seconds
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 CODES_FIELDS = ("model_type", "num_codebooks", "codebook_size", "phonemes", "voices", "sampling_rate", "hop_length")

@@ -11,6 +11,7 @@ import numpy as np
 import soundfile
 import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
+from transformers.utils import logging
 
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3PhoneCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
@@ -52,6 +53,8 @@ from .prompting.phonemes import text_frontend as phoneme_front_end
 
 SAMPLES_PER_FRAME = 2048
 AUDIO_FORMATS = {".wav": "WAV", ".flac": "FLAC"}
+
+logger = logging.get_logger(__name__)
 
 
 class Drama3Processor(ProcessorMixinWithOwnParts):
@@ -95,6 +98,10 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         sampling_rate: the feature extractor's rate when none is given and there is no codec (read
             from `processor_config.json` files written before the feature extractor existed).
         max_reference_seconds: references longer than this are refused.
+        short_reference_seconds: references shorter than this are taken with a warning: from them
+            the model may lose the voice or stop after a word or two (drama3-tiny records where its
+            cloning was measured to break down); None (the default) warns about none. Saved in
+            `processor_config.json` when set.
         min_reference_fraction: references shorter than this fraction of their transcript's
             expected duration are refused (cut, or the wrong transcript); 0 turns the check off.
         chunk_bytes, chunk_speakers: the long-text chunking limits of `chunk`.
@@ -119,6 +126,7 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         chunk_bytes: int = CHUNK_BYTES,
         chunk_speakers: int = CHUNK_SPEAKERS,
         text_frontend: dict | None = None,
+        short_reference_seconds: float | None = None,
     ):
         text_frontend = _checked_frontend(tokenizer, text_frontend)
         if feature_extractor is None:
@@ -134,6 +142,9 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         self.num_codebooks = num_codebooks
         self.frame_rate = frame_rate
         self.max_reference_seconds = max_reference_seconds
+        if short_reference_seconds is not None and not short_reference_seconds > 0:
+            raise ValueError(f"short_reference_seconds must be a positive number of seconds or None, got {short_reference_seconds}")
+        self.short_reference_seconds = short_reference_seconds
         self.min_reference_fraction = min_reference_fraction
         self.chunk_bytes = chunk_bytes
         self.chunk_speakers = chunk_speakers
@@ -182,6 +193,8 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         output = {key: getattr(self, key) for key in self._CONFIG_KEYS}
         if self.text_frontend is not None:  # absent otherwise: saved files as before
             output["text_frontend"] = self.text_frontend
+        if self.short_reference_seconds is not None:
+            output["short_reference_seconds"] = self.short_reference_seconds
         output["feature_extractor"] = self.feature_extractor.to_dict()
         output["processor_class"] = type(self).__name__
         return output
@@ -292,15 +305,26 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         codes = self.given_codes(clip, location)
         if codes is not None:
             self._check_reference_length(codes.shape[1] / self.frame_rate, is_reference, location)
-            return codes
-        samples = self.load_waveform(clip, location, self.max_reference_seconds if is_reference else None)
-        return check_codes(self.encode_audio(samples, location), self.num_codebooks, self.codebook_size, location)
+        else:
+            samples = self.load_waveform(clip, location, self.max_reference_seconds if is_reference else None)
+            codes = check_codes(self.encode_audio(samples, location), self.num_codebooks, self.codebook_size, location)
+        if is_reference:
+            self._warn_if_short(codes.shape[1] / self.frame_rate, location)
+        return codes
 
     def _check_reference_length(self, seconds: float, is_reference: bool, location: str) -> None:
         if is_reference and seconds > self.max_reference_seconds:
             raise ValueError(
                 f"{location}: the reference is {seconds:.1f} s long; references may be at most "
                 f"{self.max_reference_seconds:g} s (cut a representative part)"
+            )
+
+    def _warn_if_short(self, seconds: float, location: str) -> None:
+        if self.short_reference_seconds is not None and seconds < self.short_reference_seconds:
+            logger.warning(
+                f"{location}: the reference is {seconds:.1f} s long; this model clones reliably from references "
+                f"of at least {self.short_reference_seconds:g} s, and from a shorter one it may lose the voice "
+                f"or stop after a word or two (give a longer clip of the voice)"
             )
 
     def layout_context(self) -> LayoutContext:
