@@ -43,6 +43,28 @@ def codec():
     return small_codec()
 
 
+# the decoder with its own stack: one more layer, which looks further ahead than the others
+OWN_DECODER = dict(decoder_dilations=[1, 2, 4, 8], decoder_lookahead=[4, 4, 4, 16])
+
+
+@pytest.fixture(scope="module", params=["shared stack", "own decoder stack"])
+def decoding_codec(request):
+    return small_codec() if request.param == "shared stack" else small_codec(**OWN_DECODER)
+
+
+def test_the_decoder_may_have_its_own_stack():
+    shared, own = small_codec(), small_codec(**OWN_DECODER)
+    assert shared.config.decoder_receptive_field == shared.config.receptive_field == (16, 12)
+    assert own.config.receptive_field == (16, 12)  # the recogniser keeps the shared sizes
+    assert own.config.decoder_receptive_field == (4 * 15 - 28, 4 + 4 + 4 + 16)
+    assert len(own.decoder.layers) == 4 and len(own.recogniser.layers) == 3
+    assert own.decode_lookahead_frames == 7 and shared.decode_lookahead_frames == 3
+    with pytest.raises(Exception, match="one number per decoder dilation"):
+        small_codec(decoder_dilations=[1, 2], decoder_lookahead=[4, 4, 4])
+    with pytest.raises(Exception, match="decoder's kernel_size and dilations"):
+        small_codec(decoder_dilations=[1, 0])
+
+
 def test_layout_phonemes_then_voice(codec):
     assert codec.num_codebooks == 5 and codec.frame_rate == pytest.approx(22050 / 1024)
     left, right = codec.config.receptive_field
@@ -77,7 +99,8 @@ def test_streaming_encoder_equals_offline(codec):
 
 
 @pytest.mark.parametrize("windows", [[1], [10, 10, 12, 32, 64], [3, 17]])
-def test_streaming_decoder_equals_offline(codec, windows):
+def test_streaming_decoder_equals_offline(decoding_codec, windows):
+    codec = decoding_codec
     codes = codec.encode(speech_like(2.1, seed=2), sampling_rate=RATE).audio_codes  # 46 frames
     offline = codec.decode(codes).audio_values
     stream, pieces, start, turn = codec.streaming_decoder(), [], 0, 0
@@ -103,10 +126,11 @@ def test_decoding_is_the_log_mel_of_the_codes_through_griffin_lim(codec):
     torch.testing.assert_close(decoded, synthesised[:, : decoded.shape[-1]], rtol=0, atol=1e-3)
 
 
-def test_a_frame_reads_exactly_its_receptive_field(codec):
-    """Changing a spectrogram frame's label changes the decoded frames within the receptive field
-    around it and no other."""
-    left, right = codec.config.receptive_field
+def test_a_frame_reads_exactly_its_receptive_field(decoding_codec):
+    """Changing a spectrogram frame's label changes the decoded frames within the decoder's
+    receptive field around it and no other."""
+    codec = decoding_codec
+    left, right = codec.config.decoder_receptive_field
     codes = torch.zeros(1, 5, 40, dtype=torch.long)
     with torch.no_grad():
         base = codec.dequantize(codes)

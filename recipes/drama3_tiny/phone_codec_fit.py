@@ -184,6 +184,23 @@ def new_codec(rows: list[dict], **sizes):
     return Drama3PhoneCodecModel(codec_config(rows, **sizes))
 
 
+def config_of(saved: dict):
+    """The codec config a `train` checkpoint was saved with."""
+    from transformers_drama3.codec import Drama3PhoneCodecConfig
+
+    return Drama3PhoneCodecConfig(**{k: v for k, v in saved["config"].items() if k in Drama3PhoneCodecConfig.__dataclass_fields__})
+
+
+def added_decoder_layers(codec, saved: dict) -> list[int]:
+    """The indices of `codec`'s decoder layers past those of the checkpoint `saved`, which must be
+    a prefix of them (same dilations and lookaheads, in order)."""
+    ours, theirs = codec.config.stack("decoder"), config_of(saved).stack("decoder")
+    count = len(theirs[0])
+    if [tuple(pair[:count]) for pair in ours] != [tuple(pair) for pair in theirs]:
+        raise ValueError(f"the checkpoint's decoder stack {theirs} is not the first layers of {ours}")
+    return list(range(count, len(ours[0])))
+
+
 def part_parameters(codec, part: str) -> list[torch.nn.Parameter]:
     modules = [getattr(codec, name) for name in PARTS[part]]
     return [p for module in modules if isinstance(module, torch.nn.Module) for p in module.parameters()]
@@ -201,12 +218,12 @@ def indexed(rows: list[dict], config) -> list[tuple[torch.Tensor, int, torch.Ten
              row["log_mel"].float()) for row in rows]
 
 
-def batch(data, config, step: int, seed: int, size: int, frames: int):
-    """Crops of `frames` spectrogram frames with the receptive field's context on each side (what
-    `encode` and `decode` read there: silence and the edge frame's voice past the ends):
+def batch(data, config, step: int, seed: int, size: int, frames: int, part: str = "recogniser"):
+    """Crops of `frames` spectrogram frames with `part`'s receptive field of context on each side
+    (what `encode` and `decode` read there: silence and the edge frame's voice past the ends):
     (phonemes [size, left + frames + right], voices [same], log-mel [size, n_mels, same])."""
     rng = random.Random(seed * 1_000_003 + step)
-    left, right = config.receptive_field
+    left, right = config.part_receptive_field(part)
     floor = math.log(config.log_floor)
     phonemes, voices, log_mels = [], [], []
     for _ in range(size):
@@ -229,7 +246,7 @@ def batch(data, config, step: int, seed: int, size: int, frames: int):
 def train_step_loss(codec, part: str, phonemes, voices, log_mel):
     """The part's loss on a batch (decoder: L1 of the log-mel; recogniser: cross entropy of the
     phoneme, half that of the voice) and its frame accuracy."""
-    left, right = codec.config.receptive_field
+    left, right = codec.config.part_receptive_field(part)
     inner = slice(left, phonemes.shape[-1] - right)
     if part == "decoder":
         predicted = codec.decode_labels(phonemes, voices)
@@ -244,7 +261,8 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
           learning_rate: float = 1e-3, batch_size: int = 16, frames: int = 160, seed: int = 0,
           save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
           log_every: int = 100, voices: list[str] | None = None, init_from: str | Path | None = None,
-          warmup_steps: int | None = None) -> dict:
+          warmup_steps: int | None = None, decoder_dilations: list[int] | None = None,
+          decoder_lookahead: int | list[int] | None = None) -> dict:
     """Train `part` of the codec to `max_steps` (or until `minutes` pass, or this sitting reaches
     step `stop_at`); returns the last log line.
 
@@ -252,7 +270,14 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     those of every labelled utterance. `init_from` (a `train` checkpoint of the same part) starts
     from its weights, with a new optimiser and schedule: a fine-tune, e.g. the decoder on the
     bundled model's voices after it learnt all of them. The rate warms up linearly over
-    `warmup_steps` (default a tenth of `max_steps`, at most 200), then follows a cosine to zero."""
+    `warmup_steps` (default a tenth of `max_steps`, at most 200), then follows a cosine to zero.
+
+    `decoder_dilations` / `decoder_lookahead` give the decoder its own stack (the codec config's
+    fields of those names). With `init_from` a decoder may grow: the checkpoint's layers keep their
+    place and weights, and the layers after them start as the identity (their last convolution
+    zero), so the fine-tune starts from the checkpoint's output."""
+    sizes = {k: v for k, v in (("decoder_dilations", decoder_dilations), ("decoder_lookahead", decoder_lookahead))
+             if v is not None}
     from tqdm import tqdm
 
     if part not in PARTS:
@@ -261,7 +286,7 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
-    codec = new_codec(rows)
+    codec = new_codec(rows, **sizes)
     if voices is not None:
         rows = [r for r in rows if corpus_voice(r["id"]) in voices]
         if not rows:
@@ -269,10 +294,15 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     data = indexed(rows, codec.config)
     if init_from is not None and not resume:
         saved = torch.load(init_from, weights_only=False)
-        missing = set(part_state(codec, part)) - set(saved["state"])
+        grown = added_decoder_layers(codec, saved) if part == "decoder" else []
+        missing = set(part_state(codec, part)) - set(saved["state"]) - {
+            key for key in part_state(codec, part) if key.split(".")[:3] in [["decoder", "layers", str(i)] for i in grown]}
         if missing:
-            raise ValueError(f"{init_from}: not a {part} checkpoint (lacks {sorted(missing)[:3]})")
+            raise ValueError(f"{init_from}: not a {part} checkpoint of this size (lacks {sorted(missing)[:3]})")
         codec.load_state_dict(saved["state"], strict=False)
+        for index in grown:
+            torch.nn.init.zeros_(codec.decoder.layers[index].mix.weight)
+            torch.nn.init.zeros_(codec.decoder.layers[index].mix.bias)
     if part == "recogniser" and init_from is None:
         sample = torch.cat([log_mel for _, _, log_mel in data[:500]], dim=-1)
         codec.input_mean.copy_(sample.mean(-1, keepdim=True))
@@ -282,6 +312,9 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     checkpoint, log_path, step = out / f"{part}.pt", out / f"{part}.jsonl", 0
     if resume and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
+        if codec.config.stack(part) != config_of(saved).stack(part):
+            raise ValueError(f"{checkpoint} has a {part} stack of {config_of(saved).stack(part)}; the sizes given "
+                             f"make {codec.config.stack(part)}: resume with the sizes it was started with")
         codec.load_state_dict(saved["state"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
@@ -304,7 +337,7 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
         rate = learning_rate * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
         for group in optimizer.param_groups:
             group["lr"] = rate
-        loss, accuracy = train_step_loss(codec, part, *batch(data, codec.config, step, seed, batch_size, frames))
+        loss, accuracy = train_step_loss(codec, part, *batch(data, codec.config, step, seed, batch_size, frames, part))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -332,7 +365,8 @@ def export(labels: str | Path, out: str | Path) -> Path:
     """RUN/decoder.pt + RUN/recogniser.pt -> the codec folder RUN/codec."""
     out = Path(out)
     rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
-    codec = new_codec(rows).eval()
+    decoder = config_of(torch.load(out / "decoder.pt", weights_only=False))
+    codec = new_codec(rows, decoder_dilations=decoder.decoder_dilations, decoder_lookahead=decoder.decoder_lookahead).eval()
     for part in PARTS:
         saved = torch.load(out / f"{part}.pt", weights_only=False)
         missing = set(part_state(codec, part)) - set(saved["state"])
@@ -407,6 +441,15 @@ def print_table(result: dict) -> None:
     print(f"codes equal to the true labels' (resynthesis): {100 * result['code_accuracy']:.1f}%")
 
 
+def integers(text: str | None) -> list[int] | None:
+    return None if text is None else [int(part) for part in text.split(",")]
+
+
+def lookahead_argument(text: str | None) -> int | list[int] | None:
+    values = integers(text)
+    return values[0] if values is not None and len(values) == 1 else values
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.phone_codec_fit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -433,6 +476,10 @@ def main(argv=None) -> None:
     p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
     p.add_argument("--init-from", default=None,
                    help="start from this checkpoint of the part (RUN/decoder.pt), with a new schedule: a fine-tune")
+    p.add_argument("--decoder-dilations", default=None,
+                   help="the decoder's own layers, e.g. 1,2,4,8,1,2,4,8,16,32 (default: the recogniser's)")
+    p.add_argument("--decoder-lookahead", default=None,
+                   help="spectrogram frames each decoder layer looks ahead: one number, or one per layer")
     p = sub.add_parser("export", help="both halves into RUN/codec")
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
@@ -454,7 +501,8 @@ def main(argv=None) -> None:
         print(train(args.labels, args.out, args.part, args.max_steps, args.minutes, args.resume, args.learning_rate,
                     args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at,
                     voices=args.voices.split(",") if args.voices else None, init_from=args.init_from,
-                    warmup_steps=args.warmup_steps))
+                    warmup_steps=args.warmup_steps, decoder_dilations=integers(args.decoder_dilations),
+                    decoder_lookahead=lookahead_argument(args.decoder_lookahead)))
     elif args.command == "export":
         print(f"codec saved to {export(args.labels, args.out)}")
     else:

@@ -18,7 +18,7 @@ turns them back into a log-mel spectrogram, and Griffin-Lim into audio, as in th
           -> Griffin-Lim block by block (`LogMelGriffinLimCodec`)
 
 Both stacks use unpadded convolutions: a spectrogram frame's output depends on a fixed window
-of inputs, `left` frames before it and `right` after (`receptive_field`); beyond the audio the
+of inputs, `left` frames before it and `right` after (`receptive_field`, `decoder_receptive_field`); beyond the audio the
 input is silence (encoding) or the silence phoneme in the edge frame's voice (decoding). So a
 stream gives exactly what the whole input gives: the streaming encoder waits `right`
 spectrogram frames of audio after a frame, the decoder `decode_lookahead_frames` codec frames
@@ -52,6 +52,10 @@ class Drama3PhoneCodecConfig(Drama3MelCodecConfig):
         dilations: one residual convolution layer per entry, with this dilation.
         lookahead: spectrogram frames each layer looks ahead (at most its span); the rest of its
             span looks back.
+        decoder_dilations: the decoder's layers, when they differ from the recogniser's
+            (`dilations`); None gives the decoder the same stack.
+        decoder_lookahead: the decoder layers' lookahead, one number for every layer or one per
+            layer; None takes `lookahead`.
         num_codebooks: 1 + `mel_frames_per_frame` (the phonemes, and the voice).
         codebook_size: codes per codebook; at least the number of phonemes and of voices.
     """
@@ -64,6 +68,8 @@ class Drama3PhoneCodecConfig(Drama3MelCodecConfig):
     kernel_size: int = 5
     dilations: list[int] | tuple[int, ...] = (1, 2, 4, 8, 1, 2, 4, 8)
     lookahead: int = 4
+    decoder_dilations: list[int] | tuple[int, ...] | None = None
+    decoder_lookahead: int | list[int] | tuple[int, ...] | None = None
     num_codebooks: int = 5
 
     def validate_phone_sizes(self):
@@ -82,14 +88,41 @@ class Drama3PhoneCodecConfig(Drama3MelCodecConfig):
                 f"codebook_size {self.codebook_size} is smaller than the {len(self.phonemes)} phonemes "
                 f"or {len(self.voices)} voices"
             )
-        if self.kernel_size < 1 or not self.dilations or min(self.dilations) < 1 or self.lookahead < 0:
-            raise ValueError("kernel_size and dilations must be >= 1 and lookahead >= 0")
+        if isinstance(self.decoder_lookahead, (list, tuple)) and len(self.decoder_lookahead) != len(
+                self.dilations if self.decoder_dilations is None else self.decoder_dilations):
+            raise ValueError("decoder_lookahead, given per layer, needs one number per decoder dilation")
+        for part in ("recogniser", "decoder"):
+            dilations, lookaheads = self.stack(part)
+            if self.kernel_size < 1 or not dilations or min(dilations) < 1 or min(lookaheads) < 0:
+                raise ValueError(f"the {part}'s kernel_size and dilations must be >= 1 and its lookahead >= 0")
+
+    def stack(self, part: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(dilation, lookahead) of each layer of the "recogniser" or the "decoder" stack."""
+        if part == "recogniser":
+            dilations, lookahead = self.dilations, self.lookahead
+        elif part == "decoder":
+            dilations = self.dilations if self.decoder_dilations is None else self.decoder_dilations
+            lookahead = self.lookahead if self.decoder_lookahead is None else self.decoder_lookahead
+        else:
+            raise ValueError(f"part must be 'recogniser' or 'decoder', got {part!r}")
+        lookaheads = tuple(lookahead) if isinstance(lookahead, (list, tuple)) else (lookahead,) * len(dilations)
+        return tuple(dilations), lookaheads
+
+    def part_receptive_field(self, part: str) -> tuple[int, int]:
+        """(frames before, frames after) a spectrogram frame that `part`'s output for it reads."""
+        dilations, lookaheads = self.stack(part)
+        spans = [(self.kernel_size - 1) * d for d in dilations]
+        right = sum(min(ahead, span) for ahead, span in zip(lookaheads, spans))
+        return sum(spans) - right, right
 
     @property
     def receptive_field(self) -> tuple[int, int]:
-        """(frames before, frames after) a spectrogram frame that a stack's output for it reads."""
-        right = sum(min(self.lookahead, (self.kernel_size - 1) * d) for d in self.dilations)
-        return sum((self.kernel_size - 1) * d for d in self.dilations) - right, right
+        """The recogniser's receptive field (`part_receptive_field("recogniser")`)."""
+        return self.part_receptive_field("recogniser")
+
+    @property
+    def decoder_receptive_field(self) -> tuple[int, int]:
+        return self.part_receptive_field("decoder")
 
 
 class ConvLayer(nn.Module):
@@ -111,12 +144,13 @@ class ConvLayer(nn.Module):
 
 
 class ConvStack(nn.Module):
-    """The layers of `dilations`; output frame t reads input frames t - left .. t + right."""
+    """The layers of `part`'s dilations; output frame t reads input frames t - left .. t + right."""
 
-    def __init__(self, config: Drama3PhoneCodecConfig):
+    def __init__(self, config: Drama3PhoneCodecConfig, part: str):
         super().__init__()
         self.layers = nn.ModuleList(
-            ConvLayer(config.hidden_size, config.kernel_size, d, config.lookahead) for d in config.dilations
+            ConvLayer(config.hidden_size, config.kernel_size, dilation, lookahead)
+            for dilation, lookahead in zip(*config.stack(part))
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,13 +178,13 @@ class Drama3PhoneCodecModel(LogMelGriffinLimCodec):
         self.input_mean = nn.Parameter(torch.zeros(config.n_mels, 1), requires_grad=False)
         self.input_scale = nn.Parameter(torch.ones(config.n_mels, 1), requires_grad=False)
         self.recogniser_input = nn.Conv1d(config.n_mels, width, 1)
-        self.recogniser = ConvStack(config)
+        self.recogniser = ConvStack(config, "recogniser")
         self.recogniser_norm = nn.LayerNorm(width)
         self.phoneme_head = nn.Linear(width, len(config.phonemes))
         self.voice_head = nn.Linear(width, len(config.voices))
         self.phoneme_embedding = nn.Embedding(len(config.phonemes), width)
         self.voice_embedding = nn.Embedding(len(config.voices), width)
-        self.decoder = ConvStack(config)
+        self.decoder = ConvStack(config, "decoder")
         self.decoder_norm = nn.LayerNorm(width)
         self.decoder_output = nn.Linear(width, config.n_mels)
         self._register_mel_buffers()
@@ -233,13 +267,13 @@ class Drama3PhoneCodecModel(LogMelGriffinLimCodec):
     @property
     def decode_lookahead_frames(self) -> int:
         """Codec frames after a block that its spectrogram reads (the decoder's lookahead)."""
-        return -(-self.config.receptive_field[1] // self.frames_per_code)
+        return -(-self.config.decoder_receptive_field[1] // self.frames_per_code)
 
     def _block_log_mel(self, pending: torch.Tensor, take: int, state: MelStreamState):
         """The log-mel of the first `take` frames of `pending`, read with the codes before them
         (`state.history`; silence in the first frame's voice at the start) and after them
         (`pending`; silence in the last frame's voice past the end)."""
-        left, right = self.config.receptive_field
+        left, right = self.config.decoder_receptive_field
         m = self.frames_per_code
         before = state.history if state.history is not None else pending[..., :0]
         window = torch.cat([before, pending[..., : take + self.decode_lookahead_frames]], dim=-1)
