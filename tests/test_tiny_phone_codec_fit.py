@@ -39,6 +39,26 @@ def test_the_labelled_utterances_spread_over_every_voice_of_the_manifest():
     assert fit.spread(manifest[:10], 20) == manifest[:10]
 
 
+def test_a_tagged_label_run_adds_other_utterances_of_the_voices_asked_for(tmp_path):
+    """`label --voices A --tag more` into a labelled folder: shards labels-more-*.pt of voice A's
+    train utterances that the folder's first shards do not hold; `read_labels` reads them all."""
+    from recipes.drama3_tiny.corpus import build_corpus, read_manifest
+
+    build_corpus(tmp_path / "corpus", seed=3, utterances_per_voice=4, heldout_sentences=2,
+                 voices=[VOICES_BY_NAME["A"], VOICES_BY_NAME["B"]], progress=False)
+    train = [r for r in read_manifest(tmp_path / "corpus" / "manifest.jsonl") if r.split == "train"]
+    first = fit.label(tmp_path / "corpus", tmp_path / "labels", utterances=4)
+    assert [p.name for p in first] == ["labels-00-of-01.pt"]
+    firsts = {row["id"] for row in torch.load(first[0], weights_only=False)}
+    added = fit.label(tmp_path / "corpus", tmp_path / "labels", utterances=100, voices=["A"], tag="more")
+    assert [p.name for p in added] == ["labels-more-00-of-01.pt"]
+    more = {row["id"] for row in torch.load(added[0], weights_only=False)}
+    assert more == {r.id for r in train if r.voice == "A"} - firsts and more
+    assert {row["id"] for row in fit.read_labels(tmp_path / "labels")} == firsts | more
+    with pytest.raises(ValueError, match="letters only"):
+        fit.label(tmp_path / "corpus", tmp_path / "labels", utterances=1, tag="../x")
+
+
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
     """Two labelled utterances spoken by libespeak-ng, with their audio."""
@@ -147,6 +167,10 @@ def test_a_fine_tune_starts_from_a_trained_half_and_learns_only_the_voices_asked
         assert torch.equal(tuned["state"][name], tensor), name
     with pytest.raises(ValueError, match="no labelled utterance"):
         fit.train(folder, tmp_path / "none", "decoder", max_steps=1, voices=["B"], **sizes)
+    changed = dict(trained, config={**trained["config"], "voices": trained["config"]["voices"][::-1]})
+    torch.save(changed, tmp_path / "other-voices.pt")
+    with pytest.raises(ValueError, match="its voices differ from those of"):
+        fit.train(folder, tmp_path / "relabelled", "decoder", max_steps=1, init_from=tmp_path / "other-voices.pt", **sizes)
     with pytest.raises(ValueError, match="not a recogniser checkpoint"):
         fit.train(folder, tmp_path / "wrong", "recogniser", max_steps=1, init_from=tmp_path / "all" / "decoder.pt",
                   **sizes)

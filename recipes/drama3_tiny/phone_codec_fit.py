@@ -117,19 +117,19 @@ def spread(records: list, count: int) -> list:
     return [records[i * len(records) // count] for i in range(count)]
 
 
-def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: int) -> Path:
+def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: int,
+                voices: list[str] | None = None, tag: str | None = None) -> Path:
     from transformers_drama3.codec import Drama3MelCodecModel, Drama3MelCodecConfig
     from tqdm import tqdm
 
-    from .corpus import VOICES_BY_NAME, read_manifest
+    from .corpus import VOICES_BY_NAME
 
-    path = out / f"labels-{shard:02d}-of-{shards:02d}.pt"
+    path = out / f"labels-{tag + '-' if tag else ''}{shard:02d}-of-{shards:02d}.pt"
     if path.exists():
         return path
     torch.set_num_threads(1)
     analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()  # its log-mel is the phone codec's
-    train = spread([r for r in read_manifest(corpus / "manifest.jsonl") if r.split == "train"], utterances)
-    items = [(r.id, r.directed_text, r.voice) for r in train][shard::shards]
+    items = [(r.id, r.directed_text, r.voice) for r in chosen_records(corpus, out, utterances, voices, tag)][shard::shards]
     rows = [label_utterance(analysis, uid, text, VOICES_BY_NAME[name])
             for uid, text, name in tqdm(items, desc=f"labelling {shard + 1}/{shards}", mininterval=30)]
     temporary = path.with_suffix(".tmp")
@@ -138,20 +138,42 @@ def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: in
     return path
 
 
-def label(corpus: str | Path, out: str | Path, utterances: int, jobs: int = 1) -> list[Path]:
-    """Label `utterances` train utterances of `corpus`, evenly spread, into `out` (one shard per job,
-    each written whole once done: a killed run redoes only the shards it had not finished)."""
+def chosen_records(corpus: Path, out: Path, utterances: int, voices: list[str] | None = None,
+                   tag: str | None = None) -> list:
+    """The train records a `label` run labels: `utterances` of them evenly spread over the corpus's
+    train records (of `voices` only, when given). A tagged run adds to a folder: it leaves out the
+    utterances that the folder's untagged shards already hold."""
+    from .corpus import read_manifest
+
+    train = [r for r in read_manifest(corpus / "manifest.jsonl")
+             if r.split == "train" and (voices is None or r.voice in voices)]
+    if tag:
+        done = {row["id"] for path in out.glob("labels-[0-9]*.pt") for row in torch.load(path, weights_only=False)}
+        train = [r for r in train if r.id not in done]
+    return spread(train, utterances)
+
+
+def label(corpus: str | Path, out: str | Path, utterances: int, jobs: int = 1, voices: list[str] | None = None,
+          tag: str | None = None) -> list[Path]:
+    """Label `utterances` train utterances of `corpus` (of `voices` only, when given), evenly
+    spread, into `out` (one shard per job, each written whole once done: a killed run redoes only
+    the shards it had not finished). With `tag` the shards are `labels-TAG-*.pt` beside the
+    folder's first ones, and hold other utterances than those (more data for some voices)."""
     corpus, out = Path(corpus), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if tag is not None and not tag.isalpha():
+        raise ValueError(f"tag {tag!r}: letters only (it names the shard files)")
     if jobs == 1:
-        return [label_shard(corpus, out, utterances, 0, 1)]
+        return [label_shard(corpus, out, utterances, 0, 1, voices, tag)]
     command = [sys.executable, "-m", "recipes.drama3_tiny.phone_codec_fit", "label", "--corpus", str(corpus),
                "--out", str(out), "--utterances", str(utterances), "--jobs", str(jobs)]
+    command += ["--voices", ",".join(voices)] if voices else []
+    command += ["--tag", tag] if tag else []
     workers = [subprocess.Popen([*command, "--shard", str(i)]) for i in range(jobs)]
     failed = [i for i, worker in enumerate(workers) if worker.wait() != 0]
     if failed:
         raise RuntimeError(f"labelling shards {failed} failed")
-    return sorted(out.glob(f"labels-*-of-{jobs:02d}.pt"))
+    return sorted(out.glob(f"labels-{tag + '-' if tag else ''}[0-9]*-of-{jobs:02d}.pt"))
 
 
 def read_labels(folder: str | Path) -> list[dict]:
@@ -294,6 +316,10 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     data = indexed(rows, codec.config)
     if init_from is not None and not resume:
         saved = torch.load(init_from, weights_only=False)
+        for field in ("phonemes", "voices"):
+            if list(getattr(config_of(saved), field)) != list(getattr(codec.config, field)):
+                raise ValueError(f"{init_from}: its {field} differ from those of {labels}'s utterances; the codes "
+                                 "would change meaning (label the new utterances' phonemes in a new folder)")
         grown = added_decoder_layers(codec, saved) if part == "decoder" else []
         missing = set(part_state(codec, part)) - set(saved["state"]) - {
             key for key in part_state(codec, part) if key.split(".")[:3] in [["decoder", "layers", str(i)] for i in grown]}
@@ -458,6 +484,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--utterances", type=int, default=7000)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--voices", default=None, help="label these corpus voices' utterances only (e.g. A,B)")
+    p.add_argument("--tag", default=None,
+                   help="add shards labels-TAG-*.pt to a labelled folder, of utterances its first shards lack")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
     p = sub.add_parser("train", help="train the decoder or the recogniser")
     p.add_argument("--labels", required=True)
@@ -491,10 +520,11 @@ def main(argv=None) -> None:
     if args.command == "label":
         if args.utterances < 1 or args.jobs < 1:
             parser.error("--utterances and --jobs must be >= 1")
+        voices = args.voices.split(",") if args.voices else None
         if args.shard is not None:
-            label_shard(Path(args.corpus), Path(args.out), args.utterances, args.shard, args.jobs)
+            label_shard(Path(args.corpus), Path(args.out), args.utterances, args.shard, args.jobs, voices, args.tag)
         else:
-            print("\n".join(str(p) for p in label(args.corpus, args.out, args.utterances, args.jobs)))
+            print("\n".join(str(p) for p in label(args.corpus, args.out, args.utterances, args.jobs, voices, args.tag)))
     elif args.command == "train":
         if args.max_steps < 1 or args.minutes <= 0:
             parser.error("--max-steps must be >= 1 and --minutes > 0")
