@@ -242,39 +242,6 @@ def test_the_language_model_recipe_trains_and_speaks_with_the_phonetic_codec(lab
     assert audio.shape[-1] == codes.shape[1] * 1024
 
 
-def test_a_decoder_grown_from_a_checkpoint_starts_from_its_output(labelled, tmp_path):
-    """`train --init-from RUN/decoder.pt --decoder-dilations ... --decoder-lookahead ...`: the
-    checkpoint's layers keep their weights, the layers after them start as the identity, so the
-    grown decoder's log-mel equals the checkpoint's on the same labels; a resume with other sizes
-    and a checkpoint that is not the first layers are refused."""
-    rows, _, folder = labelled
-    sizes = dict(minutes=10, batch_size=2, frames=24, progress=False, log_every=5)
-    fit.train(folder, tmp_path / "small", "decoder", max_steps=3, learning_rate=3e-3, **sizes)
-    grown_sizes = dict(decoder_dilations=fit.integers("1,2,4,8,1,2,4,8,16"),
-                       decoder_lookahead=fit.lookahead_argument("4,4,4,4,4,4,4,4,16"))
-    assert grown_sizes["decoder_lookahead"] == [4] * 8 + [16] and fit.lookahead_argument("8") == 8
-    fit.train(folder, tmp_path / "grown", "decoder", max_steps=1, learning_rate=0.0,
-              init_from=tmp_path / "small" / "decoder.pt", **grown_sizes, **sizes)
-    small, grown = fit.new_codec(rows).eval(), fit.new_codec(rows, **grown_sizes).eval()
-    small.load_state_dict(torch.load(tmp_path / "small" / "decoder.pt", weights_only=False)["state"], strict=False)
-    grown.load_state_dict(torch.load(tmp_path / "grown" / "decoder.pt", weights_only=False)["state"], strict=False)
-    assert len(grown.decoder.layers) == 9 and grown.decoder.layers[8].mix.weight.abs().sum() == 0
-    phonemes, voices, _ = fit.batch(fit.indexed(rows, grown.config), grown.config, 0, 0, 2, 24, "decoder")
-    (left, right), (small_left, small_right) = grown.config.decoder_receptive_field, small.config.decoder_receptive_field
-    assert (left, right) == (small_left + 48, small_right + 16)
-    inner = slice(left - small_left, phonemes.shape[-1] - (right - small_right))
-    with torch.no_grad():
-        expected = small.decode_labels(phonemes[:, inner], voices[:, inner])
-        torch.testing.assert_close(grown.decode_labels(phonemes, voices), expected, rtol=0, atol=1e-6)
-    assert expected.std() > 0.01  # a trained decoder's varying output, not a constant
-    with pytest.raises(ValueError, match="resume with the sizes it was started with"):
-        fit.train(folder, tmp_path / "small", "decoder", max_steps=4, learning_rate=3e-3, resume=True,
-                  **grown_sizes, **sizes)
-    with pytest.raises(ValueError, match="is not the first layers of"):
-        fit.train(folder, tmp_path / "other", "decoder", max_steps=1, init_from=tmp_path / "small" / "decoder.pt",
-                  decoder_dilations=[2, 2, 4, 8, 1, 2, 4, 8, 16], learning_rate=0.0, **sizes)
-
-
 @pytest.mark.skipif(not __import__("recipes.drama3_tiny.corpus", fromlist=["x"]).espeak_available(),
                     reason="espeak-ng binary not on PATH")
 def test_a_second_process_encoding_from_the_end_fills_the_runs_codes_cache(labelled, tmp_path):

@@ -213,10 +213,10 @@ def config_of(saved: dict):
     return Drama3PhoneCodecConfig(**{k: v for k, v in saved["config"].items() if k in Drama3PhoneCodecConfig.__dataclass_fields__})
 
 
-def added_decoder_layers(codec, saved: dict) -> list[int]:
-    """The indices of `codec`'s decoder layers past those of the checkpoint `saved`, which must be
-    a prefix of them (same dilations and lookaheads, in order)."""
-    ours, theirs = codec.config.stack("decoder"), config_of(saved).stack("decoder")
+def added_decoder_layers(config, saved_config) -> list[int]:
+    """The indices of `config`'s decoder layers past those of a checkpoint's `saved_config`, whose
+    layers must be the first of them (same dilations and lookaheads, in order)."""
+    ours, theirs = config.stack("decoder"), saved_config.stack("decoder")
     count = len(theirs[0])
     if [tuple(pair[:count]) for pair in ours] != [tuple(pair) for pair in theirs]:
         raise ValueError(f"the checkpoint's decoder stack {theirs} is not the first layers of {ours}")
@@ -298,8 +298,6 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     fields of those names). With `init_from` a decoder may grow: the checkpoint's layers keep their
     place and weights, and the layers after them start as the identity (their last convolution
     zero), so the fine-tune starts from the checkpoint's output."""
-    sizes = {k: v for k, v in (("decoder_dilations", decoder_dilations), ("decoder_lookahead", decoder_lookahead))
-             if v is not None}
     from tqdm import tqdm
 
     if part not in PARTS:
@@ -308,7 +306,7 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
-    codec = new_codec(rows, **sizes)
+    codec = new_codec(rows, decoder_dilations=decoder_dilations, decoder_lookahead=decoder_lookahead)
     if voices is not None:
         rows = [r for r in rows if corpus_voice(r["id"]) in voices]
         if not rows:
@@ -316,13 +314,14 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     data = indexed(rows, codec.config)
     if init_from is not None and not resume:
         saved = torch.load(init_from, weights_only=False)
+        saved_config = config_of(saved)
         for field in ("phonemes", "voices"):
-            if list(getattr(config_of(saved), field)) != list(getattr(codec.config, field)):
+            if list(getattr(saved_config, field)) != list(getattr(codec.config, field)):
                 raise ValueError(f"{init_from}: its {field} differ from those of {labels}'s utterances; the codes "
                                  "would change meaning (label the new utterances' phonemes in a new folder)")
-        grown = added_decoder_layers(codec, saved) if part == "decoder" else []
-        missing = set(part_state(codec, part)) - set(saved["state"]) - {
-            key for key in part_state(codec, part) if key.split(".")[:3] in [["decoder", "layers", str(i)] for i in grown]}
+        grown = added_decoder_layers(codec.config, saved_config) if part == "decoder" else []
+        new_layers = tuple(f"decoder.layers.{index}." for index in grown)
+        missing = {key for key in set(part_state(codec, part)) - set(saved["state"]) if not key.startswith(new_layers)}
         if missing:
             raise ValueError(f"{init_from}: not a {part} checkpoint of this size (lacks {sorted(missing)[:3]})")
         codec.load_state_dict(saved["state"], strict=False)
@@ -391,10 +390,10 @@ def export(labels: str | Path, out: str | Path) -> Path:
     """RUN/decoder.pt + RUN/recogniser.pt -> the codec folder RUN/codec."""
     out = Path(out)
     rows = [r for r in read_labels(labels) if not r["id"].startswith("heldout")]
-    decoder = config_of(torch.load(out / "decoder.pt", weights_only=False))
+    checkpoints = {part: torch.load(out / f"{part}.pt", weights_only=False) for part in PARTS}
+    decoder = config_of(checkpoints["decoder"])
     codec = new_codec(rows, decoder_dilations=decoder.decoder_dilations, decoder_lookahead=decoder.decoder_lookahead).eval()
-    for part in PARTS:
-        saved = torch.load(out / f"{part}.pt", weights_only=False)
+    for part, saved in checkpoints.items():
         missing = set(part_state(codec, part)) - set(saved["state"])
         if missing:
             raise ValueError(f"{out / f'{part}.pt'} lacks {sorted(missing)[:3]}")
