@@ -83,6 +83,10 @@ def add_say(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument(
+        "--ras", choices=["on", "off"], default=None,
+        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
+    )
     parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
     parser.add_argument(
         "--max-chars", type=int, default=MAX_CHARS,
@@ -150,6 +154,10 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="take i of each voice uses seed + i")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
+    parser.add_argument(
+        "--ras", choices=["on", "off"], default=None,
+        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
+    )
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
     parser.add_argument("--device", default="auto")

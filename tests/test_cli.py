@@ -61,6 +61,26 @@ def test_a_reference_without_its_transcript_is_refused(checkpoint, tmp_path, cap
     assert code == 2 and "--reference-text" in capsys.readouterr().err
 
 
+def test_ras_flag_sets_repetition_aware_sampling(tmp_path):
+    from transformers_drama3.cli import _check_say_arguments
+
+    def sampling(*extra):
+        return _check_say_arguments(build_parser().parse_args(["say", "hi", "-o", str(tmp_path / "x.wav"), *extra]))
+
+    assert "repetition_aware" not in sampling()  # the model's own setting
+    assert sampling("--ras", "off")["repetition_aware"] is False
+    assert sampling("--ras", "on")["repetition_aware"] is True
+    with pytest.raises(SystemExit):
+        sampling("--ras", "maybe")
+
+
+def test_say_without_ras_takes_the_models_setting_which_for_this_checkpoint_is_on(checkpoint, tmp_path):
+    say(checkpoint, tmp_path / "on.wav", "--seed", "5", "--ras", "on")
+    say(checkpoint, tmp_path / "default.wav", "--seed", "5")
+    np.testing.assert_array_equal(soundfile.read(tmp_path / "on.wav")[0], soundfile.read(tmp_path / "default.wav")[0])
+    assert say(checkpoint, tmp_path / "off.wav", "--seed", "5", "--ras", "off") == 0
+
+
 def test_subcommands_are_pluggable():
     assert "say" in build_parser()._subparsers._group_actions[0].choices
 

@@ -163,3 +163,35 @@ def test_a_codec_at_another_frame_rate_is_refused_before_any_work():
         model.generate(input_ids[None], audio_codes[None], codec=other, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"codec: .* frames/s"):
         next(model.stream(input_ids[None], audio_codes[None], codec=other, max_new_tokens=2))
+
+
+def test_repetition_aware_sampling_can_be_turned_off_by_the_generation_config_or_a_keyword(model):
+    from dataclasses import replace
+
+    ids, codes = prompt(seed=5)
+    ways_off = {
+        "keyword": dict(repetition_aware=False),
+        "generation_config": dict(generation_config=GenerationConfig(repetition_aware=False)),
+        "preset": dict(preset=replace(SERVING_DEFAULTS, repetition_aware=False)),
+    }
+    for way in [None, *ways_off]:
+        scripted = script_main_tokens(tiny_model(), [[SEMANTIC_START + 5] * 6])  # repeats its window: RAS redraws
+        out = scripted.generate(ids[None], codes[None], seed=3, return_dict_in_generate=True, **ways_off.get(way, {}))
+        assert (int(out.ras_replacements[0]) > 0) == (way is None), way
+    run = dict(seed=3, max_new_tokens=24, return_dict_in_generate=True)
+    hot = replace(SERVING_DEFAULTS, temperature=1.5, repetition_aware=False)
+    off = model.generate(ids[None], codes[None], repetition_aware=False, temperature=1.5, **run)
+    for other in (model.generate(ids[None], codes[None], temperature=1.5, **ways_off["generation_config"], **run),
+                  model.generate(ids[None], codes[None], preset=hot, **run)):
+        assert torch.equal(other.audio_codes, off.audio_codes)
+
+
+def test_repetition_aware_is_read_from_the_model_config_and_overridden_by_later_sources():
+    settings, _, _ = resolve_settings(GenerationConfig(temperature=0.5, repetition_aware=False), None, None, {})
+    assert (settings.temperature, settings.repetition_aware) == (0.5, False)
+    settings, _, _ = resolve_settings(GenerationConfig(repetition_aware=False), None, None, {"repetition_aware": True})
+    assert settings.repetition_aware is True
+    settings, _, _ = resolve_settings(GenerationConfig(repetition_aware=False), "paper-eval", None, {})
+    assert settings == PAPER_EVALUATION  # a preset replaces every sampling value of the model's config
+    with pytest.raises(ValueError, match="repetition_aware='no'"):
+        resolve_settings(None, None, None, {"repetition_aware": "no"})

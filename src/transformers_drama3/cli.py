@@ -157,6 +157,8 @@ def _check_say_arguments(args) -> dict:
                            ("max_new_tokens", args.max_frames))
         if value is not None
     }
+    if args.ras is not None:
+        sampling["repetition_aware"] = args.ras == "on"
     try:
         check_output_path(args.output, "-o")
     except ValueError as error:
@@ -341,6 +343,8 @@ def run_eval(args) -> int:
                                                 progress=not args.quiet)
     sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
                 if value is not None}
+    if args.ras is not None:
+        sampling["repetition_aware"] = args.ras == "on"
     sampling["threads"] = args.threads
     report = measure_intelligibility(model, processor, references, sentences, seed=args.seed,
                                      progress=not args.quiet, **sampling)

@@ -120,7 +120,9 @@ class SamplingSettings:
         top_p: nucleus mass for the main token and the codebook heads (1.0: off).
         top_k: candidates kept for the main token (None: all); the codebook heads keep
             `min(top_k, 30)`.
-        repetition_aware: apply RAS to the main token.
+        repetition_aware: apply RAS to the main token. A generation config may set it
+            (`repetition_aware: false`): a model whose main tokens repeat by design, such as
+            drama3-tiny's phonetic codes (one phoneme spans several frames), turns RAS off there.
     """
 
     do_sample: bool = True
@@ -158,7 +160,7 @@ def drama3_generation_config(config, **overrides) -> GenerationConfig:
     return GenerationConfig(**values)
 
 
-_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k")
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "repetition_aware")
 
 
 def resolve_settings(
@@ -203,6 +205,9 @@ def resolve_settings(
 def _check_sampling_values(changes: dict, max_new_tokens) -> None:
     """Refuse sampling values that would silently sample something else (NaN temperature) or
     generate anyway (a frame cap of 0). Temperature 0 means greedy; top_k <= 0 means no top-k."""
+    repetition_aware = changes.get("repetition_aware")
+    if repetition_aware is not None and not isinstance(repetition_aware, bool):
+        raise ValueError(f"repetition_aware={repetition_aware!r}; expected True or False")
     temperature = changes.get("temperature")
     if temperature is not None and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature!r}; expected a finite number >= 0 (0 is greedy)")
@@ -1054,7 +1059,7 @@ def _check_range(values: torch.Tensor, name: str, size: int, what: str) -> None:
 
 def _split_kwargs(kwargs: dict) -> dict:
     """Generation parameters among `kwargs`; any other name is an error (it would be ignored)."""
-    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")}
+    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(
@@ -1400,7 +1405,8 @@ def generate(
             `BatchFeature`, unpacked) or raw rows: `[batch, rows]`, `[batch, rows, num_codebooks]`,
             `[batch, rows]` (left padding).
         generation_config: a `GenerationConfig`; its `do_sample`, `temperature`, `top_p`, `top_k`,
-            `max_new_tokens` (frames) and `return_dict_in_generate` are read.
+            `repetition_aware` (RAS on the main token, default True), `max_new_tokens` (frames)
+            and `return_dict_in_generate` are read.
         streamer: an object with `put(value)` and `end()` (a transformers `BaseStreamer`); batch 1.
             It receives waveform chunks `[samples]` when `codec` is given, else frames
             `[1, frames, num_codebooks]`, as soon as they are final.
