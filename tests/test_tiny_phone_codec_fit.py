@@ -105,6 +105,30 @@ def test_training_windows_are_what_the_codec_reads(labelled):
                                        rtol=1e-5, atol=1e-5)
 
 
+def test_spectral_convergence_weighs_the_loud_bands_and_adds_to_the_decoders_loss(labelled):
+    """The same log-mel error costs the spectral convergence more in a loud band than in a quiet
+    one (the log-mel L1 sees them alike); it is 0 on the target and the same at any loudness; the
+    decoder's loss with a weight is its L1 plus the weight times it."""
+    target = torch.full((2, 6, 10), -6.0)
+    target[:, 1] = 0.0  # one loud band
+    loud, quiet = target.clone(), target.clone()
+    loud[:, 1] += 0.3
+    quiet[:, 4] += 0.3
+    torch.testing.assert_close((loud - target).abs().mean(), (quiet - target).abs().mean())
+    assert fit.spectral_convergence(loud, target) > 50 * fit.spectral_convergence(quiet, target)
+    assert float(fit.spectral_convergence(target, target)) == 0.0
+    torch.testing.assert_close(fit.spectral_convergence(loud + 2.0, target + 2.0), fit.spectral_convergence(loud, target))
+    rows, _, _ = labelled
+    codec = fit.new_codec(rows, hidden_size=16, dilations=[1, 2, 4])
+    crops = fit.batch(fit.indexed(rows, codec.config), codec.config, step=0, seed=0, size=2, frames=40, part="decoder")
+    plain, _ = fit.train_step_loss(codec, "decoder", *crops)
+    weighted, _ = fit.train_step_loss(codec, "decoder", *crops, spectral_convergence_weight=0.5)
+    left, right = codec.config.decoder_receptive_field
+    predicted = codec.decode_labels(crops[0], crops[1])
+    expected = plain + 0.5 * fit.spectral_convergence(predicted, crops[2][..., left : crops[2].shape[-1] - right])
+    torch.testing.assert_close(weighted, expected)
+
+
 def test_training_learns_resumes_exactly_and_exports(labelled, tmp_path):
     import json
 

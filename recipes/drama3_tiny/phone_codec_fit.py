@@ -265,14 +265,27 @@ def batch(data, config, step: int, seed: int, size: int, frames: int, part: str 
     return torch.stack(phonemes), torch.stack(voices), torch.stack(log_mels)
 
 
-def train_step_loss(codec, part: str, phonemes, voices, log_mel):
-    """The part's loss on a batch (decoder: L1 of the log-mel; recogniser: cross entropy of the
-    phoneme, half that of the voice) and its frame accuracy."""
+def spectral_convergence(predicted, target):
+    """Relative error of the mel magnitudes (`exp` of the log-mels `[batch, n_mels, frames]`):
+    ||exp(target) - exp(predicted)|| / ||exp(target)|| per crop, averaged. Unlike the log-mel L1,
+    which weighs every band alike, it is dominated by the loud bands (formants, harmonics)."""
+    target, predicted = target.exp(), predicted.exp()
+    error = (target - predicted).flatten(1).norm(dim=-1)
+    return (error / target.flatten(1).norm(dim=-1).clamp_min(1e-5)).mean()
+
+
+def train_step_loss(codec, part: str, phonemes, voices, log_mel, spectral_convergence_weight: float = 0.0):
+    """The part's loss on a batch (decoder: L1 of the log-mel, plus `spectral_convergence_weight`
+    times its `spectral_convergence`; recogniser: cross entropy of the phoneme, half that of the
+    voice) and its frame accuracy."""
     left, right = codec.config.part_receptive_field(part)
     inner = slice(left, phonemes.shape[-1] - right)
     if part == "decoder":
         predicted = codec.decode_labels(phonemes, voices)
-        return (predicted - log_mel[..., inner]).abs().mean(), None
+        loss = (predicted - log_mel[..., inner]).abs().mean()
+        if spectral_convergence_weight:
+            loss = loss + spectral_convergence_weight * spectral_convergence(predicted, log_mel[..., inner])
+        return loss, None
     phoneme_logits, voice_logits = codec.recognise(log_mel)
     loss = F.cross_entropy(phoneme_logits.transpose(1, 2), phonemes[:, inner]) + 0.5 * F.cross_entropy(
         voice_logits.transpose(1, 2), voices[:, inner])
@@ -284,7 +297,7 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
           save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
           log_every: int = 100, voices: list[str] | None = None, init_from: str | Path | None = None,
           warmup_steps: int | None = None, decoder_dilations: list[int] | None = None,
-          decoder_lookahead: int | list[int] | None = None) -> dict:
+          decoder_lookahead: int | list[int] | None = None, spectral_convergence_weight: float = 0.0) -> dict:
     """Train `part` of the codec to `max_steps` (or until `minutes` pass, or this sitting reaches
     step `stop_at`); returns the last log line.
 
@@ -297,7 +310,9 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
     `decoder_dilations` / `decoder_lookahead` give the decoder its own stack (the codec config's
     fields of those names). With `init_from` a decoder may grow: the checkpoint's layers keep their
     place and weights, and the layers after them start as the identity (their last convolution
-    zero), so the fine-tune starts from the checkpoint's output."""
+    zero), so the fine-tune starts from the checkpoint's output.
+
+    `spectral_convergence_weight` adds the decoder's `spectral_convergence` to its L1 loss."""
     from tqdm import tqdm
 
     if part not in PARTS:
@@ -362,7 +377,8 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
         rate = learning_rate * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
         for group in optimizer.param_groups:
             group["lr"] = rate
-        loss, accuracy = train_step_loss(codec, part, *batch(data, codec.config, step, seed, batch_size, frames, part))
+        loss, accuracy = train_step_loss(codec, part, *batch(data, codec.config, step, seed, batch_size, frames, part),
+                                         spectral_convergence_weight=spectral_convergence_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
@@ -508,6 +524,8 @@ def main(argv=None) -> None:
                    help="the decoder's own layers, e.g. 1,2,4,8,1,2,4,8,16,32 (default: the recogniser's)")
     p.add_argument("--decoder-lookahead", default=None,
                    help="spectrogram frames each decoder layer looks ahead: one number, or one per layer")
+    p.add_argument("--spectral-convergence", type=float, default=0.0,
+                   help="weight of the decoder's spectral-convergence loss (mel magnitudes) beside its log-mel L1")
     p = sub.add_parser("export", help="both halves into RUN/codec")
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
@@ -527,11 +545,14 @@ def main(argv=None) -> None:
     elif args.command == "train":
         if args.max_steps < 1 or args.minutes <= 0:
             parser.error("--max-steps must be >= 1 and --minutes > 0")
+        if not math.isfinite(args.spectral_convergence) or args.spectral_convergence < 0:
+            parser.error("--spectral-convergence must be a finite weight >= 0")
         print(train(args.labels, args.out, args.part, args.max_steps, args.minutes, args.resume, args.learning_rate,
                     args.batch_size, args.frames, args.seed, threads=args.threads, stop_at=args.stop_at,
                     voices=args.voices.split(",") if args.voices else None, init_from=args.init_from,
                     warmup_steps=args.warmup_steps, decoder_dilations=integers(args.decoder_dilations),
-                    decoder_lookahead=lookahead_argument(args.decoder_lookahead)))
+                    decoder_lookahead=lookahead_argument(args.decoder_lookahead),
+                    spectral_convergence_weight=args.spectral_convergence))
     elif args.command == "export":
         print(f"codec saved to {export(args.labels, args.out)}")
     else:
