@@ -79,6 +79,32 @@ def test_too_short_take():
     assert detect_anomalies(30, "eos", expected_frames=100, budget=250) == []
 
 
+def test_overlong_take_only_where_the_model_sets_a_factor():
+    assert detect_anomalies(300, "eos", expected_frames=100, budget=250) == []  # off by default
+    assert detect_anomalies(151, "eos", expected_frames=100, budget=250, overlong=1.5) == ["overlong"]
+    assert detect_anomalies(150, "eos", expected_frames=100, budget=250, overlong=1.5) == []
+    assert detect_anomalies(250, "length", expected_frames=100, budget=250, overlong=1.5) == ["runaway"]
+
+
+def test_regenerate_on_anomaly_replaces_an_overlong_take_when_the_model_sets_a_factor():
+    ids, codes = prompt(seed=3)
+    expected = 2.0  # seconds: ~43 frames at the tiny config's 21.5 frames/s
+    loop = [[SEMANTIC_START + 3] * 80]  # ends by itself after ~1.9x the expected duration
+    plain = script_main_tokens(tiny_model(seed=0), loop).generate(
+        ids[None], codes[None], expected_seconds=expected, return_dict_in_generate=True)
+    assert plain.finish_reasons == ["eos"] and plain.anomalies == [[]]
+    model = script_main_tokens(tiny_model(seed=0), [[SEMANTIC_START + 3] * 80 + [EOS] + [SEMANTIC_START + 4] * 30])
+    model.generation_config.overlong_factor = 1.5
+    out = model.generate(ids[None], codes[None], expected_seconds=expected, regenerate_on_anomaly=1,
+                         return_dict_in_generate=True)
+    assert out.regenerations[0]["anomalies"] == ["overlong"] and out.regenerations[0]["kept"]
+    assert int(out.lengths[0]) < 1.5 * float(out.expected_frames[0]) and out.anomalies == [[]]
+    for bad in (1.0, 0, float("inf"), "long", True):
+        model.generation_config.overlong_factor = bad
+        with pytest.raises(ValueError, match="overlong_factor"):
+            model.generate(ids[None], codes[None], max_new_tokens=2)
+
+
 def test_silent_and_long_silence_takes():
     rate = 1000
     noise = torch.randn(5 * rate, generator=torch.Generator().manual_seed(0)) * 0.1

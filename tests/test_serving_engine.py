@@ -206,3 +206,21 @@ def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
     assert engine._batch.capacity > 8
     for request, handle in zip(requests, handles):
         assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
+def test_the_engine_reports_an_overlong_take_where_the_model_sets_a_factor():
+    from generation_helpers import SEMANTIC_START, script_main_tokens
+
+    ids, codes = prompt(seed=2, text_rows=5, audio_rows=4)
+    loop = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=0, max_new_tokens=200)
+    results = {}
+    for factor in (None, 1.5):
+        scripted = script_main_tokens(tiny_model(seed=0), [[SEMANTIC_START + 3] * 60])  # then eos, ~2x expected
+        scripted.generation_config.overlong_factor = factor
+        (handle,) = drive(Drama3Engine(scripted, max_batch=2), {0: [loop]})
+        results[factor] = handle.result(timeout=1)
+    assert results[None].finish_reason == "eos" and results[None].anomalies == []
+    assert results[1.5].codes.shape[0] > 1.5 * results[1.5].expected_frames and results[1.5].anomalies == ["overlong"]
+    scripted.generation_config.overlong_factor = 0.5
+    with pytest.raises(ValueError, match="overlong_factor"):
+        Drama3Engine(scripted)

@@ -104,7 +104,7 @@ SILENCE_WINDOW_SECONDS = 0.1
 LONG_SILENCE_SECONDS = 3.0
 """A take with a silence longer than this inside it is anomalous (paper §9 "long silence")."""
 
-ANOMALIES = ("silent", "too_short", "runaway", "long_silence")
+ANOMALIES = ("silent", "too_short", "runaway", "long_silence", "overlong")
 
 
 # ----------------------------------------------------------------------------- sampling settings
@@ -491,6 +491,21 @@ def expected_seconds_of_tokens(tokens: torch.Tensor, tokens_per_second: float = 
     return (tokens.float() / tokens_per_second).clamp(min=MIN_EXPECTED_SECONDS)
 
 
+def overlong_factor(model) -> float | None:
+    """The generation config's `overlong_factor`: a take that ends by itself after more than this
+    many times its expected duration is anomalous ("overlong"). None (the default) checks nothing:
+    the published model's expected duration is a rough words-a-second guess, and directed speech
+    with its pauses may well last twice that. A model whose speaking rate is measured (drama3-tiny,
+    whose takes of one text vary little in length) sets it to catch takes that loop back over
+    their text and then stop."""
+    factor = getattr(getattr(model, "generation_config", None), "overlong_factor", None)
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 1:
+        raise ValueError(f"generation_config.overlong_factor={factor!r}; expected a number above 1 (or None: off)")
+    return float(factor)
+
+
 def text_tokens_per_second(model) -> float:
     """The speaking rate, in text tokens per second, that sets this model's frame budgets: the
     generation config's `text_tokens_per_second` when it has one (a model whose tokenizer spends
@@ -540,19 +555,24 @@ def detect_anomalies(
     budget: int,
     waveform: torch.Tensor | None = None,
     sampling_rate: int | None = None,
+    overlong: float | None = None,
 ) -> list[str]:
     """What is wrong with one take (paper §9): a subset of `ANOMALIES`, empty when it looks fine.
 
     - runaway: it used its whole budget (2.5x the expected duration, or 4096 frames) without eos;
     - too_short: it ended before 25% of its expected duration (or produced nothing);
     - silent: its waveform is below -50 dBFS throughout (needs the waveform);
-    - long_silence: its waveform holds more than 3 s of silence (needs the waveform).
+    - long_silence: its waveform holds more than 3 s of silence (needs the waveform);
+    - overlong: it ended by itself after more than `overlong` times its expected duration (only
+      with `overlong`, see `overlong_factor`).
     """
     found = []
     if finish_reason == "length" and length >= budget:
         found.append("runaway")
     if finish_reason == "eos" and (length == 0 or length < TOO_SHORT_FRACTION * expected_frames):
         found.append("too_short")
+    if finish_reason == "eos" and overlong is not None and length > overlong * expected_frames:
+        found.append("overlong")
     if waveform is not None and waveform.numel():
         rms = float(waveform.float().pow(2).mean().sqrt())
         if rms < SILENCE_RMS:
@@ -1187,6 +1207,7 @@ def _resolve_request(
     """`layout`: the processor's `speak_span` / `boundaries_left` when the rows came with them."""
     config = model.config
     layout = layout or {}
+    overlong_factor(model)  # a bad value is refused before any work, not after the takes
     if expected_seconds is None and layout.get("speak_span") is not None:
         seconds = expected_seconds_of_tokens(
             speak_span_tokens(torch.as_tensor(layout["speak_span"])), text_tokens_per_second(model)
@@ -1288,6 +1309,7 @@ def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed,
         streamer.end()
     codes, lengths, clicks_dropped = collector.finish(model.config.num_codebooks, input_ids.device)
     audio = decode_audio(codec, codes, lengths) if codec is not None else None
+    overlong = overlong_factor(model)
     anomalies = [
         detect_anomalies(
             int(lengths[item]),
@@ -1296,6 +1318,7 @@ def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed,
             int(request.guard_budgets[item]),
             None if audio is None else audio[item],
             None if codec is None else codec.sampling_rate,
+            overlong,
         )
         for item in range(input_ids.shape[0])
     ]

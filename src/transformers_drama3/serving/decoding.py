@@ -20,6 +20,7 @@ from ..generation_drama3 import (  # noqa: F401  (re-exported for the engine)
     expected_seconds_of_tokens,
     frame_budgets,
     item_generators,
+    overlong_factor,
     prepare_prompt,
     prompt_window,
     resolve_settings,

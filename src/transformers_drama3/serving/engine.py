@@ -40,6 +40,7 @@ from .decoding import (
     expected_seconds_of_tokens,
     frame_budgets,
     item_generators,
+    overlong_factor,
     prompt_window,
     slot_tower_step,
     target_text_tokens,
@@ -192,6 +193,7 @@ class Drama3Engine:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue}; expected 0 or more")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
         self.threads = threads
         self.prefill = prefill or prefill_alone
         self.on_finish = on_finish
@@ -408,7 +410,8 @@ class Drama3Engine:
 
     def _end(self, slot: _Slot, reason: str) -> None:
         codes = torch.stack(slot.frames) if slot.frames else torch.zeros(0, self.model.config.num_codebooks, dtype=torch.long)
-        anomalies = detect_anomalies(codes.shape[0], reason, slot.expected_frames, slot.guard_budget)
+        anomalies = detect_anomalies(codes.shape[0], reason, slot.expected_frames, slot.guard_budget,
+                                     overlong=self.overlong)
         self._finish(slot.handle, reason, DoneEvent(reason, codes, anomalies, slot.budget, slot.expected_frames))
 
     def _timed_out(self, handle: RequestHandle) -> bool:
