@@ -152,6 +152,9 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--sentences", type=int, default=None, help="speak only the first N held-out sentences (of 12)")
     parser.add_argument("--sentences-file", default=None, help="a UTF-8 file of sentences to speak instead, one per line")
     parser.add_argument("--seed", type=int, default=0, help="take i of each voice uses seed + i")
+    parser.add_argument("--seeds", default=None,
+                        help="several seeds, e.g. 0,100,200: every sentence spoken once per seed, the WERs pooled "
+                             "(the outputs are drawn; one seed's WER moves by several points)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
     parser.add_argument(

@@ -24,17 +24,23 @@ ORIGINALS_BAR = 0.20
 """Whisper on espeak's own renderings; measured on ESPEAK_SAMPLE x ESPEAK_VOICES: 10.5% (on all
 12 sentences: 24.1%, the RP and Caribbean voices D and F the hardest)."""
 GARBLED_BAR = 0.80
+SEEDS = (0, 100, 200)
+"""The outputs are drawn: one seed's 24 takes move the WER by several points (33-46% at seeds 0-300),
+so the guard pools three seeds."""
 RESYNTHESIS_BAR = 0.20
-OUTPUTS_BAR = 0.40
+OUTPUTS_BAR = 0.45
 """Guards on the bundled model's codec resyntheses and outputs (Whisper WER, pooled over SAMPLE x
-SAMPLE_VOICES, seed 0): today's level with a small margin, so that a change that loses words
-fails. Measured (step 6,000, seed 0): 17.9% and 33.0%; outputs at seeds 100 and 200: 42.9%.
-The aim (issue 19) is 15% and 35%; the model card says where it stands."""
+SAMPLE_VOICES x SEEDS): today's level with a small margin, so that a change that loses words
+fails. Measured (step 6,000, without RAS): 17.9% and 41.8% (seeds 0 / 100 / 200: 42.9%, 46.4%,
+36.2%; with RAS, as shipped before: 33.0%, 42.9%, 42.9%, pooled 39.6%). The aim (issue 19) is 15% and
+35%; the model card says where it stands."""
 README_JOB_BAR = 0.55
-"""Guard on the README's main job (its sentence, voice A, seeds 0-2 pooled); measured 45.8%: "Hello,
-Narrow. This is Natai, the Martyrdol speaking." / "... Nataly Marado speaking." / "Below there it,
-this is the tidy model speaking."."""
+"""Guard on the README's main job (its sentence, voice A, seeds 0-2 pooled); measured 50.0%: "Hello
+there, this is the tidy model speaking." / "Hello there, this is the tidy Mario Dolls Speaking." /
+"below never." (seed 2 stops after two words); with RAS, as shipped before, 45.8%."""
 DURATION_BOUNDS = (0.6, 1.6)
+"""Output duration over espeak's: at least 95% of takes within these bounds (72 takes measured:
+0.76-1.61, one above 1.6), their median within 10% of espeak's."""
 
 
 # ---- normalisation (no recogniser) ----------------------------------------------------------------
@@ -158,7 +164,7 @@ def eval_run(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["eval", "--voice", ",".join(SAMPLE_VOICES), "--sentences-file", str(sentences), "--json", str(path),
-                     "--quiet"])
+                     "--seeds", ",".join(map(str, SEEDS)), "--quiet"])
     return code, out.getvalue(), json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -169,7 +175,8 @@ def test_drama3_eval_prints_a_wer_table_per_voice(eval_run):
     assert code == 0
     rows = [line.split(" | ")[0].strip("| ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["voice", *SAMPLE_VOICES, "all"]
-    assert [take["text"] for take in report["takes"]] == list(SAMPLE) * len(SAMPLE_VOICES)
+    assert [(take["text"], take["seed"]) for take in report["takes"]] == [
+        (sentence, seed) for _ in SAMPLE_VOICES for sentence in SAMPLE for seed in SEEDS]
 
 
 @pytest.mark.slow
@@ -184,14 +191,15 @@ def test_the_bundled_codec_resyntheses_let_the_words_through(eval_run):
 @pytest.mark.slow
 @needs_espeak
 def test_the_bundled_model_says_the_words_and_stops_at_a_plausible_length(eval_run, record_property):
-    """The outputs (each voice cloned from its bundled clip, seed 0) are read by Whisper at most at
-    OUTPUTS_BAR, and every output stops by itself at a length near espeak's."""
+    """The outputs (each voice cloned from its bundled clip, SEEDS pooled) are read by Whisper at
+    most at OUTPUTS_BAR, and every output stops by itself at a length near espeak's."""
     _, _, report = eval_run
     record_property("wer_outputs", report["overall"]["wer_outputs"])
     assert report["overall"]["wer_outputs"] <= OUTPUTS_BAR, report["overall"]
     low, high = DURATION_BOUNDS
-    for take in report["takes"]:
-        assert take["finish"] == "eos" and low <= take["duration_ratio"] <= high, take
+    ratios = np.array([take["duration_ratio"] for take in report["takes"]])
+    assert all(take["finish"] == "eos" for take in report["takes"])
+    assert np.mean((ratios >= low) & (ratios <= high)) >= 0.95 and 0.9 <= np.median(ratios) <= 1.1, sorted(ratios)
 
 
 def test_drama3_eval_refuses_bad_arguments_before_loading_anything(capsys):
@@ -205,6 +213,10 @@ def test_drama3_eval_refuses_bad_arguments_before_loading_anything(capsys):
     assert "either --sentences or --sentences-file" in capsys.readouterr().err
     assert main(["eval", "--sentences-file", "/nonexistent/s.txt"]) == 2
     assert "--sentences-file /nonexistent/s.txt: could not read it" in capsys.readouterr().err
+    assert main(["eval", "--seeds", "0,x"]) == 2
+    assert "--seeds 0,x: expected integers" in capsys.readouterr().err
+    assert main(["eval", "--seeds", "5,5"]) == 2
+    assert "--seeds 5,5: each seed once" in capsys.readouterr().err
 
 
 def readme_main_job_sentence() -> str:
@@ -233,3 +245,51 @@ def test_the_readme_main_job_is_heard_saying_its_sentence(tmp_path):
         audio, rate = soundfile.read(path, dtype="float32")
         heard.append((asr.transcribe(audio, rate), sentence))
     assert asr.corpus_wer(heard) <= README_JOB_BAR, heard
+
+
+@needs_espeak
+def test_eval_over_several_seeds_speaks_each_sentence_once_per_seed_and_pools_the_outputs():
+    """With seeds [0, 100] every sentence is spoken twice (take i with seed + i), the original and
+    its resynthesis are transcribed once, and the outputs' WER pools both seeds' takes."""
+    from types import SimpleNamespace
+
+    from transformers_drama3.evaluation.intelligibility import measure_intelligibility
+
+    class Codec:
+        sampling_rate = ESPEAK_RATE
+
+        def encode(self, audio, sampling_rate):
+            return SimpleNamespace(audio_codes=np.asarray(audio), lengths=None)
+
+        def decode(self, codes, lengths):
+            import torch
+            return SimpleNamespace(audio_values=torch.as_tensor(codes)[None].float())
+
+    seeds_used = []
+
+    def generate(*, seed, **_):
+        import torch
+        seeds_used.append(seed)
+        audio = torch.full((1, 2205 if seed < 100 else 4410), 0.1)  # seed 100+: a take twice as long
+        return SimpleNamespace(audio=audio, finish_reasons=["eos"])
+
+    calls = []
+
+    def transcribe(audio, rate):
+        calls.append(len(audio))
+        return SAMPLE[0] if len(audio) == 2205 else ""  # seed 0's takes heard right, seed 100's not at all
+
+    model = SimpleNamespace(generate=generate)
+    processor = type("Processor", (), {"codec": Codec(), "__call__": lambda self, *args, **kwargs: {}})()
+    report = measure_intelligibility(model, processor, {"A": ("clip.wav", "text")}, SAMPLE[:2], seed=[0, 100],
+                                     transcribe=transcribe, progress=False)
+    assert seeds_used == [0, 100, 1, 101]
+    assert [(t["text"], t["seed"]) for t in report.takes] == [(SAMPLE[0], 0), (SAMPLE[0], 100), (SAMPLE[1], 0), (SAMPLE[1], 100)]
+    assert len(calls) == 2 * 2 + 4  # original + resynthesis once a sentence, one output a take
+    row = report.overall
+    assert (row.sentences, row.takes) == (2, 4)
+    assert row.wer_outputs == asr.corpus_wer([(SAMPLE[0], SAMPLE[0]), ("", SAMPLE[0]), (SAMPLE[0], SAMPLE[1]), ("", SAMPLE[1])])
+    assert row.wer_originals == 1.0  # espeak's renderings are not 2205 samples long: heard as nothing
+    assert "| A | 2 x 2 |" in report.table()
+    with pytest.raises(ValueError, match="distinct ints"):
+        measure_intelligibility(model, processor, {"A": ("clip.wav", "text")}, SAMPLE[:1], seed=[0, 0], progress=False)

@@ -319,11 +319,25 @@ def _eval_references(voice_list: str | None) -> dict[str, tuple[str, str]]:
         raise CommandError(f"--voice {voice_list}: {error}") from None
 
 
+def _eval_seeds(args) -> int | list[int]:
+    """`--seed N`, or `--seeds A,B,...` (distinct integers)."""
+    if args.seeds is None:
+        return args.seed
+    try:
+        seeds = [int(part) for part in args.seeds.split(",")]
+    except ValueError:
+        raise CommandError(f"--seeds {args.seeds}: expected integers separated by commas, e.g. 0,100,200") from None
+    if len(set(seeds)) != len(seeds):
+        raise CommandError(f"--seeds {args.seeds}: each seed once")
+    return seeds
+
+
 def run_eval(args) -> int:
     """Check everything, load the recogniser (it says at once when the [eval] extra is missing),
     then the model; speak, transcribe, print the table."""
     sentences = _eval_sentences(args)
     references = _eval_references(args.voice)
+    seeds = _eval_seeds(args)
     for flag, value, valid in (("--temperature", args.temperature, lambda v: math.isfinite(v) and v >= 0),
                                ("--top-p", args.top_p, lambda v: 0 < v <= 1)):
         if value is not None and not valid(value):
@@ -346,7 +360,7 @@ def run_eval(args) -> int:
     if args.ras is not None:
         sampling["repetition_aware"] = args.ras == "on"
     sampling["threads"] = args.threads
-    report = measure_intelligibility(model, processor, references, sentences, seed=args.seed,
+    report = measure_intelligibility(model, processor, references, sentences, seed=seeds,
                                      progress=not args.quiet, **sampling)
     print(report.table())
     if args.json:

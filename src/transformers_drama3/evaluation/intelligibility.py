@@ -8,7 +8,8 @@ corpus of this project holds):
 and Whisper tiny.en (`asr.transcribe`) writes down what it hears in each. The WER of the originals
 is the recogniser's own floor, the resyntheses' the codec's ceiling for any model, the outputs'
 the model's. Also per voice: the share of outputs that stop by themselves and the median ratio
-of their duration to the original's.
+of their duration to the original's. The outputs are drawn, so one seed's WER moves by several
+points; several seeds pool their takes (the originals and resyntheses are the same for each).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ checks it against the corpus plan)."""
 
 @dataclass
 class VoiceIntelligibility:
-    """One voice's numbers: WERs pool edits over the voice's sentences."""
+    """One voice's numbers: WERs pool edits over the voice's sentences (and seeds: `takes` outputs
+    of `sentences` sentences)."""
 
     voice: str
     sentences: int
@@ -51,6 +53,7 @@ class VoiceIntelligibility:
     wer_outputs: float
     stopped_by_itself: float
     duration_ratio_median: float
+    takes: int = 0
 
 
 @dataclass
@@ -64,14 +67,14 @@ class IntelligibilityReport:
     def table(self) -> str:
         """Markdown: one row per voice and one for all voices together."""
         lines = [
-            "| voice | sentences | WER espeak originals | WER codec resyntheses | WER model outputs "
+            "| voice | sentences x seeds | WER espeak originals | WER codec resyntheses | WER model outputs "
             "| outputs that stop by themselves | duration / espeak (median) |",
             "|---|---|---|---|---|---|---|",
         ]
         rows = self.voices + ([self.overall] if self.overall is not None else [])
         for row in rows:
             lines.append(
-                f"| {row.voice} | {row.sentences} | {row.wer_originals:.1%} | {row.wer_resyntheses:.1%} "
+                f"| {row.voice} | {row.sentences} x {row.takes // max(row.sentences, 1)} | {row.wer_originals:.1%} | {row.wer_resyntheses:.1%} "
                 f"| {row.wer_outputs:.1%} | {row.stopped_by_itself:.0%} | {_ratio(row.duration_ratio_median)} |"
             )
         return "\n".join(lines)
@@ -119,42 +122,58 @@ def speak_with_model(model, processor, sentence: str, reference: tuple[str, str]
 
 
 def summarize(voice: str, takes: Sequence[dict]) -> VoiceIntelligibility:
-    """Pool `takes` (dicts with "text", "heard_*", "finish", "duration_ratio") into one row."""
+    """Pool `takes` (dicts with "text", "heard_*", "finish", "duration_ratio", and "seed" when
+    several seeds spoke each sentence) into one row; originals and resyntheses count once a sentence."""
     def pooled(kind):
+        if kind != "output":  # the same words for every seed of a sentence
+            once = {(take["voice"], take["text"]): take for take in takes}.values()
+            return asr.corpus_wer([(take[f"heard_{kind}"], take["text"]) for take in once])
         return asr.corpus_wer([(take[f"heard_{kind}"], take["text"]) for take in takes])
 
     ratios = [take["duration_ratio"] for take in takes if take["duration_ratio"] is not None]
     return VoiceIntelligibility(
-        voice=voice, sentences=len(takes), wer_originals=pooled("original"), wer_resyntheses=pooled("resynthesis"),
+        voice=voice, sentences=len({(take["voice"], take["text"]) for take in takes}),
+        wer_originals=pooled("original"), wer_resyntheses=pooled("resynthesis"),
         wer_outputs=pooled("output"), stopped_by_itself=float(np.mean([take["finish"] == "eos" for take in takes])),
-        duration_ratio_median=float(np.median(ratios)) if ratios else math.nan,
+        duration_ratio_median=float(np.median(ratios)) if ratios else math.nan, takes=len(takes),
     )
 
 
 def measure_intelligibility(
     model, processor, references: dict[str, tuple[str, str]], sentences: Sequence[str] = HELDOUT_SENTENCES,
-    seed: int = 0, transcribe: Callable = asr.transcribe, progress: bool = True, **sampling,
+    seed: int | Sequence[int] = 0, transcribe: Callable = asr.transcribe, progress: bool = True, **sampling,
 ) -> IntelligibilityReport:
     """Every voice of `references` (name -> (clip path, transcript); names from `TINY_VOICES`)
-    speaks every sentence; see the module docstring. Take i of a voice uses seed `seed + i`."""
+    speaks every sentence; see the module docstring. Take i of a voice uses seed `seed + i`; with
+    several seeds (a sequence) every sentence is spoken once per seed, and each take records its
+    seed."""
     from tqdm.auto import tqdm
 
     voices = check_voices(list(references))
     sentences = check_sentences(sentences)
+    seeds = [seed] if isinstance(seed, int) else list(seed)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ValueError(f"seed={seed!r}; expected an int or distinct ints")
     codec = processor.codec
     report = IntelligibilityReport()
     jobs = [(voice, index, sentence) for voice in voices for index, sentence in enumerate(sentences)]
-    for voice, index, sentence in tqdm(jobs, desc="drama3 eval", unit="take", disable=not progress):
+    bar = tqdm(total=len(jobs) * len(seeds), desc="drama3 eval", unit="take", disable=not progress)
+    for voice, index, sentence in jobs:
         original = speak(sentence, TINY_VOICES[voice])
-        resynthesis = resynthesize(codec, original, ESPEAK_RATE)
-        output, finish = speak_with_model(model, processor, sentence, references[voice], seed + index, **sampling)
-        seconds = len(output) / codec.sampling_rate
-        report.takes.append({
-            "voice": voice, "text": sentence, "heard_original": transcribe(original, ESPEAK_RATE),
-            "heard_resynthesis": transcribe(resynthesis, codec.sampling_rate),
-            "heard_output": transcribe(output, codec.sampling_rate), "finish": finish,
-            "seconds": round(seconds, 3), "duration_ratio": round(seconds / (len(original) / ESPEAK_RATE), 3),
-        })
+        heard_original = transcribe(original, ESPEAK_RATE)
+        heard_resynthesis = transcribe(resynthesize(codec, original, ESPEAK_RATE), codec.sampling_rate)
+        for base in seeds:
+            output, finish = speak_with_model(model, processor, sentence, references[voice], base + index, **sampling)
+            seconds = len(output) / codec.sampling_rate
+            report.takes.append({
+                "voice": voice, "text": sentence, "heard_original": heard_original,
+                "heard_resynthesis": heard_resynthesis,
+                "heard_output": transcribe(output, codec.sampling_rate), "finish": finish,
+                "seconds": round(seconds, 3), "duration_ratio": round(seconds / (len(original) / ESPEAK_RATE), 3),
+                **({"seed": base} if len(seeds) > 1 else {}),
+            })
+            bar.update()
+    bar.close()
     report.voices = [summarize(voice, [t for t in report.takes if t["voice"] == voice]) for voice in voices]
     report.overall = summarize("all", report.takes)
     return report
