@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipes.drama3_tiny.corpus import build_corpus, espeak_available, VOICES_BY_NAME
-from recipes.drama3_tiny.lm_recipe import TINY_TEMPERATURE
+from recipes.drama3_tiny.lm_recipe import TINY_REPETITION_AWARE, TINY_TEMPERATURE
 
 pytestmark = pytest.mark.skipif(not espeak_available(), reason="espeak-ng binary not on PATH")
 
@@ -80,6 +80,7 @@ def test_training_runs_resumes_and_writes_a_loadable_model(corpus, codec_dir, tm
     assert (model.config.semantic_loss_weight, model.config.codebook_loss_weight) == (1.0, 0.25)
     assert model.generation_config.scene_mode == "turns"  # trained on single-speaker rows: scenes turn by turn
     assert model.generation_config.temperature == TINY_TEMPERATURE
+    assert model.generation_config.repetition_aware is TINY_REPETITION_AWARE is False
     # the corpus's speaking rate in this tokenizer's tokens, where frame budgets read it
     from recipes.drama3_tiny.lm_recipe import speaking_rate
     from recipes.drama3_tiny.corpus import read_manifest

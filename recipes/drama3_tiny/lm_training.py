@@ -399,7 +399,7 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path, toke
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.tokenizer_build import save_drama3_tokenizer
-    from .lm_recipe import TINY_TEMPERATURE
+    from .lm_recipe import TINY_REPETITION_AWARE, TINY_TEMPERATURE
 
     if isinstance(model, (str, Path)):
         model = Drama3ForSpeechGeneration.from_pretrained(model)
@@ -415,6 +415,7 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path, toke
     # trained on single-speaker cloning rows only: scenes are spoken turn by turn
     model.generation_config.scene_mode = "turns"
     model.generation_config.temperature = TINY_TEMPERATURE
+    model.generation_config.repetition_aware = TINY_REPETITION_AWARE
     if tokens_per_second is not None:
         model.generation_config.text_tokens_per_second = tokens_per_second
     model.save_pretrained(destination)
