@@ -151,7 +151,7 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--voice", default=None, help="bundled drama3-tiny voices to clone (default: all of them, A,B)")
     parser.add_argument("--sentences", type=int, default=None, help="speak only the first N held-out sentences (of 12)")
     parser.add_argument("--sentences-file", default=None, help="a UTF-8 file of sentences to speak instead, one per line")
-    parser.add_argument("--seed", type=int, default=0, help="take i of each voice uses seed + i")
+    parser.add_argument("--seed", type=int, default=None, help="take i of each voice uses seed + i (default 0)")
     parser.add_argument("--seeds", default=None,
                         help="several seeds, e.g. 0,100,200: every sentence spoken once per seed, the WERs pooled "
                              "(the outputs are drawn; one seed's WER moves by several points)")

@@ -217,6 +217,8 @@ def test_drama3_eval_refuses_bad_arguments_before_loading_anything(capsys):
     assert "--seeds 0,x: expected integers" in capsys.readouterr().err
     assert main(["eval", "--seeds", "5,5"]) == 2
     assert "--seeds 5,5: each seed once" in capsys.readouterr().err
+    assert main(["eval", "--seed", "1", "--seeds", "0,100"]) == 2
+    assert "either --seed or --seeds" in capsys.readouterr().err
 
 
 def readme_main_job_sentence() -> str:

@@ -320,9 +320,11 @@ def _eval_references(voice_list: str | None) -> dict[str, tuple[str, str]]:
 
 
 def _eval_seeds(args) -> int | list[int]:
-    """`--seed N`, or `--seeds A,B,...` (distinct integers)."""
+    """`--seed N` (default 0), or `--seeds A,B,...` (distinct integers)."""
     if args.seeds is None:
-        return args.seed
+        return 0 if args.seed is None else args.seed
+    if args.seed is not None:
+        raise CommandError("give either --seed or --seeds, not both")
     try:
         seeds = [int(part) for part in args.seeds.split(",")]
     except ValueError:

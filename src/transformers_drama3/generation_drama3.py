@@ -495,9 +495,10 @@ def overlong_factor(model) -> float | None:
     """The generation config's `overlong_factor`: a take that ends by itself after more than this
     many times its expected duration is anomalous ("overlong"). None (the default) checks nothing:
     the published model's expected duration is a rough words-a-second guess, and directed speech
-    with its pauses may well last twice that. A model whose speaking rate is measured (drama3-tiny,
-    whose takes of one text vary little in length) sets it to catch takes that loop back over
-    their text and then stop."""
+    with its pauses may well last twice that. A model whose speaking rate is measured may set it
+    to catch takes that loop back over their text and then stop (drama3-tiny's takes of one text
+    vary little in length, but its loops come back on retries, so it does not set it:
+    recipes/drama3_tiny/README.md)."""
     factor = getattr(getattr(model, "generation_config", None), "overlong_factor", None)
     if factor is None:
         return None
