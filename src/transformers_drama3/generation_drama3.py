@@ -491,6 +491,16 @@ def expected_seconds_of_tokens(tokens: torch.Tensor, tokens_per_second: float = 
     return (tokens.float() / tokens_per_second).clamp(min=MIN_EXPECTED_SECONDS)
 
 
+def _config_number(model, name: str, above: float, expected: str) -> float | None:
+    """The generation config's number `name` (None when it has none), refused unless finite and above `above`."""
+    value = getattr(getattr(model, "generation_config", None), name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= above:
+        raise ValueError(f"generation_config.{name}={value!r}; expected {expected}")
+    return float(value)
+
+
 def overlong_factor(model) -> float | None:
     """The generation config's `overlong_factor`: a take that ends by itself after more than this
     many times its expected duration is anomalous ("overlong"). None (the default) checks nothing:
@@ -499,24 +509,15 @@ def overlong_factor(model) -> float | None:
     to catch takes that loop back over their text and then stop (drama3-tiny's takes of one text
     vary little in length, but its loops come back on retries, so it does not set it:
     recipes/drama3_tiny/README.md)."""
-    factor = getattr(getattr(model, "generation_config", None), "overlong_factor", None)
-    if factor is None:
-        return None
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 1:
-        raise ValueError(f"generation_config.overlong_factor={factor!r}; expected a number above 1 (or None: off)")
-    return float(factor)
+    return _config_number(model, "overlong_factor", 1, "a number above 1 (or None: off)")
 
 
 def text_tokens_per_second(model) -> float:
     """The speaking rate, in text tokens per second, that sets this model's frame budgets: the
     generation config's `text_tokens_per_second` when it has one (a model whose tokenizer spends
     more tokens a word, such as a phoneme front end, records its own), else `TOKENS_PER_SECOND`."""
-    rate = getattr(getattr(model, "generation_config", None), "text_tokens_per_second", None)
-    if rate is None:
-        return TOKENS_PER_SECOND
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"generation_config.text_tokens_per_second={rate!r}; expected a positive number of tokens a second")
-    return float(rate)
+    rate = _config_number(model, "text_tokens_per_second", 0, "a positive number of tokens a second")
+    return TOKENS_PER_SECOND if rate is None else rate
 
 
 def frame_budgets(
