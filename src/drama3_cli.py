@@ -87,6 +87,11 @@ def add_say(subparsers) -> None:
         "--ras", choices=["on", "off"], default=None,
         help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
     )
+    parser.add_argument(
+        "--alignment", choices=["on", "off"], default=None,
+        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
+             "off draws every code freely)",
+    )
     parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
     parser.add_argument(
         "--max-chars", type=int, default=MAX_CHARS,
@@ -160,6 +165,11 @@ def add_eval(subparsers) -> None:
     parser.add_argument(
         "--ras", choices=["on", "off"], default=None,
         help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
+    )
+    parser.add_argument(
+        "--alignment", choices=["on", "off"], default=None,
+        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
+             "off draws every code freely)",
     )
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")

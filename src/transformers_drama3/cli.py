@@ -159,6 +159,10 @@ def _check_say_arguments(args) -> dict:
     }
     if args.ras is not None:
         sampling["repetition_aware"] = args.ras == "on"
+    if args.alignment == "off":
+        sampling["phoneme_alignment"] = False
+    elif args.alignment == "on":
+        sampling["phoneme_alignment"] = True
     try:
         check_output_path(args.output, "-o")
     except ValueError as error:
@@ -361,6 +365,10 @@ def run_eval(args) -> int:
                 if value is not None}
     if args.ras is not None:
         sampling["repetition_aware"] = args.ras == "on"
+    if args.alignment == "off":
+        sampling["phoneme_alignment"] = False
+    elif args.alignment == "on":
+        sampling["phoneme_alignment"] = True
     sampling["threads"] = args.threads
     report = measure_intelligibility(model, processor, references, sentences, seed=seeds,
                                      progress=not args.quiet, **sampling)

@@ -56,6 +56,8 @@ from .configuration_drama3 import Drama3Config
 from .kernels import fused_step
 # The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
 from .kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities
+from .phoneme_alignment import CONFIG_KEY as ALIGNMENT_KEY
+from .phoneme_alignment import AlignmentTracker, resolve_alignment, turn_token_ids
 from .prompting.text import is_cjk
 from .static_decoding import (
     Drama3StaticCache,
@@ -696,13 +698,14 @@ def decode_steps(
     sampler: Drama3Sampler,
     budgets: torch.Tensor,
     separators: LineSeparators | None = None,
+    aligner: AlignmentTracker | None = None,
 ) -> Iterator[FrameStep]:
     """Prefill once, then one step per main token until every item has ended (`decode_from`).
 
     input_ids [batch, rows], audio_codes [batch, rows, num_codebooks], attention_mask [batch, rows]
     (left padding); budgets [batch] frames each item may produce."""
     state = prefilled(model, input_ids, audio_codes, attention_mask)
-    yield from decode_from(model, state, sampler, budgets, separators)
+    yield from decode_from(model, state, sampler, budgets, separators, aligner)
 
 
 def decode_from(
@@ -711,6 +714,7 @@ def decode_from(
     sampler: Drama3Sampler,
     budgets: torch.Tensor,
     separators: LineSeparators | None = None,
+    aligner: AlignmentTracker | None = None,
 ) -> Iterator[FrameStep]:
     """One step per main token from `state` until every item has ended; `state` follows along (after
     the run its open row is the last row fed: the last frame before eos, or, for an item that used
@@ -722,6 +726,9 @@ def decode_from(
     with zero codes, as in the training rows. Items that ended keep stepping with the batch (their
     outputs are ignored): every item's computation is independent of the others', so a batch
     produces what each prompt produces alone.
+
+    With `aligner` (`phoneme_alignment`), the main token and the phoneme codebooks are drawn among
+    the codes the aligner allows, and every drawn phoneme code moves it along the text.
     """
     config = model.config
     batch = state.ids.shape[0]
@@ -733,15 +740,23 @@ def decode_from(
         separators = LineSeparators(separators.token_id, separators.left.to(device).clone())
     step = 0
     while True:
-        main_ids = sampler.main_token(main_logits(model, state.hidden, separators), active=active)  # [batch, 1]
+        logits = main_logits(model, state.hidden, separators)
+        if aligner is not None:
+            logits = aligner.main_logits(logits)
+        main_ids = sampler.main_token(logits, active=active)  # [batch, 1]
         eos = main_ids[:, 0] == config.eos_token_id
         boundary = torch.zeros_like(eos) if separators is None else active & (main_ids[:, 0] == separators.token_id)
         speaking = active & ~eos & ~boundary
         if (speaking | boundary).any():
             semantic = (main_ids - config.semantic_start_token_id).clamp(0, config.codebook_size - 1)
+            if aligner is not None:
+                aligner.observe(semantic[:, 0], speaking)
 
             def sample(logits, codebook_index, drawing=speaking):
-                return sampler.codebook(logits, codebook_index, drawing)
+                def draw(head_logits):
+                    return sampler.codebook(head_logits, codebook_index, drawing)
+
+                return draw(logits) if aligner is None else aligner.draw_code(draw, logits, codebook_index, drawing)
 
             frames = model.tower_step(
                 state.hidden, state.ids, state.codes, semantic, state.mask, state.cache, sample, ~boundary
@@ -1081,7 +1096,7 @@ def _check_range(values: torch.Tensor, name: str, size: int, what: str) -> None:
 
 def _split_kwargs(kwargs: dict) -> dict:
     """Generation parameters among `kwargs`; any other name is an error (it would be ignored)."""
-    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware"}
+    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware", ALIGNMENT_KEY}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(
@@ -1101,6 +1116,7 @@ class _Request:
     expected_frames: torch.Tensor
     separators: LineSeparators | None = None
     decoding: DecodeOptions = field(default_factory=lambda: DecodeOptions())
+    alignment: AlignmentTracker | None = None
 
     def select(self, index: torch.Tensor) -> _Request:
         """The request of the items `index` (a long tensor)."""
@@ -1108,9 +1124,10 @@ class _Request:
         if separators is not None:
             separators = LineSeparators(separators.token_id, separators.left[index.to(separators.left.device)])
         index = index.cpu()
+        alignment = None if self.alignment is None else self.alignment.select(index.tolist())
         return _Request(
             self.settings, self.budgets[index], self.guard_budgets[index], self.expected_frames[index], separators,
-            self.decoding,
+            self.decoding, alignment,
         )
 
 
@@ -1263,6 +1280,15 @@ def _set_up(
         model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
     )
     request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
+    alignment = resolve_alignment(model, [generation_config, overrides])
+    if alignment is not None:
+        if request.decoding.static:
+            raise ValueError(
+                f"{ALIGNMENT_KEY} runs on the dynamic cache: pass {ALIGNMENT_KEY}=False with cache_implementation='static'"
+            )
+        rows = turn_token_ids(prompt[0].cpu(), prompt[2].cpu(), model.config.eos_token_id, layout.get("speak_span"))
+        tracker = AlignmentTracker(alignment, rows, model.config.codebook_size, request.expected_frames.tolist())
+        request = replace(request, alignment=tracker)
     return _Call(prompt, request, return_dict)
 
 
@@ -1287,7 +1313,11 @@ def _start(model, input_ids, audio_codes, attention_mask, request: _Request, see
             request.decoding.compile_config,
         )
     else:
-        steps = decode_steps(model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators)
+        # a fresh tracker per run: every run starts at the beginning of its text
+        aligner = None if request.alignment is None else request.alignment.select(range(input_ids.shape[0]))
+        steps = decode_steps(
+            model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators, aligner
+        )
     return sampler, steps
 
 

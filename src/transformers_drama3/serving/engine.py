@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoding import (
+    AlignmentTracker,
     ClickFilter,
     Drama3Cache,
     Drama3Sampler,
@@ -42,9 +43,11 @@ from .decoding import (
     item_generators,
     overlong_factor,
     prompt_window,
+    resolve_alignment,
     slot_tower_step,
     target_text_tokens,
     text_tokens_per_second,
+    turn_token_ids,
 )
 from ..threads import check_threads, resolve_threads
 from .slot_pool import SlotPool
@@ -154,6 +157,7 @@ class _Slot:
     clicks: ClickFilter = field(default_factory=ClickFilter)
     frames: list[torch.Tensor] = field(default_factory=list)
     produced: int = 0
+    aligner: AlignmentTracker | None = None
 
 
 @dataclass
@@ -194,6 +198,7 @@ class Drama3Engine:
             raise ValueError(f"max_queue={max_queue}; expected 0 or more")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
+        self.alignment = resolve_alignment(model, [])  # the model's phoneme alignment, checked once
         self.threads = threads
         self.prefill = prefill or prefill_alone
         self.on_finish = on_finish
@@ -343,7 +348,19 @@ class Drama3Engine:
             budget=int(frame_budgets(seconds, config.frame_rate, job.max_new_tokens)[0]),
             guard_budget=int(frame_budgets(seconds, config.frame_rate)[0]),
             expected_frames=float(seconds[0] * config.frame_rate),
+            aligner=None if self.alignment is None else AlignmentTracker(
+                self.alignment, turn_token_ids(ids.cpu(), mask.cpu(), config.eos_token_id),
+                config.codebook_size, [float(seconds[0] * config.frame_rate)],
+            ),
         )
+
+    @staticmethod
+    def _draw_code(slot: _Slot, head_logits: torch.Tensor, codebook_index: int, speaking: torch.Tensor) -> torch.Tensor:
+        """One slot's code of one head, within its phoneme alignment when the model has one."""
+        def draw(logits):
+            return slot.sampler.codebook(logits, codebook_index, speaking)
+
+        return draw(head_logits) if slot.aligner is None else slot.aligner.draw_code(draw, head_logits, codebook_index, speaking)
 
     def _step(self) -> None:
         """One frame for every running request; then finished requests leave and the rest decode their row."""
@@ -352,17 +369,21 @@ class Drama3Engine:
         self.stats.steps += 1
         self.stats.occupied += len(slots)
         logits = model.speech_logits(batch.hidden)  # [batch, 1, codebook_size + 1]
-        main_ids = torch.cat([slot.sampler.main_token(logits[row : row + 1]) for row, slot in enumerate(slots)])
+        main_ids = torch.cat([
+            slot.sampler.main_token(logits[row : row + 1] if slot.aligner is None else slot.aligner.main_logits(logits[row : row + 1]))
+            for row, slot in enumerate(slots)
+        ])
         eos = main_ids[:, 0] == config.eos_token_id
         speaking = ~eos
         if bool(speaking.any()):
             semantic = (main_ids - config.semantic_start_token_id).clamp(0, config.codebook_size - 1)
+            for row, slot in enumerate(slots):
+                if slot.aligner is not None:
+                    slot.aligner.observe(semantic[row], speaking[row : row + 1])
 
             def sample(head_logits, codebook_index):
-                return torch.cat([
-                    slot.sampler.codebook(head_logits[row : row + 1], codebook_index, speaking[row : row + 1])
-                    for row, slot in enumerate(slots)
-                ])
+                return torch.cat([self._draw_code(slot, head_logits[row : row + 1], codebook_index, speaking[row : row + 1])
+                                  for row, slot in enumerate(slots)])
 
             frames = slot_tower_step(
                 model, batch.hidden, batch.input_ids, batch.audio_codes, semantic, batch.mask, batch.cache.tower, sample
