@@ -74,6 +74,23 @@ def test_ras_flag_sets_repetition_aware_sampling(tmp_path):
         sampling("--ras", "maybe")
 
 
+def test_alignment_flag_turns_the_models_phoneme_alignment_off_or_asks_for_it(tmp_path):
+    from transformers_drama3.cli import _check_say_arguments
+
+    def sampling(*extra):
+        return _check_say_arguments(build_parser().parse_args(["say", "hi", "-o", str(tmp_path / "x.wav"), *extra]))
+
+    assert "phoneme_alignment" not in sampling()  # the model's own table, if it has one
+    assert sampling("--alignment", "off")["phoneme_alignment"] is False
+    assert sampling("--alignment", "on")["phoneme_alignment"] is True
+
+
+def test_alignment_on_is_refused_for_a_model_without_a_table(checkpoint, tmp_path, capsys):
+    code = main(["say", "hi", "-o", str(tmp_path / "x.wav"), "--model", checkpoint, "--alignment", "on", "--quiet"])
+    assert code != 0 and "phoneme_alignment=True" in capsys.readouterr().err
+    assert not (tmp_path / "x.wav").exists()
+
+
 def test_say_without_ras_takes_the_models_setting_which_for_this_checkpoint_is_on(checkpoint, tmp_path):
     say(checkpoint, tmp_path / "on.wav", "--seed", "5", "--ras", "on")
     say(checkpoint, tmp_path / "default.wav", "--seed", "5")
