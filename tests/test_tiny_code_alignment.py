@@ -153,3 +153,32 @@ def test_the_collator_carries_aligned_rows_and_the_guide_pulls_heads_onto_them(t
     assert losses[-1] < 0.5 * losses[0]
     assert accuracies[-1] > accuracies[0] + 0.2
     guide.remove()
+
+
+def test_learned_pronunciations_find_the_codes_that_speak_a_token_and_drop_stray_ones(tmp_path):
+    from recipes.drama3_tiny.code_alignment import alignment_config, learn_pronunciations, quiet_tokens
+    from transformers_drama3.phoneme_alignment import PhonemeAlignment
+
+    tokenizer, processor, phonemes = phoneme_setup(tmp_path)
+    rows = PhonemeRows(tokenizer, phonemes)
+    t_code, d_code, k_code = phonemes.index("t"), phonemes.index("d"), phonemes.index("k")
+    pairs = []
+    for seed, text in enumerate(["Put the keys on the table.", "Please close the door."] * 20):
+        ids = speak_span_ids(processor, text)
+        codes, truth = spoken_codes(ids, tokenizer, phonemes, seed)
+        labels = codes[:, [0, 2, 3, 4]].reshape(-1)
+        if seed % 4 == 0:  # every "t" spoken as "d" (a flap), in half the utterances that have a "t"
+            labels = np.where(labels == t_code, d_code, labels)
+        if seed == 2:  # one stray "k" frame: under the share, not kept
+            labels[np.flatnonzero(labels == t_code)[0]] = k_code
+        pairs.append((ids, labels.tolist()))
+    table = learn_pronunciations(pairs, rows, phonemes, min_frames=10)
+    t_token = tokenizer.convert_tokens_to_ids("<|ph:t|>")
+    assert table[t_token] == {t_code, d_code}
+    assert table[tokenizer.convert_tokens_to_ids("<|ph:k|>")] == {k_code}
+    entry = alignment_config(table, 5, rows.silence, quiet_tokens(rows))
+    alignment = PhonemeAlignment.from_value(entry, 64, 5)
+    assert alignment.codebooks == (0, 2, 3, 4) and alignment.tokens[t_token] == frozenset({t_code, d_code})
+    ids = speak_span_ids(processor, "Put the keys on the table.")
+    points = alignment.pause_points(ids)  # word boundaries are quiet: the text pauses only at its end
+    assert len(points) == len(alignment.rows(ids)) and points[-1] and not any(points[:-1])
