@@ -217,3 +217,29 @@ def test_a_take_that_outlasts_its_release_is_let_go():
     assert torch.isinf(track.main_logits(logits)[0, 0, CODEBOOK_SIZE]) and 7 not in allowed_codes(track)
     draw(track, 1)
     assert not torch.isinf(track.main_logits(logits)[0, 0, CODEBOOK_SIZE]) and allowed_codes(track) == set(range(CODEBOOK_SIZE))
+
+
+def test_the_bundled_table_aligns_every_phoneme_of_the_evaluation_sentences(bundled_tiny):
+    """drama3-tiny's table (learned by the recipe) covers every phoneme token of `drama3 eval`'s
+    held-out and development sentences: none is spoken unaligned. Its quiet tokens are the word
+    boundary and the stress marks."""
+    from pathlib import Path
+
+    from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES
+    from transformers_drama3.phoneme_alignment import resolve_alignment
+    from transformers_drama3.prompting.phonemes import PUNCTUATION, phoneme_symbol
+
+    model, processor = bundled_tiny
+    alignment = resolve_alignment(model, [])
+    assert alignment is not None and alignment.codebooks == (0, 2, 3, 4)
+    vocabulary = processor.tokenizer.convert_ids_to_tokens
+    assert sorted(phoneme_symbol(vocabulary(t)) for t in alignment.quiet_tokens) == sorted([" ", "ˈ", "ˌ"])
+    development = Path(__file__).resolve().parent.parent / "recipes" / "drama3_tiny" / "dev_sentences.txt"
+    sentences = [*HELDOUT_SENTENCES, *development.read_text(encoding="utf-8").split("\n")]
+    for sentence in filter(None, sentences):
+        inputs = processor(sentence)
+        start, stop = inputs["speak_span"][0].tolist()
+        ids = inputs["input_ids"][0, start:stop].tolist()
+        spoken = [t for t in ids if (s := phoneme_symbol(vocabulary(t))) is not None and s not in " ˈˌ" + PUNCTUATION]
+        assert spoken and all(t in alignment.tokens for t in spoken), sentence
+        assert len(alignment.rows(ids)) == len(spoken)
