@@ -78,7 +78,10 @@ def test_speech_returns_a_valid_wav(client, server):
 
 
 def test_the_same_seed_gives_the_same_audio_and_another_seed_other_audio(client):
-    first, again, other = (speech(client, seed=s, response_format="pcm").content for s in (5, 5, 6))
+    # at temperature 1.0: drama3-tiny's own 0.5, held to its text by its phoneme alignment, can draw
+    # the same first frames from two seeds
+    first, again, other = (speech(client, seed=s, response_format="pcm", extra={"temperature": 1.0}).content
+                           for s in (5, 5, 6))
     assert_same_take(first, again)
     assert len(first) != len(other) or np.abs(pcm_samples(first) - pcm_samples(other)).max() > 0.01
 

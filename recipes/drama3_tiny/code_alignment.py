@@ -245,7 +245,8 @@ def write_alignment(model_dir, corpus, utterances: int = 3000, progress: bool = 
 def main(argv=None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Learn a phonetic model's phoneme-alignment table from its corpus")
+    parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.code_alignment",
+                                     description="Learn a phonetic model's phoneme-alignment table from its corpus")
     sub = parser.add_subparsers(dest="command", required=True)
     table = sub.add_parser("table", help="write generation_config.json's phoneme_alignment")
     table.add_argument("--model", required=True, help="the model folder (tokenizer, codec, generation config)")
