@@ -177,6 +177,7 @@ def eval_run(tmp_path_factory):
 def test_drama3_eval_prints_a_wer_table_per_voice(eval_run):
     code, out, report = eval_run
     assert code == 0
+    assert "model outputs decoded phoneme-aligned" in out  # drama3-tiny's generation config holds its table
     rows = [line.split(" | ")[0].strip("| ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["voice", *SAMPLE_VOICES, "all"]
     assert [(take["text"], take["seed"]) for take in report["takes"]] == [
@@ -299,3 +300,15 @@ def test_eval_over_several_seeds_speaks_each_sentence_once_per_seed_and_pools_th
     assert "| A | 2 x 2 |" in report.table()
     with pytest.raises(ValueError, match="distinct ints"):
         measure_intelligibility(model, processor, {"A": ("clip.wav", "text")}, SAMPLE[:1], seed=[0, 0], progress=False)
+
+
+@needs_espeak
+def test_eval_with_alignment_on_for_a_model_without_a_table_is_refused_before_speaking(tiny_checkpoint, capsys):
+    """`--alignment on` asks for the model's table; a checkpoint without one is refused, naming it,
+    before any sentence is spoken."""
+    from transformers_drama3.cli import main
+
+    folder, _, _ = tiny_checkpoint
+    assert main(["eval", "--model", folder, "--alignment", "on", "--sentences", "1", "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert "phoneme_alignment=True" in error and "no alignment table" in error

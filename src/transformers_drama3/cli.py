@@ -30,6 +30,7 @@ from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, chec
 from .files import atomic_output, check_output_path, same_file, write_text_atomic
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
+from .phoneme_alignment import resolve_alignment
 from .prompting import parse_text
 from .tiny import shipped
 
@@ -370,8 +371,13 @@ def run_eval(args) -> int:
     elif args.alignment == "on":
         sampling["phoneme_alignment"] = True
     sampling["threads"] = args.threads
+    try:
+        aligned = resolve_alignment(model, [{k: v for k, v in sampling.items() if k == "phoneme_alignment"}]) is not None
+    except ValueError as error:
+        raise CommandError(str(error)) from None
     report = measure_intelligibility(model, processor, references, sentences, seed=seeds,
                                      progress=not args.quiet, **sampling)
+    print(f"model outputs decoded {'phoneme-aligned' if aligned else 'freely (no phoneme alignment)'}")
     print(report.table())
     if args.json:
         write_text_atomic(args.json, json.dumps(asdict(report), indent=2) + "\n")
