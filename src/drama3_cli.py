@@ -36,6 +36,19 @@ THREADS_HELP = (
 )
 
 
+
+def add_decoding_switches(parser) -> None:
+    """`--ras` and `--alignment` (on / off; default: the model's generation config), for say and eval."""
+    parser.add_argument(
+        "--ras", choices=["on", "off"], default=None,
+        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
+    )
+    parser.add_argument(
+        "--alignment", choices=["on", "off"], default=None,
+        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
+             "off draws every code freely)",
+    )
+
 def thread_count(value: str):
     """`--threads`: "auto" or a positive number of threads."""
     if value == "auto":
@@ -83,15 +96,7 @@ def add_say(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument(
-        "--ras", choices=["on", "off"], default=None,
-        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
-    )
-    parser.add_argument(
-        "--alignment", choices=["on", "off"], default=None,
-        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
-             "off draws every code freely)",
-    )
+    add_decoding_switches(parser)
     parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
     parser.add_argument(
         "--max-chars", type=int, default=MAX_CHARS,
@@ -162,15 +167,7 @@ def add_eval(subparsers) -> None:
                              "(the outputs are drawn; one seed's WER moves by several points)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
-    parser.add_argument(
-        "--ras", choices=["on", "off"], default=None,
-        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
-    )
-    parser.add_argument(
-        "--alignment", choices=["on", "off"], default=None,
-        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
-             "off draws every code freely)",
-    )
+    add_decoding_switches(parser)
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
     parser.add_argument("--device", default="auto")

@@ -117,6 +117,16 @@ _SAY_NUMBERS = (
 )
 
 
+
+def decoding_switches(args) -> dict:
+    """Generation keywords of `--ras` and `--alignment`; a switch left unset keeps the model's setting."""
+    switches = {}
+    if args.ras is not None:
+        switches["repetition_aware"] = args.ras == "on"
+    if args.alignment is not None:
+        switches["phoneme_alignment"] = args.alignment == "on"
+    return switches
+
 def _check_say_arguments(args) -> dict:
     """Refuse what `say` cannot do before anything is loaded or written (bad numbers, an -o that
     cannot be written or is a reference); returns generate()'s keyword arguments."""
@@ -158,12 +168,7 @@ def _check_say_arguments(args) -> dict:
                            ("max_new_tokens", args.max_frames))
         if value is not None
     }
-    if args.ras is not None:
-        sampling["repetition_aware"] = args.ras == "on"
-    if args.alignment == "off":
-        sampling["phoneme_alignment"] = False
-    elif args.alignment == "on":
-        sampling["phoneme_alignment"] = True
+    sampling.update(decoding_switches(args))
     try:
         check_output_path(args.output, "-o")
     except ValueError as error:
@@ -364,15 +369,10 @@ def run_eval(args) -> int:
                                                 progress=not args.quiet)
     sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
                 if value is not None}
-    if args.ras is not None:
-        sampling["repetition_aware"] = args.ras == "on"
-    if args.alignment == "off":
-        sampling["phoneme_alignment"] = False
-    elif args.alignment == "on":
-        sampling["phoneme_alignment"] = True
+    sampling.update(decoding_switches(args))
     sampling["threads"] = args.threads
     try:
-        aligned = resolve_alignment(model, [{k: v for k, v in sampling.items() if k == "phoneme_alignment"}]) is not None
+        aligned = resolve_alignment(model, [sampling]) is not None
     except ValueError as error:
         raise CommandError(str(error)) from None
     report = measure_intelligibility(model, processor, references, sentences, seed=seeds,
