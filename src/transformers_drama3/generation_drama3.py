@@ -57,7 +57,7 @@ from .kernels import fused_step
 # The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
 from .kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities
 from .phoneme_alignment import CONFIG_KEY as ALIGNMENT_KEY
-from .phoneme_alignment import AlignmentTracker, resolve_alignment, turn_token_ids
+from .phoneme_alignment import AlignmentTracker, draw_within, resolve_alignment, turn_token_ids
 from .prompting.text import is_cjk
 from .static_decoding import (
     Drama3StaticCache,
@@ -753,10 +753,9 @@ def decode_from(
                 aligner.observe(semantic[:, 0], speaking)
 
             def sample(logits, codebook_index, drawing=speaking):
-                def draw(head_logits):
-                    return sampler.codebook(head_logits, codebook_index, drawing)
-
-                return draw(logits) if aligner is None else aligner.draw_code(draw, logits, codebook_index, drawing)
+                return draw_within(
+                    aligner, lambda head: sampler.codebook(head, codebook_index, drawing), logits, codebook_index, drawing
+                )
 
             frames = model.tower_step(
                 state.hidden, state.ids, state.codes, semantic, state.mask, state.cache, sample, ~boundary

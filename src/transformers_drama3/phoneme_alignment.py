@@ -320,3 +320,10 @@ class AlignmentTracker:
                     self.state[item] = ahead[0]
                     self.stay[item] = 0
             self.last_code[item] = code
+
+
+def draw_within(aligner: AlignmentTracker | None, draw, logits: torch.Tensor, codebook_index: int,
+                drawing: torch.Tensor) -> torch.Tensor:
+    """`draw(logits)` -> codes [batch, 1] of one head: as drawn without an aligner, else within its
+    alignment (`AlignmentTracker.draw_code`)."""
+    return draw(logits) if aligner is None else aligner.draw_code(draw, logits, codebook_index, drawing)

@@ -29,7 +29,7 @@ from ..generation_drama3 import (  # noqa: F401  (re-exported for the engine)
 )
 
 from ..generation_drama3 import Drama3Cache  # noqa: F401  (re-exported for the engine)
-from ..phoneme_alignment import AlignmentTracker, resolve_alignment, turn_token_ids  # noqa: F401
+from ..phoneme_alignment import AlignmentTracker, draw_within, resolve_alignment, turn_token_ids  # noqa: F401
 from ..modeling_drama3 import positions_from_mask
 
 

@@ -38,6 +38,7 @@ from .decoding import (
     FrameStep,
     SamplingSettings,
     detect_anomalies,
+    draw_within,
     expected_seconds_of_tokens,
     frame_budgets,
     item_generators,
@@ -354,14 +355,6 @@ class Drama3Engine:
             ),
         )
 
-    @staticmethod
-    def _draw_code(slot: _Slot, head_logits: torch.Tensor, codebook_index: int, speaking: torch.Tensor) -> torch.Tensor:
-        """One slot's code of one head, within its phoneme alignment when the model has one."""
-        def draw(logits):
-            return slot.sampler.codebook(logits, codebook_index, speaking)
-
-        return draw(head_logits) if slot.aligner is None else slot.aligner.draw_code(draw, head_logits, codebook_index, speaking)
-
     def _step(self) -> None:
         """One frame for every running request; then finished requests leave and the rest decode their row."""
         model, batch, slots = self.model, self._batch, self._slots
@@ -382,8 +375,12 @@ class Drama3Engine:
                     slot.aligner.observe(semantic[row], speaking[row : row + 1])
 
             def sample(head_logits, codebook_index):
-                return torch.cat([self._draw_code(slot, head_logits[row : row + 1], codebook_index, speaking[row : row + 1])
-                                  for row, slot in enumerate(slots)])
+                def one(row, slot):
+                    drawing = speaking[row : row + 1]
+                    return draw_within(slot.aligner, lambda head: slot.sampler.codebook(head, codebook_index, drawing),
+                                       head_logits[row : row + 1], codebook_index, drawing)
+
+                return torch.cat([one(row, slot) for row, slot in enumerate(slots)])
 
             frames = slot_tower_step(
                 model, batch.hidden, batch.input_ids, batch.audio_codes, semantic, batch.mask, batch.cache.tower, sample
