@@ -2,6 +2,7 @@
 tokenizer's and the processor's saved config; a model without it reads text as before."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -43,6 +44,21 @@ def test_phonemes_are_espeak_ipa_with_punctuation_and_word_boundaries(front_end)
 def test_phonemising_the_same_text_twice_gives_the_same_phonemes(front_end):
     text = "If a messenger comes to the station, tell him the train left at nine."
     assert front_end.phonemes(text) == front_end.phonemes(text)
+
+
+def test_speech_that_switches_voice_in_its_ssml_leaves_the_phonemes_unchanged(front_end):
+    # Spoken in a child: this process keeps the library's first speech for the tests that fork
+    # (speak_in_fresh_process). An SSML <voice> leaves another voice selected inside the library.
+    script = (
+        "from transformers_drama3.prompting.phonemes import espeak\n"
+        "library = espeak()\n"
+        "before = library.phonemes('Hello there', 'en-us')\n"
+        "library.speak('<speak>Hola <voice xml:lang=\"es\">amigo</voice> bye</speak>', 'en-us', 50, 170)\n"
+        "print(before + '|' + library.phonemes('Hello there', 'en-us'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    before, after = result.stdout.strip().split("|")
+    assert before == after == front_end.phonemes("Hello there")
 
 
 def test_tags_styles_and_notes_stay_as_written(front_end):
@@ -125,15 +141,12 @@ def test_an_unknown_front_end_type_is_refused(config):
 
 
 def test_a_missing_phonemiser_names_the_front_end_and_the_install(config, monkeypatch):
+    # A process without the library yet: the loaded one is kept aside, never initialised twice.
+    monkeypatch.setattr(phonemes, "_ESPEAK", [])
     monkeypatch.setitem(sys.modules, "espeakng_loader", None)
-    phonemes.espeak.cache_clear()
-    try:
-        with pytest.raises(ImportError, match="pip install espeakng-loader") as error:
-            PhonemeFrontEnd(config)
-        assert "text_frontend=" in str(error.value)
-    finally:
-        monkeypatch.undo()
-        phonemes.espeak.cache_clear()
+    with pytest.raises(ImportError, match="pip install espeakng-loader") as error:
+        PhonemeFrontEnd(config)
+    assert "text_frontend=" in str(error.value)
 
 
 def test_phoneme_symbols_take_the_longest_multi_character_phoneme():

@@ -29,7 +29,6 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -177,10 +176,9 @@ class _Espeak:
 
         encoded = ssml.encode()
         with self.lock:
+            self.voice = None
             if self.library.espeak_SetVoiceByName(voice.encode()) != 0:
-                self.voice = None
                 raise ValueError(f"espeak-ng has no voice {voice!r}")
-            self.voice = voice
             before = {name: self.library.espeak_GetParameter(name, 1) for name in (self._PITCH, self._RATE)}
             self.library.espeak_SetParameter(self._PITCH, int(pitch), 0)
             self.library.espeak_SetParameter(self._RATE, int(speed), 0)
@@ -192,6 +190,9 @@ class _Espeak:
                 self.library.espeak_SetSynthCallback(_NO_CALLBACK)
                 for name, value in before.items():
                     self.library.espeak_SetParameter(name, value, 0)
+                # SSML can leave another voice selected (<voice xml:lang="es">, <speak xml:lang>):
+                # the next `phonemes` selects its voice again rather than trust the last one set.
+                self.voice = None
         if status != 0:
             raise RuntimeError(f"libespeak-ng could not speak {ssml[:60]!r} (status {status})")
         return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)), phonemes
@@ -228,9 +229,17 @@ def speak_in_fresh_process(ssml: str, voice: str, pitch: int, speed: int) -> tup
         return pool.apply(_speak_fresh, ((ssml, voice, pitch, speed),))
 
 
-@lru_cache(maxsize=1)
+_ESPEAK: list[_Espeak] = []
+_ESPEAK_CREATION = threading.Lock()
+
+
 def espeak() -> _Espeak:
-    return _Espeak()
+    """The process's one `_Espeak` (created once even when threads ask at the same time: two would
+    initialise the library twice and call it under two different locks)."""
+    with _ESPEAK_CREATION:
+        if not _ESPEAK:
+            _ESPEAK.append(_Espeak())
+        return _ESPEAK[0]
 
 
 def espeak_version() -> str:
