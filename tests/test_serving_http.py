@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from network_helpers import serving_on_loopback
 import soundfile
+import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -230,6 +231,21 @@ def test_503_while_the_model_loads():
         assert local.get("/health").status_code == 503
         response = local.post("/v1/audio/speech", json={"model": "m", "input": "hi"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "loading"
+
+
+def test_a_take_decodes_to_the_same_samples_whatever_thread_count_its_worker_thread_has(server):
+    # the server decodes on whichever worker thread is free, and torch keeps a thread count per thread
+    from transformers_drama3.threads import torch_threads
+
+    service = server[1]
+    clip, _ = shipped.reference_voice("A")
+    audio, rate = soundfile.read(clip, dtype="float32")
+    codes = service.processor.codec.encode(torch.from_numpy(audio)[None], sampling_rate=rate).audio_codes[0, :, :40].T
+    with torch_threads(1):
+        alone = service.waveform(codes)
+    with torch_threads(2):
+        shared = service.waveform(codes)
+    assert alone.size > 0 and np.array_equal(alone, shared)
 
 
 @pytest.mark.parametrize("response_format", ["flac", "mp3", "opus"])

@@ -43,6 +43,7 @@ from ..generation_drama3 import AudioChunk, WaveformStreamer, resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..loading import load_model_and_processor
 from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
+from ..threads import torch_threads
 from ..tiny import shipped
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
 from .decoding import decode_audio
@@ -100,10 +101,15 @@ class SpeechService:
     """The model, processor, engine, voices and metrics behind the API."""
 
     def __init__(self, model, processor, voices: VoiceStore, model_name: str, engine: Drama3Engine,
-                 metrics: ServerMetrics, default_voice: str | None):
+                 metrics: ServerMetrics, default_voice: str | None, codec_threads: int | None = None):
         self.model, self.processor, self.voices = model, processor, voices
         self.model_name, self.engine, self.metrics = model_name, engine, metrics
         self.default_voice = default_voice
+        # Every codec decode runs at one thread count (by default the creating thread's): torch keeps
+        # the count per thread, the worker threads the decodes land on differ, and a float rounding
+        # that differs with the count grows through Griffin-Lim's iterations to tens of LSB, so the
+        # same codes (the same seed) would not always give the same samples.
+        self.codec_threads = torch.get_num_threads() if codec_threads is None else codec_threads
 
     @classmethod
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
@@ -202,8 +208,13 @@ class SpeechService:
         codec = self.processor.codec
         if codes.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
-        audio = decode_audio(codec, codes[None].to(codec.device), torch.tensor([codes.shape[0]]))[0]
+        audio = self.codec_work(decode_audio, codec, codes[None].to(codec.device), torch.tensor([codes.shape[0]]))[0]
         return audio.detach().cpu().float().numpy()
+
+    def codec_work(self, work, *args):
+        """`work(*args)` at the service's codec thread count (`codec_threads`)."""
+        with torch_threads(self.codec_threads):
+            return work(*args)
 
 
 def _error_response(error: ApiError):
@@ -548,9 +559,9 @@ async def _stream(service, handle, request, params: SpeechParams):
             if event is None or isinstance(event, ErrorEvent):
                 return
             if isinstance(event, FramesEvent):
-                chunks = await asyncio.to_thread(streamer.push, list(event.frames))
+                chunks = await asyncio.to_thread(service.codec_work, streamer.push, list(event.frames))
             else:
-                chunks = await asyncio.to_thread(streamer.finish)
+                chunks = await asyncio.to_thread(service.codec_work, streamer.finish)
             for audio in chunk_samples(chunks):
                 if first is None:
                     first = time.perf_counter() - handle.submitted
