@@ -176,6 +176,8 @@ class _Espeak:
 
         encoded = ssml.encode()
         with self.lock:
+            # SSML can leave another voice selected (<voice xml:lang="es">, <speak xml:lang>): the
+            # next `phonemes` selects its voice again rather than trust the last one set.
             self.voice = None
             if self.library.espeak_SetVoiceByName(voice.encode()) != 0:
                 raise ValueError(f"espeak-ng has no voice {voice!r}")
@@ -190,9 +192,6 @@ class _Espeak:
                 self.library.espeak_SetSynthCallback(_NO_CALLBACK)
                 for name, value in before.items():
                     self.library.espeak_SetParameter(name, value, 0)
-                # SSML can leave another voice selected (<voice xml:lang="es">, <speak xml:lang>):
-                # the next `phonemes` selects its voice again rather than trust the last one set.
-                self.voice = None
         if status != 0:
             raise RuntimeError(f"libespeak-ng could not speak {ssml[:60]!r} (status {status})")
         return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)), phonemes
