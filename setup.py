@@ -40,7 +40,10 @@ setup(
     package_data={"transformers_drama3": ["assets/**/*"]},
     install_requires=[
         "torch>=2.6,<3",
-        "transformers>=5.24,<6",
+        # The releases whose internals transformers_drama3.integrations was read against
+        # (TESTED_TRANSFORMERS there; move both together): a newer release can move an internal the
+        # package patches at import (transformers 5.25 turned the Gated DeltaNet functions into modules).
+        "transformers>=5.24,<5.25",
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "huggingface_hub>=1.0",

@@ -31,6 +31,18 @@ def test_the_installed_transformers_is_one_the_internals_were_checked_against():
     )
 
 
+def test_the_package_requires_exactly_the_transformers_releases_it_was_checked_against():
+    """pip must not pick a transformers whose internals were not read: the import could fail."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    wanted = [Requirement(line) for line in requires("transformers-drama3") if Requirement(line).name == "transformers"]
+    low, high = integrations.TESTED_TRANSFORMERS
+    assert [(str(r.specifier), r.marker) for r in wanted] == [(str(SpecifierSet(f">={low},<{high}")), None)]
+
+
 @pytest.mark.parametrize(
     "version, tested",
     [("5.24.0", True), ("5.24.3", True), ("5.24.1.dev0", True), ("5.23.9", False), ("5.25.0", False), ("6.0.0", False)],
