@@ -42,8 +42,9 @@ setup(
         "torch>=2.6,<3",
         # The releases whose internals transformers_drama3.integrations was read against
         # (TESTED_TRANSFORMERS there; move both together): a newer release can move an internal the
-        # package patches at import (transformers 5.25 turned the Gated DeltaNet functions into modules).
-        "transformers>=5.24,<5.25",
+        # package patches at import (transformers 5.25 turned the Gated DeltaNet functions into modules
+        # and moved the processor's parts hook; integrations.py reads both 5.24 and 5.25).
+        "transformers>=5.24,<5.26",
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "huggingface_hub>=1.0",

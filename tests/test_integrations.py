@@ -45,7 +45,7 @@ def test_the_package_requires_exactly_the_transformers_releases_it_was_checked_a
 
 @pytest.mark.parametrize(
     "version, tested",
-    [("5.24.0", True), ("5.24.3", True), ("5.24.1.dev0", True), ("5.23.9", False), ("5.25.0", False), ("6.0.0", False)],
+    [("5.24.0", True), ("5.24.3", True), ("5.24.1.dev0", True), ("5.23.9", False), ("5.25.2", True), ("5.26.0", False), ("6.0.0", False)],
 )
 def test_the_tested_range_includes_its_lower_end_and_excludes_its_upper_end(version, tested):
     assert integrations.transformers_is_tested(version) is tested
@@ -53,7 +53,7 @@ def test_the_tested_range_includes_its_lower_end_and_excludes_its_upper_end(vers
 
 def test_an_untested_transformers_warns_once_on_use(monkeypatch):
     monkeypatch.setattr(integrations.transformers, "__version__", "5.99.0")
-    with pytest.warns(integrations.UntestedTransformersWarning, match=r"checked against transformers >=5\.24,<5\.25; 5\.99\.0"):
+    with pytest.warns(integrations.UntestedTransformersWarning, match=r"checked against transformers >=5\.24,<5\.26; 5\.99\.0"):
         integrations.warn_if_untested()
 
 
@@ -64,7 +64,7 @@ def test_every_routed_function_is_a_qwen3_5_moe_module_function_wrapping_a_refer
     integrations.check_routed_functions()
     for name in ROUTED_FUNCTIONS:
         routed = getattr(qwen, name)
-        assert routed.drama3_reference is getattr(routed.drama3_kernel, "__wrapped__"), name
+        assert routed.drama3_reference is integrations.kernel_wrapper(routed.drama3_kernel).__wrapped__, name
 
 
 def test_a_missing_routed_function_is_named_in_the_error(monkeypatch):
@@ -93,7 +93,7 @@ def test_a_reference_with_other_parameters_is_named_in_the_error(monkeypatch):
 
 def test_transformers_kernel_wrapper_keeps_its_kernel_in_the_closure_variable_implementation():
     for name in ROUTED_FUNCTIONS:
-        wrapper = getattr(qwen, name).drama3_kernel
+        wrapper = integrations.kernel_wrapper(getattr(qwen, name).drama3_kernel)
         assert "implementation" in wrapper.__code__.co_freevars, name
         implementation = integrations.kernel_implementation(wrapper)
         assert callable(implementation), name
@@ -228,15 +228,23 @@ def test_processor_mixin_from_pretrained_still_asks_the_hook_for_the_parts(tmp_p
     assert loaded.chunk_bytes == 200
 
 
+def test_the_installed_from_pretrained_calls_one_known_parts_hook():
+    hook = integrations.processor_parts_hook()
+    assert hook == ("_resolve_subprocessors" if integrations.Version(transformers.__version__) >= integrations.Version("5.25")
+                    else "_get_arguments_from_pretrained")
+
+
 def test_a_moved_processor_hook_is_named_in_the_error(monkeypatch):
-    monkeypatch.delattr(integrations.ProcessorMixin, "_get_arguments_from_pretrained")
-    with pytest.raises(InternalsChanged, match=r"ProcessorMixin\._get_arguments_from_pretrained: expected a classmethod"):
+    hook = integrations.processor_parts_hook()
+    monkeypatch.delattr(integrations.ProcessorMixin, hook)
+    with pytest.raises(InternalsChanged, match=rf"ProcessorMixin\.{hook}: expected a classmethod"):
         integrations.check_processor_parts_hook()
 
 
 def test_a_processor_hook_with_other_parameters_is_named_in_the_error(monkeypatch):
-    monkeypatch.setattr(integrations.ProcessorMixin, "_get_arguments_from_pretrained", classmethod(lambda cls, path, **kw: []))
-    with pytest.raises(InternalsChanged, match=r"_get_arguments_from_pretrained: expected parameters \(pretrained_model_name_or_path, processor_dict"):
+    hook = integrations.processor_parts_hook()
+    monkeypatch.setattr(integrations.ProcessorMixin, hook, classmethod(lambda cls, path, **kw: []))
+    with pytest.raises(InternalsChanged, match=rf"{hook}: expected parameters \(pretrained_model_name_or_path, processor_dict"):
         integrations.check_processor_parts_hook()
 
 

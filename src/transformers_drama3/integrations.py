@@ -9,10 +9,13 @@ internal when an upgrade moves it:
 1. the device router: four module-level functions of transformers' Qwen3.5-MoE modeling
    (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
    (opt out with `DRAMA3_DEVICE_DISPATCH=0` before the import, or `uninstall_device_dispatch()`);
-2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound);
+2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound),
+   and from transformers 5.25 the closure variable `func` of the kernels package's function module
+   that holds that wrapper (`kernel_wrapper`);
 3. flash-linear-attention's import: only where CUDA is (`DRAMA3_KERNEL_PACKAGES`), and its
    import-time warning silenced for that one import;
-4. `ProcessorMixin._get_arguments_from_pretrained`, the private hook through which
+4. `ProcessorMixin._get_arguments_from_pretrained` (transformers 5.24) or
+   `ProcessorMixin._resolve_subprocessors` (5.25), the private hook through which
    `ProcessorMixin.from_pretrained` loads a processor's parts (`ProcessorMixinWithOwnParts`);
 5. the private keywords of `transformers.utils.cached_file` that make a missing file give None
    (`optional_file`);
@@ -48,7 +51,7 @@ from transformers.utils import hub as transformers_hub
 from .kernels.device_dispatch import ROUTED_FUNCTIONS, router_for
 
 # [lowest, first untested): the transformers releases whose internals the guards below were read against.
-TESTED_TRANSFORMERS = ("5.24", "5.25")
+TESTED_TRANSFORMERS = ("5.24", "5.26")
 
 DEVICE_DISPATCH_ENV = "DRAMA3_DEVICE_DISPATCH"
 
@@ -146,13 +149,34 @@ def _import_qwen3_5_moe_modeling():
 qwen3_5_moe = _import_qwen3_5_moe_modeling()
 
 
+def kernel_wrapper(exposed):
+    """transformers' kernel wrapper behind `exposed`, a routed function as its modeling module holds it.
+
+    Up to transformers 5.24 the module holds the wrapper itself. From 5.25 (which requires the
+    kernels package) it holds an instance of a kernels function module (a `torch.nn.Module`) whose
+    `forward` calls the wrapper; kernels keeps it only in that method's closure variable `func`."""
+    import torch
+
+    if not isinstance(exposed, torch.nn.Module):
+        return exposed
+    forward = type(exposed).forward
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars:
+        raise _changed(
+            f"the function module {type(exposed).__qualname__!r} transformers exposes",
+            "a forward with a closure variable 'func' (the function it calls)",
+        )
+    return inspect.getclosurevars(forward).nonlocals["func"]
+
+
 def kernel_implementation(kernel):
-    """The function transformers' kernel wrapper `kernel` calls: a package kernel (fla's) or the
-    PyTorch reference itself.
+    """The function transformers' kernel wrapper `kernel` (or the function module that holds it,
+    see `kernel_wrapper`) calls: a package kernel (fla's) or the PyTorch reference itself.
 
     transformers (`integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`) keeps that
     choice only in the wrapper's closure variable `implementation`; there is no public accessor.
     A function transformers did not wrap (no `__wrapped__`) is its own implementation."""
+    kernel = kernel_wrapper(kernel)
     if not hasattr(kernel, "__wrapped__"):
         return kernel
     code = getattr(kernel, "__code__", None)
@@ -177,7 +201,7 @@ def check_routed_functions() -> None:
         current = getattr(qwen3_5_moe, name, None)
         if not callable(current):
             raise _changed(f"transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.{name}", "a module-level function")
-        reference = inspect.unwrap(_original(current))
+        reference = inspect.unwrap(kernel_wrapper(_original(current)))
         first = tuple(inspect.signature(reference).parameters)[: len(expected_first[name])]
         if first != expected_first[name]:
             raise _changed(
@@ -210,7 +234,7 @@ def install_device_dispatch() -> None:
         current = getattr(qwen3_5_moe, name)
         if hasattr(current, "drama3_reference"):
             continue
-        reference = inspect.unwrap(current)
+        reference = inspect.unwrap(kernel_wrapper(current))
         setattr(qwen3_5_moe, name, router_for(name, current, reference, kernel_implementation(current)))
 
 
@@ -244,20 +268,35 @@ def kernel_report() -> dict[str, str]:
 # ----------------------------------------------------------------------------- 4. ProcessorMixin
 
 
-def check_processor_parts_hook() -> None:
-    """`ProcessorMixin.from_pretrained` still gets a processor's parts from the classmethod
-    `_get_arguments_from_pretrained(pretrained_model_name_or_path, processor_dict, **kwargs)`."""
-    hook = getattr(ProcessorMixin, "_get_arguments_from_pretrained", None)
+# The classmethods through which `ProcessorMixin.from_pretrained` loads a processor's parts, each
+# taking (pretrained_model_name_or_path, processor_dict, **kwargs): transformers 5.24 asks
+# `_get_arguments_from_pretrained` for them (a list, in `__init__`'s order); 5.25 has
+# `_resolve_subprocessors` put them into the processor dict (returning it and the kwargs left).
+PROCESSOR_PARTS_HOOKS = ("_get_arguments_from_pretrained", "_resolve_subprocessors")
+
+
+def processor_parts_hook() -> str:
+    """The name of the hook (`PROCESSOR_PARTS_HOOKS`) the installed `ProcessorMixin.from_pretrained`
+    calls, checked to be a classmethod taking (pretrained_model_name_or_path, processor_dict, **kwargs)."""
+    called = ProcessorMixin.from_pretrained.__func__.__code__.co_names
+    names = [name for name in PROCESSOR_PARTS_HOOKS if name in called]
+    if len(names) != 1:
+        raise _changed("ProcessorMixin.from_pretrained", f"a call of exactly one of {PROCESSOR_PARTS_HOOKS}, got {names}")
+    hook = getattr(ProcessorMixin, names[0], None)
     if hook is None:
-        raise _changed("ProcessorMixin._get_arguments_from_pretrained", "a classmethod that loads the parts")
+        raise _changed(f"ProcessorMixin.{names[0]}", "a classmethod that loads the parts")
     parameters = tuple(inspect.signature(hook).parameters)
     if parameters[:2] != ("pretrained_model_name_or_path", "processor_dict"):
         raise _changed(
-            "ProcessorMixin._get_arguments_from_pretrained",
+            f"ProcessorMixin.{names[0]}",
             f"parameters (pretrained_model_name_or_path, processor_dict, **kwargs), got {parameters}",
         )
-    if "_get_arguments_from_pretrained" not in ProcessorMixin.from_pretrained.__func__.__code__.co_names:
-        raise _changed("ProcessorMixin.from_pretrained", "a call of cls._get_arguments_from_pretrained")
+    return names[0]
+
+
+def check_processor_parts_hook() -> None:
+    """`ProcessorMixin.from_pretrained` still gets a processor's parts from one of `PROCESSOR_PARTS_HOOKS`."""
+    processor_parts_hook()
 
 
 class ProcessorMixinWithOwnParts(ProcessorMixin):
@@ -277,6 +316,16 @@ class ProcessorMixinWithOwnParts(ProcessorMixin):
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         return cls.parts_from_pretrained(pretrained_model_name_or_path, processor_dict or {}, **kwargs)
+
+    @classmethod
+    def _resolve_subprocessors(cls, pretrained_model_name_or_path, processor_dict, **kwargs):
+        """transformers 5.25's hook: the parts go into the processor dict under the names of
+        `__init__`'s first parameters; the keywords that only said where to load from are spent."""
+        parts = cls.parts_from_pretrained(pretrained_model_name_or_path, processor_dict or {}, **kwargs)
+        names = [name for name in inspect.signature(cls.__init__).parameters if name != "self"][: len(parts)]
+        for key in (*HUB_KEYWORDS, "subfolder", "return_unused_kwargs"):
+            kwargs.pop(key, None)
+        return {**(processor_dict or {}), **dict(zip(names, parts))}, kwargs
 
     @classmethod
     def parts_from_pretrained(cls, pretrained_model_name_or_path, processor_dict: dict, **kwargs) -> list:
