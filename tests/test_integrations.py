@@ -116,6 +116,17 @@ def test_a_kernel_wrapper_without_that_closure_variable_is_named_in_the_error():
         integrations.kernel_implementation(wrapper)
 
 
+def test_a_function_module_without_the_closure_variable_func_is_named_in_the_error():
+    import torch
+
+    class Moved(torch.nn.Module):
+        def forward(self, query):
+            return query
+
+    with pytest.raises(InternalsChanged, match=r"function module 'test_a_function_module.*closure variable 'func'"):
+        integrations.kernel_implementation(Moved())
+
+
 def test_an_unwrapped_function_is_its_own_implementation():
     def reference(query):
         return query

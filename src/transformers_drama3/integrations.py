@@ -159,14 +159,18 @@ def kernel_wrapper(exposed):
 
     if not isinstance(exposed, torch.nn.Module):
         return exposed
-    forward = type(exposed).forward
-    code = getattr(forward, "__code__", None)
-    if code is None or "func" not in code.co_freevars:
-        raise _changed(
-            f"the function module {type(exposed).__qualname__!r} transformers exposes",
-            "a forward with a closure variable 'func' (the function it calls)",
-        )
-    return inspect.getclosurevars(forward).nonlocals["func"]
+    return _closure_variable(
+        type(exposed).forward, "func", f"the function module {type(exposed).__qualname__!r} transformers exposes",
+        "a forward with a closure variable 'func' (the function it calls)",
+    )
+
+
+def _closure_variable(function, name: str, what: str, expected: str):
+    """The closure variable `name` of `function`, or `InternalsChanged` naming `what` and `expected`."""
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        raise _changed(what, expected)
+    return inspect.getclosurevars(function).nonlocals[name]
 
 
 def kernel_implementation(kernel):
@@ -179,13 +183,10 @@ def kernel_implementation(kernel):
     kernel = kernel_wrapper(kernel)
     if not hasattr(kernel, "__wrapped__"):
         return kernel
-    code = getattr(kernel, "__code__", None)
-    if code is None or "implementation" not in code.co_freevars:
-        raise _changed(
-            f"transformers' kernel wrapper {getattr(kernel, '__qualname__', kernel)!r}",
-            "a closure variable 'implementation' (the kernel it calls)",
-        )
-    return inspect.getclosurevars(kernel).nonlocals["implementation"]
+    return _closure_variable(
+        kernel, "implementation", f"transformers' kernel wrapper {getattr(kernel, '__qualname__', kernel)!r}",
+        "a closure variable 'implementation' (the kernel it calls)",
+    )
 
 
 def check_routed_functions() -> None:
