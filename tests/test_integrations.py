@@ -240,20 +240,20 @@ def test_processor_mixin_from_pretrained_still_asks_the_hook_for_the_parts(tmp_p
 
 
 def test_the_installed_from_pretrained_calls_one_known_parts_hook():
-    hook = integrations.processor_parts_hook()
+    hook = integrations.check_processor_parts_hook()
     assert hook == ("_resolve_subprocessors" if integrations.Version(transformers.__version__) >= integrations.Version("5.25")
                     else "_get_arguments_from_pretrained")
 
 
 def test_a_moved_processor_hook_is_named_in_the_error(monkeypatch):
-    hook = integrations.processor_parts_hook()
+    hook = integrations.check_processor_parts_hook()
     monkeypatch.delattr(integrations.ProcessorMixin, hook)
     with pytest.raises(InternalsChanged, match=rf"ProcessorMixin\.{hook}: expected a classmethod"):
         integrations.check_processor_parts_hook()
 
 
 def test_a_processor_hook_with_other_parameters_is_named_in_the_error(monkeypatch):
-    hook = integrations.processor_parts_hook()
+    hook = integrations.check_processor_parts_hook()
     monkeypatch.setattr(integrations.ProcessorMixin, hook, classmethod(lambda cls, path, **kw: []))
     with pytest.raises(InternalsChanged, match=rf"{hook}: expected parameters \(pretrained_model_name_or_path, processor_dict"):
         integrations.check_processor_parts_hook()

@@ -235,8 +235,8 @@ def install_device_dispatch() -> None:
         current = getattr(qwen3_5_moe, name)
         if hasattr(current, "drama3_reference"):
             continue
-        reference = inspect.unwrap(kernel_wrapper(current))
-        setattr(qwen3_5_moe, name, router_for(name, current, reference, kernel_implementation(current)))
+        wrapper = kernel_wrapper(current)
+        setattr(qwen3_5_moe, name, router_for(name, current, inspect.unwrap(wrapper), kernel_implementation(wrapper)))
 
 
 def uninstall_device_dispatch() -> None:
@@ -276,7 +276,7 @@ def kernel_report() -> dict[str, str]:
 PROCESSOR_PARTS_HOOKS = ("_get_arguments_from_pretrained", "_resolve_subprocessors")
 
 
-def processor_parts_hook() -> str:
+def check_processor_parts_hook() -> str:
     """The name of the hook (`PROCESSOR_PARTS_HOOKS`) the installed `ProcessorMixin.from_pretrained`
     calls, checked to be a classmethod taking (pretrained_model_name_or_path, processor_dict, **kwargs)."""
     called = ProcessorMixin.from_pretrained.__func__.__code__.co_names
@@ -295,19 +295,15 @@ def processor_parts_hook() -> str:
     return names[0]
 
 
-def check_processor_parts_hook() -> None:
-    """`ProcessorMixin.from_pretrained` still gets a processor's parts from one of `PROCESSOR_PARTS_HOOKS`."""
-    processor_parts_hook()
-
-
 class ProcessorMixinWithOwnParts(ProcessorMixin):
     """A `ProcessorMixin` that loads its own parts (tokenizer, feature extractor, ...) in
     `from_pretrained`, through the public classmethod `parts_from_pretrained` of the subclass.
 
     transformers' default loads every feature extractor through `AutoFeatureExtractor`, which fails
     for a folder without `preprocessor_config.json` (the published Drama 3 repo). The only way to
-    change that is to override the private hook `_get_arguments_from_pretrained`, done here and
-    checked by `check_processor_parts_hook` on every load."""
+    change that is to override the private hook `from_pretrained` calls for the parts
+    (`PROCESSOR_PARTS_HOOKS`: one per transformers release), done here for both and checked by
+    `check_processor_parts_hook` on every load."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
