@@ -1,6 +1,8 @@
 """The phonetic codec's recipe: frame labels, training windows equal to what the codec reads,
 training that learns and resumes exactly, export."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -231,6 +233,115 @@ def test_a_decoder_grown_from_a_checkpoint_starts_from_its_output(labelled, tmp_
     with pytest.raises(ValueError, match="is not the first layers of"):
         fit.train(folder, tmp_path / "other", "decoder", max_steps=1, init_from=tmp_path / "small" / "decoder.pt",
                   decoder_dilations=[2, 2, 4, 8, 1, 2, 4, 8, 16], learning_rate=0.0, **sizes)
+
+
+def test_labelling_a_sentences_file_speaks_each_sentence_in_each_voice(tmp_path):
+    """`label --sentences FILE --voices A,B --utterances 2`: the file's first two sentences (comments
+    and blank lines skipped), each in A then B, labelled exactly as a corpus utterance is; two jobs
+    write the same rows as one; a bad file, voice or source is refused before any speech."""
+    from transformers_drama3.codec import Drama3MelCodecConfig, Drama3MelCodecModel
+
+    sentences = tmp_path / "sentences.txt"
+    sentences.write_text("# everyday sentences\nThe tea is hot.\n\nCall me at noon.\nNot this one.\n", encoding="utf-8")
+    one = fit.read_labels(fit.label(None, tmp_path / "one", 2, voices=["A", "B"], sentences=sentences)[0].parent)
+    assert [(row["id"], row["text"]) for row in one] == [
+        ("A-everyday-00000", "The tea is hot."), ("B-everyday-00000", "The tea is hot."),
+        ("A-everyday-00001", "Call me at noon."), ("B-everyday-00001", "Call me at noon.")]
+    assert [fit.corpus_voice(row["id"]) for row in one] == ["A", "B", "A", "B"]
+    analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()
+    expected = fit.label_utterance(analysis, "B-everyday-00001", "Call me at noon.", VOICES_BY_NAME["B"])
+    assert one[3]["labels"] == expected["labels"] and one[3]["voice"] == expected["voice"] == "f2 p65"
+    assert torch.equal(one[3]["log_mel"], expected["log_mel"])
+    # two jobs write the same utterances with the same labels; the speech of A repeats bit for bit, and
+    # B's within the breath noise its espeak variant (f2) draws afresh each time
+    shards = fit.label(None, tmp_path / "two", 2, jobs=2, voices=["A", "B"], sentences=sentences)
+    assert [path.name for path in shards] == ["labels-00-of-02.pt", "labels-01-of-02.pt"]
+    two = {row["id"]: row for row in fit.read_labels(tmp_path / "two")}
+    assert sorted(two) == sorted(row["id"] for row in one)
+    for row in one:
+        assert two[row["id"]]["labels"] == row["labels"]
+        difference = (two[row["id"]]["log_mel"].float() - row["log_mel"].float()).abs().mean()
+        assert difference == 0 if row["id"].startswith("A") else difference < 0.2, (row["id"], difference)
+    (tmp_path / "empty.txt").write_text("# nothing\n\n", encoding="utf-8")
+    for call, message in [
+        (lambda: fit.label(None, tmp_path / "x", 2, voices=["A"], sentences=tmp_path / "empty.txt"), "no sentences"),
+        (lambda: fit.label(None, tmp_path / "x", 2, voices=["A", "Q"], sentences=sentences), "unknown"),
+        (lambda: fit.label(None, tmp_path / "x", 2, sentences=sentences), "needs the voices"),
+        (lambda: fit.label(tmp_path, tmp_path / "x", 2, voices=["A"], sentences=sentences), "either a corpus"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_recognised_codes_a_decoder_fine_tune_reads_are_those_decode_reads(labelled):
+    """`recognised_rows`: per spectrogram frame the phoneme and voice the codec's recogniser writes
+    for the row's speech (its codes from the audio, but for near ties of the float16 log-mel); a
+    crop over a whole row gives the decoder exactly what `decode` gives it for those codes."""
+    rows, audio, _ = labelled
+    codec = fit.new_codec(rows, hidden_size=16, dilations=[1, 2, 4]).eval()
+    data = fit.recognised_rows(codec, [rows[0], rows[1], rows[0]])
+    assert len(data) == 3 and data[2] is data[0]  # a repeated row is read once
+    left, right = codec.config.receptive_field
+    floor = float(np.log(codec.config.log_floor))
+    for (phonemes, voices, log_mel), samples in zip(data, audio):
+        assert phonemes.shape == voices.shape == (log_mel.shape[-1] - 4,)
+        from_audio = codec.code_frames(codec.encode(samples.astype(np.float32) / 32768, sampling_rate=22050).audio_codes)
+        assert (from_audio[0][0] == phonemes).float().mean() > 0.95 and (from_audio[1][0] == voices).float().mean() > 0.95
+        padded = torch.cat([torch.full((80, left), floor), log_mel, torch.full((80, right - 4), floor)], -1)
+        codes = codec.encode_log_mel(padded[None])
+        crop = fit.batch([(phonemes, voices, log_mel)], codec.config, 0, 0, 1, len(phonemes), "decoder")
+        with torch.no_grad():
+            torch.testing.assert_close(codec.decode_labels(crop[0], crop[1]), codec.dequantize(codes),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoder_fine_tune_of_a_saved_codec_resumes_exactly_and_keeps_the_recogniser(labelled, tmp_path):
+    """`finetune --codec FOLDER --extra-labels ... --voices A`: batches hold the voice's utterances
+    and the extra ones repeated (an utterance with a phoneme the codec lacks left out); stopped
+    and resumed it ends with the same weights bit for bit; RUN/codec appears when it is done, with
+    the new decoder and the recogniser it started with."""
+    from transformers import AutoModel
+
+    rows, _, _ = labelled
+    named = [dict(row, id=f"{voice}-train-{i:05d}") for i, (row, voice) in enumerate(zip(rows, "AD"))]
+    extra = [dict(rows[0], id="A-everyday-00000"), dict(rows[0], id="A-everyday-00001", labels=["ʘ"] + rows[0]["labels"][1:])]
+    for name, content in (("labels", named), ("extra", extra)):
+        (tmp_path / name).mkdir()
+        torch.save(content, tmp_path / name / "labels-00-of-01.pt")
+    start = fit.new_codec(rows, hidden_size=16, dilations=[1, 2, 4]).eval()
+    start.save_pretrained(tmp_path / "codec")
+    sizes = dict(max_steps=30, minutes=10, learning_rate=3e-3, batch_size=2, frames=24, progress=False, log_every=10,
+                 extra_labels=tmp_path / "extra", extra_repeat=2, voices=["A"])
+    seen = []
+    original_batch = fit.batch
+    fit.batch = lambda data, *args: seen.append(len(data)) or original_batch(data, *args)
+    try:
+        fit.finetune_decoder(tmp_path / "codec", tmp_path / "labels", tmp_path / "straight", **sizes)
+    finally:
+        fit.batch = original_batch
+    assert set(seen) == {3}  # A's corpus utterance and the known everyday one twice
+    fit.finetune_decoder(tmp_path / "codec", tmp_path / "labels", tmp_path / "resumed", stop_at=12, **sizes)
+    assert not (tmp_path / "resumed" / "codec").exists()
+    fit.finetune_decoder(tmp_path / "codec", tmp_path / "labels", tmp_path / "resumed", resume=True, **sizes)
+    straight = torch.load(tmp_path / "straight" / "decoder.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "decoder.pt", weights_only=False)
+    for name, tensor in straight["state"].items():
+        assert torch.equal(resumed["state"][name], tensor), name
+    tuned = AutoModel.from_pretrained(tmp_path / "resumed" / "codec").eval()
+    for name, tensor in start.state_dict().items():
+        part = "decoder" if name.split(".")[0] in fit.PARTS["decoder"] else "recogniser"
+        if part == "recogniser":
+            assert torch.equal(tuned.state_dict()[name], tensor), name
+        else:
+            assert torch.equal(tuned.state_dict()[name], straight["state"][name]), name
+    assert not torch.equal(tuned.decoder_output.weight, start.decoder_output.weight)
+    log = [json.loads(line) for line in (tmp_path / "straight" / "decoder.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]  # it learns
+    with pytest.raises(ValueError, match="'recognised' or 'labels'"):
+        fit.finetune_decoder(tmp_path / "codec", tmp_path / "labels", tmp_path / "x", codes="phones", **sizes)
+    with pytest.raises(ValueError, match="that the codec can say"):
+        fit.finetune_decoder(tmp_path / "codec", tmp_path / "labels", tmp_path / "x", **{**sizes, "voices": ["B"]})
 
 
 @pytest.mark.skipif(not __import__("recipes.drama3_tiny.corpus", fromlist=["x"]).espeak_available(),

@@ -4,6 +4,9 @@
     python -m recipes.drama3_tiny.phone_codec_fit train --labels LABELS --out RUN --part decoder --max-steps 3000
     python -m recipes.drama3_tiny.phone_codec_fit train --labels LABELS --out RUN --part recogniser --max-steps 1500
     python -m recipes.drama3_tiny.phone_codec_fit export --labels LABELS --out RUN          # RUN/codec
+    python -m recipes.drama3_tiny.phone_codec_fit label --sentences FILE --utterances 600 --voices A,B --out EXTRA
+    python -m recipes.drama3_tiny.phone_codec_fit finetune --codec RUN/codec --labels LABELS --extra-labels EXTRA \
+        --extra-repeat 3 --voices A,B --out TUNED                                             # TUNED/codec
     python -m recipes.drama3_tiny.phone_codec_fit evaluate --codec RUN/codec --json codec.json  # Whisper WER
 
 `label` speaks the corpus's train texts again with libespeak-ng (`corpus.aligned_synthesize`: the
@@ -13,7 +16,10 @@ trains one half of the codec on them: the decoder (labels -> log-mel, L1) or the
 (log-mel -> labels, cross entropy); the two halves are independent, so they train side by side on
 two cores. Training is step-based (cosine rate over `--max-steps`, each step's batch a function
 of seed and step), time-boxed by `--minutes` and resumable (`--resume`, checkpoints every
-`--save-minutes`). `export` puts both halves into one codec folder.
+`--save-minutes`). `export` puts both halves into one codec folder. `label --sentences` labels a
+file of sentences in the given voices; `finetune` trains a saved codec's decoder further (by
+default on the codes its recogniser writes for the speech, the codes it decodes) and saves the
+codec with it.
 """
 
 from __future__ import annotations
@@ -117,8 +123,24 @@ def spread(records: list, count: int) -> list:
     return [records[i * len(records) // count] for i in range(count)]
 
 
-def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: int,
-                voices: list[str] | None = None, tag: str | None = None) -> Path:
+def sentence_items(sentences: str | Path, count: int, voices: list[str]) -> list[tuple[str, str, str]]:
+    """(id, text, voice name) of the first `count` sentences of the file `sentences` (a line each;
+    blank lines and lines starting with # skipped) in each of `voices`: ids VOICE-everyday-NNNNN,
+    so `corpus_voice` reads their voice. Sentence after sentence, each in every voice."""
+    from .corpus import VOICES_BY_NAME
+
+    unknown = [name for name in voices if name not in VOICES_BY_NAME]
+    if unknown:
+        raise ValueError(f"voices {unknown}: unknown; expected names from {sorted(VOICES_BY_NAME)}")
+    lines = [line.strip() for line in Path(sentences).read_text(encoding="utf-8").splitlines()]
+    texts = [line for line in lines if line and not line.startswith("#")][:count]
+    if not texts:
+        raise ValueError(f"{sentences}: no sentences")
+    return [(f"{name}-everyday-{index:05d}", text, name) for index, text in enumerate(texts) for name in voices]
+
+
+def label_shard(corpus: Path | None, out: Path, utterances: int, shard: int, shards: int,
+                voices: list[str] | None = None, tag: str | None = None, sentences: str | Path | None = None) -> Path:
     from transformers_drama3.codec import Drama3MelCodecModel, Drama3MelCodecConfig
     from tqdm import tqdm
 
@@ -129,7 +151,10 @@ def label_shard(corpus: Path, out: Path, utterances: int, shard: int, shards: in
         return path
     torch.set_num_threads(1)
     analysis = Drama3MelCodecModel(Drama3MelCodecConfig()).eval()  # its log-mel is the phone codec's
-    items = [(r.id, r.directed_text, r.voice) for r in chosen_records(corpus, out, utterances, voices, tag)][shard::shards]
+    if sentences is not None:
+        items = sentence_items(sentences, utterances, voices)[shard::shards]
+    else:
+        items = [(r.id, r.directed_text, r.voice) for r in chosen_records(corpus, out, utterances, voices, tag)][shard::shards]
     rows = [label_utterance(analysis, uid, text, VOICES_BY_NAME[name])
             for uid, text, name in tqdm(items, desc=f"labelling {shard + 1}/{shards}", mininterval=30)]
     temporary = path.with_suffix(".tmp")
@@ -153,20 +178,30 @@ def chosen_records(corpus: Path, out: Path, utterances: int, voices: list[str] |
     return spread(train, utterances)
 
 
-def label(corpus: str | Path, out: str | Path, utterances: int, jobs: int = 1, voices: list[str] | None = None,
-          tag: str | None = None) -> list[Path]:
+def label(corpus: str | Path | None, out: str | Path, utterances: int, jobs: int = 1, voices: list[str] | None = None,
+          tag: str | None = None, sentences: str | Path | None = None) -> list[Path]:
     """Label `utterances` train utterances of `corpus` (of `voices` only, when given), evenly
     spread, into `out` (one shard per job, each written whole once done: a killed run redoes only
     the shards it had not finished). With `tag` the shards are `labels-TAG-*.pt` beside the
-    folder's first ones, and hold other utterances than those (more data for some voices)."""
-    corpus, out = Path(corpus), Path(out)
+    folder's first ones, and hold other utterances than those (more data for some voices).
+
+    With `sentences` (a file of sentences, one a line) and no corpus: the file's first
+    `utterances` sentences, each spoken in every one of `voices` (`sentence_items`)."""
+    if (corpus is None) == (sentences is None):
+        raise ValueError("label either a corpus or a sentences file")
+    if sentences is not None:
+        if not voices:
+            raise ValueError("labelling a sentences file needs the voices to speak it in")
+        sentence_items(sentences, utterances, voices)  # a bad file or voice fails here, before any worker
+    corpus, out = (None if corpus is None else Path(corpus)), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if tag is not None and not tag.isalpha():
         raise ValueError(f"tag {tag!r}: letters only (it names the shard files)")
     if jobs == 1:
-        return [label_shard(corpus, out, utterances, 0, 1, voices, tag)]
-    command = [sys.executable, "-m", "recipes.drama3_tiny.phone_codec_fit", "label", "--corpus", str(corpus),
-               "--out", str(out), "--utterances", str(utterances), "--jobs", str(jobs)]
+        return [label_shard(corpus, out, utterances, 0, 1, voices, tag, sentences)]
+    command = [sys.executable, "-m", "recipes.drama3_tiny.phone_codec_fit", "label", "--out", str(out),
+               "--utterances", str(utterances), "--jobs", str(jobs)]
+    command += ["--corpus", str(corpus)] if corpus is not None else ["--sentences", str(sentences)]
     command += ["--voices", ",".join(voices)] if voices else []
     command += ["--tag", tag] if tag else []
     workers = [subprocess.Popen([*command, "--shard", str(i)]) for i in range(jobs)]
@@ -243,7 +278,8 @@ def indexed(rows: list[dict], config) -> list[tuple[torch.Tensor, int, torch.Ten
 def batch(data, config, step: int, seed: int, size: int, frames: int, part: str = "recogniser"):
     """Crops of `frames` spectrogram frames with `part`'s receptive field of context on each side
     (what `encode` and `decode` read there: silence and the edge frame's voice past the ends):
-    (phonemes [size, left + frames + right], voices [same], log-mel [size, n_mels, same])."""
+    (phonemes [size, left + frames + right], voices [same], log-mel [size, n_mels, same]). A row's
+    voice is one id, or one per frame (`recognised_rows`)."""
     rng = random.Random(seed * 1_000_003 + step)
     left, right = config.part_receptive_field(part)
     floor = math.log(config.log_floor)
@@ -257,7 +293,11 @@ def batch(data, config, step: int, seed: int, size: int, frames: int, part: str 
         inside = slice(max(low, 0), min(high, count))
         window[inside.start - low : inside.stop - low] = labels[inside]
         phonemes.append(window)
-        voices.append(torch.full((high - low,), voice))
+        if isinstance(voice, int):
+            voices.append(torch.full((high - low,), voice))
+        else:
+            voices.append(torch.cat([voice[inside.start].expand(inside.start - low), voice[inside],
+                                     voice[inside.stop - 1].expand(high - inside.stop)]))
         spectrum = torch.full((config.n_mels, high - low), floor)
         have = slice(max(low, 0), min(high, log_mel.shape[-1]))
         spectrum[:, have.start - low : have.stop - low] = log_mel[:, have]
@@ -347,6 +387,18 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
         sample = torch.cat([log_mel for _, _, log_mel in data[:500]], dim=-1)
         codec.input_mean.copy_(sample.mean(-1, keepdim=True))
         codec.input_scale.copy_(sample.std(-1, keepdim=True) + 1e-3)
+    return fit_part(codec, part, data, out, max_steps, minutes, resume, learning_rate, batch_size, frames, seed,
+                    save_minutes, progress, stop_at, log_every, warmup_steps, spectral_convergence_weight)
+
+
+def fit_part(codec, part: str, data: list, out: Path, max_steps: int, minutes: float, resume: bool,
+             learning_rate: float, batch_size: int, frames: int, seed: int, save_minutes: float, progress: bool,
+             stop_at: int | None, log_every: int, warmup_steps: int | None,
+             spectral_convergence_weight: float = 0.0) -> dict:
+    """`train`'s schedule for `part` of `codec` on `data` (`indexed` rows), checkpointed to
+    OUT/PART.pt (resumable) and logged to OUT/PART.jsonl; returns the last log line."""
+    from tqdm import tqdm
+
     parameters = part_parameters(codec, part)
     optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
     checkpoint, log_path, step = out / f"{part}.pt", out / f"{part}.jsonl", 0
@@ -399,6 +451,82 @@ def train(labels: str | Path, out: str | Path, part: str, max_steps: int, minute
             last_save = time.time()
     bar.close()
     save()
+    return line
+
+
+def recognised_rows(codec, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(phoneme ids [frames], voice ids [frames], log-mel [n_mels, frames + 4] float32) per row: the
+    codes `encode` gives the row's speech (what the decoder reads in a resynthesis, and what the
+    language model learnt to write), per spectrogram frame; rows with the same id are read once."""
+    left, right = codec.config.receptive_field
+    floor = math.log(codec.config.log_floor)
+    done = {}
+    for row in rows:
+        if row["id"] in done:
+            continue
+        log_mel = row["log_mel"].float()
+        frames = log_mel.shape[-1] - 4
+        padded = torch.cat([torch.full((log_mel.shape[0], left), floor), log_mel,
+                            torch.full((log_mel.shape[0], right - 4), floor)], dim=-1)
+        with torch.no_grad():
+            phonemes, voices = codec.code_frames(codec.encode_log_mel(padded[None]))
+        if phonemes.shape[-1] != frames:
+            raise ValueError(f"{row['id']}: {frames} labelled frames, but its speech encodes to {phonemes.shape[-1]}")
+        done[row["id"]] = (phonemes[0], voices[0], log_mel)
+    return [done[row["id"]] for row in rows]
+
+
+def finetune_decoder(codec_path: str | Path, labels: str | Path, out: str | Path, max_steps: int, minutes: float,
+                     resume: bool = False, extra_labels: str | Path | None = None, extra_repeat: int = 1,
+                     voices: list[str] | None = None, codes: str = "recognised", learning_rate: float = 1e-4,
+                     batch_size: int = 8, frames: int = 320, seed: int = 0, warmup_steps: int | None = None,
+                     save_minutes: float = 5.0, threads: int = 1, progress: bool = True, stop_at: int | None = None,
+                     log_every: int = 100) -> dict:
+    """Fine-tune the decoder of the saved codec `codec_path` (its recogniser and labels unchanged)
+    on the utterances of `labels` (of `voices` only, when given) plus those of `extra_labels`
+    repeated `extra_repeat` times (e.g. everyday sentences labelled with `label --sentences`), with
+    `train`'s schedule, resumable. `codes`: what the decoder reads, "recognised" (the codec's own
+    codes of the speech, `recognised_rows`) or "labels" (the event labels `train` uses). An
+    utterance with a phoneme the codec lacks is left out. When done, OUT/codec is the codec with
+    the new decoder; returns the last log line."""
+    from transformers import AutoModel
+
+    import transformers_drama3  # noqa: F401  (registers the codec types)
+
+    if codes not in ("recognised", "labels"):
+        raise ValueError(f"codes must be 'recognised' or 'labels'; got {codes!r}")
+    if extra_repeat < 1:
+        raise ValueError(f"extra_repeat {extra_repeat}: expected at least 1")
+    torch.set_num_threads(threads)
+    out = Path(out)
+    codec = AutoModel.from_pretrained(codec_path).eval()
+    if codec.config.model_type != "drama3_phone_codec":
+        raise ValueError(f"{codec_path}: a {codec.config.model_type} codec; only a phonetic codec has a label decoder")
+
+    def chosen(folder):
+        return [r for r in read_labels(folder) if not r["id"].startswith("heldout")
+                and (voices is None or corpus_voice(r["id"]) in voices)]
+
+    rows = chosen(labels) + (chosen(extra_labels) * extra_repeat if extra_labels is not None else [])
+    known = set(codec.config.phonemes)
+    kept = [row for row in rows if known.issuperset(row["labels"])]
+    if not kept:
+        raise ValueError(f"no labelled utterance of {labels} (voices {voices}) that the codec can say")
+    if len(kept) < len(rows):
+        print(f"{len(rows) - len(kept)} of {len(rows)} rows left out: phonemes the codec lacks", flush=True)
+    data = recognised_rows(codec, kept) if codes == "recognised" else indexed(kept, codec.config)
+    out.mkdir(parents=True, exist_ok=True)
+    line = fit_part(codec, "decoder", data, out, max_steps, minutes, resume, learning_rate, batch_size, frames, seed,
+                    save_minutes, progress, stop_at, log_every, warmup_steps)
+    if torch.load(out / "decoder.pt", weights_only=False)["step"] >= max_steps:
+        codec.eval()
+        temporary = out / "codec.tmp"
+        codec.save_pretrained(temporary)
+        if (out / "codec").exists():
+            import shutil
+
+            shutil.rmtree(out / "codec")
+        os.replace(temporary, out / "codec")
     return line
 
 
@@ -494,8 +622,10 @@ def lookahead_argument(text: str | None) -> int | list[int] | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.phone_codec_fit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("label", help="speak the corpus's train texts with phoneme labels")
-    p.add_argument("--corpus", required=True)
+    p = sub.add_parser("label", help="speak the corpus's train texts (or a file of sentences) with phoneme labels")
+    p.add_argument("--corpus", default=None)
+    p.add_argument("--sentences", default=None,
+                   help="instead of a corpus: a file of sentences, one a line; its first --utterances, in each --voices")
     p.add_argument("--out", required=True)
     p.add_argument("--utterances", type=int, default=7000)
     p.add_argument("--jobs", type=int, default=1)
@@ -526,6 +656,25 @@ def main(argv=None) -> None:
                    help="spectrogram frames each decoder layer looks ahead: one number, or one per layer")
     p.add_argument("--spectral-convergence", type=float, default=0.0,
                    help="weight of the decoder's spectral-convergence loss (mel magnitudes) beside its log-mel L1")
+    p = sub.add_parser("finetune", help="fine-tune a saved codec's decoder; RUN/codec is the codec with the new one")
+    p.add_argument("--codec", required=True, help="the saved codec folder to start from")
+    p.add_argument("--labels", required=True)
+    p.add_argument("--extra-labels", default=None, help="a second labelled folder, e.g. of `label --sentences`")
+    p.add_argument("--extra-repeat", type=int, default=1, help="how many times the extra utterances count")
+    p.add_argument("--codes", choices=["recognised", "labels"], default="recognised",
+                   help="what the decoder reads: the codec's own codes of the speech, or the event labels")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-steps", type=int, default=2000)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--frames", type=int, default=320)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
+    p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
     p = sub.add_parser("export", help="both halves into RUN/codec")
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
@@ -537,11 +686,15 @@ def main(argv=None) -> None:
     if args.command == "label":
         if args.utterances < 1 or args.jobs < 1:
             parser.error("--utterances and --jobs must be >= 1")
+        if (args.corpus is None) == (args.sentences is None):
+            parser.error("give --corpus or --sentences (one of them)")
         voices = args.voices.split(",") if args.voices else None
         if args.shard is not None:
-            label_shard(Path(args.corpus), Path(args.out), args.utterances, args.shard, args.jobs, voices, args.tag)
+            label_shard(args.corpus and Path(args.corpus), Path(args.out), args.utterances, args.shard, args.jobs,
+                        voices, args.tag, args.sentences)
         else:
-            print("\n".join(str(p) for p in label(args.corpus, args.out, args.utterances, args.jobs, voices, args.tag)))
+            print("\n".join(str(p) for p in label(args.corpus, args.out, args.utterances, args.jobs, voices, args.tag,
+                                                   args.sentences)))
     elif args.command == "train":
         if args.max_steps < 1 or args.minutes <= 0:
             parser.error("--max-steps must be >= 1 and --minutes > 0")
@@ -553,6 +706,13 @@ def main(argv=None) -> None:
                     warmup_steps=args.warmup_steps, decoder_dilations=integers(args.decoder_dilations),
                     decoder_lookahead=lookahead_argument(args.decoder_lookahead),
                     spectral_convergence_weight=args.spectral_convergence))
+    elif args.command == "finetune":
+        if args.max_steps < 1 or args.minutes <= 0 or args.extra_repeat < 1:
+            parser.error("--max-steps and --extra-repeat must be >= 1 and --minutes > 0")
+        print(finetune_decoder(args.codec, args.labels, args.out, args.max_steps, args.minutes, args.resume,
+                               args.extra_labels, args.extra_repeat, args.voices.split(",") if args.voices else None,
+                               args.codes, args.learning_rate, args.batch_size, args.frames, args.seed,
+                               args.warmup_steps, threads=args.threads, stop_at=args.stop_at))
     elif args.command == "export":
         print(f"codec saved to {export(args.labels, args.out)}")
     else:
