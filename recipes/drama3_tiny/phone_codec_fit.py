@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -459,15 +460,13 @@ def recognised_rows(codec, rows: list[dict]) -> list[tuple[torch.Tensor, torch.T
     codes `encode` gives the row's speech (what the decoder reads in a resynthesis, and what the
     language model learnt to write), per spectrogram frame; rows with the same id are read once."""
     left, right = codec.config.receptive_field
-    floor = math.log(codec.config.log_floor)
     done = {}
     for row in rows:
         if row["id"] in done:
             continue
         log_mel = row["log_mel"].float()
         frames = log_mel.shape[-1] - 4
-        padded = torch.cat([torch.full((log_mel.shape[0], left), floor), log_mel,
-                            torch.full((log_mel.shape[0], right - 4), floor)], dim=-1)
+        padded = torch.cat([codec.silent_log_mel(1, left)[0], log_mel, codec.silent_log_mel(1, right - 4)[0]], dim=-1)
         with torch.no_grad():
             phonemes, voices = codec.code_frames(codec.encode_log_mel(padded[None]))
         if phonemes.shape[-1] != frames:
@@ -523,8 +522,6 @@ def finetune_decoder(codec_path: str | Path, labels: str | Path, out: str | Path
         temporary = out / "codec.tmp"
         codec.save_pretrained(temporary)
         if (out / "codec").exists():
-            import shutil
-
             shutil.rmtree(out / "codec")
         os.replace(temporary, out / "codec")
     return line
@@ -619,6 +616,21 @@ def lookahead_argument(text: str | None) -> int | list[int] | None:
     return values[0] if values is not None and len(values) == 1 else values
 
 
+def schedule_arguments(p, max_steps: int, learning_rate: float, batch_size: int, frames: int) -> None:
+    """The options of `fit_part`'s schedule and data that `train` and `finetune` share, with their defaults."""
+    p.add_argument("--max-steps", type=int, default=max_steps)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--learning-rate", type=float, default=learning_rate)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--frames", type=int, default=frames)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
+    p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m recipes.drama3_tiny.phone_codec_fit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -637,17 +649,7 @@ def main(argv=None) -> None:
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--part", choices=sorted(PARTS), required=True)
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--minutes", type=float, default=60.0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--frames", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
-    p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
+    schedule_arguments(p, max_steps=3000, learning_rate=1e-3, batch_size=16, frames=160)
     p.add_argument("--init-from", default=None,
                    help="start from this checkpoint of the part (RUN/decoder.pt), with a new schedule: a fine-tune")
     p.add_argument("--decoder-dilations", default=None,
@@ -664,17 +666,7 @@ def main(argv=None) -> None:
     p.add_argument("--codes", choices=["recognised", "labels"], default="recognised",
                    help="what the decoder reads: the codec's own codes of the speech, or the event labels")
     p.add_argument("--out", required=True)
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--minutes", type=float, default=60.0)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--frames", type=int, default=320)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--stop-at", type=int, default=None, help="end this sitting at this step (resume later)")
-    p.add_argument("--voices", default=None, help="train on these corpus voices' utterances only (e.g. A,B)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: a tenth of --max-steps, at most 200")
+    schedule_arguments(p, max_steps=2000, learning_rate=1e-4, batch_size=8, frames=320)
     p = sub.add_parser("export", help="both halves into RUN/codec")
     p.add_argument("--labels", required=True)
     p.add_argument("--out", required=True)
