@@ -26,6 +26,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import logging
 import os
 import queue
 import secrets
@@ -55,6 +56,7 @@ from .protocol import (
     Limits,
     SpeechParams,
     TextStreamParams,
+    load_json,
     parse_message,
     parse_speech,
     parse_stream_start,
@@ -65,6 +67,8 @@ from .voices import VoiceReference, VoiceStore, reference_file_voice, register_b
 
 POLL_SECONDS = 0.25
 """How often a waiting handler looks for its client having gone."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -217,8 +221,48 @@ class SpeechService:
             return work(*args)
 
 
+class ErrorResponse(JSONResponse):
+    """OpenAI's error shape, written as ASCII JSON: a message that quotes the client's text cannot
+    fail to encode (a lone surrogate is written as its escape)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(error: ApiError):
-    return JSONResponse(error.body(), status_code=error.status)
+    return ErrorResponse(error.body(), status_code=error.status)
+
+
+def _unexpected(error: Exception, where: str) -> ApiError:
+    """A failure no check foresaw: logged as one line, answered as a 500 in OpenAI's shape."""
+    summary = f"{type(error).__name__}: {error}".replace("\n", " ")
+    logger.error("%s failed: %s", where, summary)
+    return ApiError(500, f"the server failed: {summary}", None, "internal_error")
+
+
+class CatchAll:
+    """ASGI middleware: an HTTP request that raises gets a 500 in OpenAI's shape (if its response has
+    not started) instead of a plain-text one, and its keep-alive connection keeps serving."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as error:  # the catch-all: every route answers JSON
+            response = _error_response(_unexpected(error, f"{scope.get('method')} {scope.get('path')}"))
+            if not started:
+                await response(scope, receive, send)
 
 
 async def _next_event(handle, request):
@@ -269,10 +313,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
         raw = await request.body()
         if len(raw) > settings.max_body_bytes:
             raise ApiError(413, f"the body is {len(raw)} bytes; at most {settings.max_body_bytes}")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the body is not JSON ({error})") from None
+        return load_json(raw)
 
     @app.get("/health")
     async def health():
@@ -385,7 +426,10 @@ def create_app(get_service, settings: ServerSettings | None = None):
             await _close_with_error(websocket, error)
         except WebSocketDisconnect:
             pass
+        except Exception as error:  # the catch-all: the client gets an error and a close code
+            await _close_with_error(websocket, _unexpected(error, "WebSocket /v1/audio/speech/stream"))
 
+    app.add_middleware(CatchAll)
     return app
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from dataclasses import dataclass, field
 
 from .audio_formats import STREAMABLE, supported_formats
@@ -20,6 +21,10 @@ from .voices import VoiceReference, read_audio_bytes
 STREAM_FORMATS = ("audio", "sse")
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 MAX_SEED = 2**63 - 1
+MAX_JSON_DEPTH = 32
+"""How deeply a request body or message may nest (the API's own bodies nest 4 levels)."""
+MAX_NUMBER_DIGITS = 40
+"""Longer integer literals are not converted (a 5,000-digit one costs time and fails Python's limit)."""
 
 
 class ApiError(Exception):
@@ -36,6 +41,61 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
+
+
+class LongNumber:
+    """An integer literal of more than `MAX_NUMBER_DIGITS` digits, left unconverted; the field that
+    holds it is refused by name when it is read."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit number"
+
+
+def _integer(text: str):
+    return int(text) if len(text) <= MAX_NUMBER_DIGITS else LongNumber(text)
+
+
+def _too_deep(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def load_json(raw, location: str | None = None):
+    """A request body (`location` None) or message (bytes or str) -> its JSON value; an ApiError (400)
+    for text that is not JSON, not UTF-8, or nested deeper than `MAX_JSON_DEPTH`. Long integers stay
+    `LongNumber`s and NaN / Infinity stay floats: the field that holds one is refused by name."""
+    where = location or "the body"
+    too_deep = ApiError(400, f"{where}: nested deeper than {MAX_JSON_DEPTH} levels", location)
+    try:
+        value = json.loads(raw, parse_int=_integer)
+    except RecursionError:  # deeper than the parser's stack, so deeper than the limit
+        raise too_deep from None
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise ApiError(400, f"{where}: not JSON ({error})", location) from None
+    if _too_deep(value, MAX_JSON_DEPTH):
+        raise too_deep
+    return value
+
+
+def unicode_text(value: str, location: str) -> str:
+    """`value` if it can be written as UTF-8; a lone surrogate (JSON's "\\ud800") is refused by name."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(
+            400, f"{location}: character {error.start} is a lone surrogate (U+{ord(value[error.start]):04X}); "
+            "expected valid Unicode text", location,
+        ) from None
+    return value
 
 
 @dataclass
@@ -68,9 +128,13 @@ def _number(body: dict, name: str, low: float, high: float, integer: bool = Fals
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, LongNumber):
+        raise ApiError(400, f"{name}: {value!r} is outside [{low}, {high}]", name)
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ApiError(400, f"{name}: expected {'an integer' if integer else 'a number'}; got {value!r}", name)
+    if not math.isfinite(value):  # NaN passes every comparison
+        raise ApiError(400, f"{name}={value!r}; expected a finite number in [{low}, {high}]", name)
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ApiError(400, f"{name}: {value!r} is outside {bracket}{low}, {high}]", name)
@@ -85,7 +149,7 @@ def _string(body: dict, name: str, required: bool = False) -> str | None:
         return None
     if not isinstance(value, str):
         raise ApiError(400, f"{name}: expected a string; got {type(value).__name__}", name)
-    return value
+    return unicode_text(value, name)
 
 
 def parse_voice(value) -> str | None:
@@ -96,7 +160,7 @@ def parse_voice(value) -> str | None:
         value = value.get("id")
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"voice: expected a voice id or {{\"id\": ...}}; got {value!r}", "voice")
-    return value
+    return unicode_text(value, "voice")
 
 
 def decode_audio_field(value, location: str, limits: Limits) -> tuple:
@@ -140,6 +204,7 @@ def parse_references(value, limits: Limits, is_voice) -> list:
         text = item.get("text")
         if not isinstance(text, str) or not text.strip():
             raise ApiError(400, f"{location}.text: the transcript of the reference audio is required", f"{location}.text")
+        unicode_text(text, f"{location}.text")
         samples, rate = decode_audio_field(audio, f"{location}.audio", limits)
         references.append(VoiceReference(samples, rate, text, speaker))
     return references
@@ -234,10 +299,7 @@ def parse_message(raw, location: str = "message") -> dict:
     """A text frame of the stream -> its JSON object with a string `type`."""
     if not isinstance(raw, str):
         raise ApiError(400, f"{location}: expected a JSON text message; got binary data", location)
-    try:
-        message = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"{location}: not JSON ({error})", location) from None
+    message = load_json(raw, location)
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ApiError(400, f"{location}: expected an object with a \"type\" (start, text, done)", f"{location}.type")
     return message
@@ -276,6 +338,7 @@ def parse_text_message(message: dict, received: int, limits: Limits, index: int)
     text = message.get("text")
     if not isinstance(text, str):
         raise ApiError(400, f"text: message {index} must carry a string; got {type(text).__name__}", "text")
+    unicode_text(text, "text")
     if received + len(text) > limits.max_input_chars:
         raise ApiError(413, f"input: {received + len(text)} characters; at most {limits.max_input_chars}", "input")
     return text
