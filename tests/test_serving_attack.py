@@ -2,11 +2,18 @@
 OpenAI's shape naming its field, never a plain-text 500 or a dropped socket; the connection that
 carried it keeps serving. Each test bounds its requests and waits."""
 
+import base64
+import io
 import json
 import logging
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
+import soundfile
+import torch
 from network_helpers import serving_on_loopback
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -14,6 +21,7 @@ websockets_sync = pytest.importorskip("websockets.sync.client")
 ConnectionClosed = pytest.importorskip("websockets.exceptions").ConnectionClosed
 
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app  # noqa: E402
+from transformers_drama3.tiny import shipped  # noqa: E402
 
 API_KEY = "attack-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
@@ -141,3 +149,145 @@ def closed_with(server, messages):
 def test_hostile_text_stream_messages_get_an_error_and_close_code_4400(server, messages, param):
     code, error = closed_with(server, messages)
     assert code == 4400 and error["param"] == param and error["message"]
+
+
+# ---- the voices registry: checked before the disk, exclusive per id, damage contained ---------------
+
+
+def clip_body(name, voice_id=None, gain=1.0):
+    clip, transcript = shipped.reference_voice("B")
+    samples, rate = soundfile.read(clip, dtype="float32")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples * gain, rate, format="WAV")
+    body = {"name": name, "audio": base64.b64encode(buffer.getvalue()).decode(), "text": transcript}
+    return body if voice_id is None else {**body, "id": voice_id}
+
+
+def listed(client) -> dict:
+    response = client.get("/v1/audio/voices", headers=HEADERS, timeout=WAIT)
+    assert response.status_code == 200, response.text
+    return {voice["id"]: voice["name"] for voice in response.json()["voices"]}
+
+
+def hidden_folders(service) -> list[str]:
+    return sorted(path.name for path in service.voices.root.iterdir() if path.name.startswith(".") and path.name != ".locks")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"voice_id": "A\n"}, "id"), ({"voice_id": "../A"}, "id"), ({"voice_id": "nl\r"}, "id"),
+    ({"name": "Ann\nBob"}, "name"), ({"name": "A\u200b"}, "name"), ({"name": "x" * 500}, "name"),
+], ids=["id-newline", "id-traversal", "id-carriage-return", "name-newline", "name-zero-width", "name-long"])
+def test_a_voice_id_or_name_that_is_not_clean_is_refused_before_the_disk(server, service, fields, param):
+    body = clip_body(fields.get("name", "clean"), fields.get("voice_id", "clean-id"))
+    before = sorted(path.name for path in service.voices.root.iterdir())
+    with httpx.Client(base_url=f"http://{server}") as client:
+        assert_openai_error(client.post("/v1/audio/voices", json=body, headers=HEADERS, timeout=WAIT), 400, param)
+        assert "clean-id" not in listed(client)
+    assert sorted(path.name for path in service.voices.root.iterdir()) == before
+
+
+def test_concurrent_creates_of_one_id_store_one_voice_and_refuse_the_others_with_409(server, service):
+    bodies = [clip_body(f"twin {index}", "twin", gain=1.0 - index / 20) for index in range(8)]
+    with httpx.Client(base_url=f"http://{server}") as client, ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda body: client.post("/v1/audio/voices", json=body, headers=HEADERS, timeout=WAIT),
+                                bodies))
+        statuses = sorted(answer.status_code for answer in answers)
+        assert statuses == [200] + [409] * 7, [answer.text for answer in answers]
+        winner = next(answer.json()["name"] for answer in answers if answer.status_code == 200)
+        for answer in answers:
+            if answer.status_code == 409:
+                assert answer.json()["error"]["param"] == "id"
+        assert listed(client)["twin"] == winner  # the client told 200 owns the stored voice
+        assert client.delete("/v1/audio/voices/twin", headers=HEADERS, timeout=WAIT).status_code == 200
+    assert hidden_folders(service) == []
+
+
+def test_a_create_while_another_process_holds_the_id_answers_409(server, service):
+    from transformers_drama3.serving.voices import VoiceStore
+
+    other = VoiceStore(service.voices.root, service.processor)  # a second server on the same folder
+    with other._claim("held"), httpx.Client(base_url=f"http://{server}") as client:
+        refused = client.post("/v1/audio/voices", json=clip_body("held"), headers=HEADERS, timeout=WAIT)
+        error = assert_openai_error(refused, 409, "id")
+        assert error["code"] == "voice_busy" and "held" not in listed(client)
+
+
+def test_damaged_voice_folders_are_left_out_of_the_list_and_named_in_a_clear_error(server, service, caplog):
+    root = service.voices.root
+    shutil.copytree(root / "A", root / "truncated")
+    (root / "truncated" / "voice.json").write_text('{"name": "trunc', encoding="utf-8")
+    shutil.copytree(root / "A", root / "clipless")
+    (root / "clipless" / "reference_0.wav").unlink()
+    try:
+        with httpx.Client(base_url=f"http://{server}") as client:
+            with caplog.at_level(logging.WARNING, logger="transformers_drama3.serving.voices"):
+                voices = listed(client)
+            assert "A" in voices and "truncated" not in voices and "clipless" not in voices
+            warned = " ".join(record.getMessage() for record in caplog.records)
+            assert "truncated" in warned and "clipless" in warned
+            for voice in ("truncated", "clipless"):
+                answer = post_raw(client, "/v1/audio/speech", json.dumps({"input": "Hello.", "voice": voice, "max_new_tokens": 2}))
+                error = assert_openai_error(answer, 500, "voice")
+                assert error["code"] == "voice_damaged" and voice in error["message"]
+    finally:
+        shutil.rmtree(root / "truncated")
+        shutil.rmtree(root / "clipless")
+
+
+def test_a_failed_write_keeps_the_old_voice_and_leaves_nothing_behind(server, service, monkeypatch):
+    from transformers_drama3.serving import voices as voices_module
+
+    replace = voices_module.os.replace
+
+    def full_disk(source, target):  # the folder's rename into place fails; a file's rename still works
+        if voices_module.os.path.isdir(source):
+            raise OSError(28, "No space left on device")
+        replace(source, target)
+
+    references = service.voices.references("A")
+    files = {path.name: path.read_bytes() for path in (service.voices.root / "A").iterdir()}
+    with httpx.Client(base_url=f"http://{server}") as client:
+        monkeypatch.setattr(voices_module.os, "replace", full_disk)
+        refused = client.post("/v1/audio/voices", json=clip_body("doomed"), headers=HEADERS, timeout=WAIT)
+        with pytest.raises(OSError):
+            service.voices.add("A", [voices_module.VoiceReference(np.zeros(22050, np.float32) + 0.1, 22050, "Hi.")],
+                               replace=True)
+        monkeypatch.undo()
+        assert "doomed" not in listed(client) and "A" in listed(client)
+        assert assert_openai_error(refused, 500, None)["code"] == "voice_write_failed"
+        spoken = post_raw(client, "/v1/audio/speech", '{"input": "Hello.", "voice": "A", "max_new_tokens": 2, "response_format": "wav"}')
+        assert spoken.status_code == 200
+    assert {path.name: path.read_bytes() for path in (service.voices.root / "A").iterdir()} == files
+    assert service.voices.references("A") is references  # the cache still holds the unchanged voice
+    assert hidden_folders(service) == []
+
+
+def test_a_voice_replaced_by_another_server_is_read_again(server, service):
+    from transformers_drama3.serving.voices import VoiceReference, VoiceStore
+
+    other = VoiceStore(service.voices.root, service.processor)  # a second server on the same folder
+    with httpx.Client(base_url=f"http://{server}") as client:
+        assert client.post("/v1/audio/voices", json=clip_body("shared", gain=1.0), headers=HEADERS, timeout=WAIT).status_code == 200
+    first = service.voices.references("shared")
+    other.delete("shared")
+    clip, transcript = shipped.reference_voice("A")
+    samples, rate = soundfile.read(clip, dtype="float32")
+    other.add("shared", [VoiceReference(samples, rate, transcript)])
+    again = service.voices.references("shared")
+    assert not torch.equal(first[0].audio, again[0].audio)
+    assert torch.equal(again[0].audio, other.references("shared")[0].audio)
+    other.delete("shared")
+
+
+def test_folders_left_by_interrupted_writes_are_swept_when_a_store_opens(service, tmp_path):
+    from transformers_drama3.serving.voices import VoiceStore
+
+    shutil.copytree(service.voices.root / "A", tmp_path / "kept")
+    (tmp_path / ".staging.upload.k3j2h1").mkdir()
+    (tmp_path / ".staging.upload.k3j2h1" / "reference_0.wav").write_bytes(b"\0" * 2**20)  # killed mid-upload
+    (tmp_path / ".trash.gone.a1b2c3" / "gone").mkdir(parents=True)  # killed mid-delete
+    (tmp_path / ".old.moved.x9y8z7").mkdir()
+    shutil.copytree(service.voices.root / "A", tmp_path / ".old.moved.x9y8z7" / "moved")  # killed mid-replace
+    store = VoiceStore(tmp_path, service.processor)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".locks", "kept", "moved"]
+    assert store.ids() == ["kept", "moved"]

@@ -63,7 +63,15 @@ from .protocol import (
     parse_text_message,
     parse_voice_upload,
 )
-from .voices import VoiceReference, VoiceStore, reference_file_voice, register_bundled_voices
+from .voices import (
+    DamagedVoice,
+    VoiceBusy,
+    VoiceExists,
+    VoiceReference,
+    VoiceStore,
+    reference_file_voice,
+    register_bundled_voices,
+)
 
 POLL_SECONDS = 0.25
 """How often a waiting handler looks for its client having gone."""
@@ -155,17 +163,27 @@ class SpeechService:
         if voice is not None:
             if voice not in self.voices:
                 raise ApiError(404, f"voice: no voice {voice!r}; registered: {self.voices.ids()}", "voice", "voice_not_found")
-            references += self.voices.references(voice)
+            references += self.stored_references(voice, "voice")
         for index, item in enumerate(params.references):
             if isinstance(item, tuple):
                 _, voice_id, speaker = item
-                references += [Reference(r.transcript, r.audio, speaker) for r in self.voices.references(voice_id)]
+                stored = self.stored_references(voice_id, f"references[{index}].audio")
+                references += [Reference(r.transcript, r.audio, speaker) for r in stored]
                 continue
             try:
                 references.append(self.voices.encode(item, f"references[{index}]"))
             except ValueError as error:
                 raise ApiError(400, str(error), f"references[{index}].audio") from None
         return references
+
+    def stored_references(self, voice_id: str, param: str):
+        """A stored voice's encoded references; ApiError 404 when it is gone, 500 when its folder is damaged."""
+        try:
+            return self.voices.references(voice_id)
+        except KeyError:
+            raise ApiError(404, f"{param}: no voice {voice_id!r}", param, "voice_not_found") from None
+        except DamagedVoice as error:
+            raise ApiError(500, f"{param}: {error}; delete it and create it again", param, "voice_damaged") from None
 
     def job(self, params: SpeechParams, timeout: float) -> SpeechJob:
         """Prompt rows, sampling settings and budget of a request (raises ApiError on bad input)."""
@@ -338,7 +356,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
     @app.get("/v1/audio/voices")
     async def list_voices():
         service = service_or_503()
-        return {"voices": [{"id": voice_id, "name": service.voices.describe(voice_id)["name"]} for voice_id in service.voices.ids()]}
+        return {"voices": await asyncio.to_thread(service.voices.listing)}
 
     @app.post("/v1/audio/voices")
     async def create_voice(request: Request):
@@ -351,15 +369,24 @@ def create_app(get_service, settings: ServerSettings | None = None):
         except ValueError as error:
             param = str(error).split(":")[0] if ":" in str(error) else None
             raise ApiError(400, str(error), param) from None
+        except VoiceExists as error:
+            raise ApiError(409, str(error), "id", "voice_exists") from None
+        except VoiceBusy as error:
+            raise ApiError(409, str(error), "id", "voice_busy") from None
+        except OSError as error:
+            raise ApiError(500, f"the voice {voice_id!r} could not be stored ({type(error).__name__}: {error}); "
+                                "nothing was changed", None, "voice_write_failed") from None
         return {"id": voice_id, "name": name}
 
     @app.delete("/v1/audio/voices/{voice_id}")
     async def delete_voice(voice_id: str):
         service = service_or_503()
         try:
-            service.voices.delete(voice_id)
+            await asyncio.to_thread(service.voices.delete, voice_id)
         except KeyError:
             raise ApiError(404, f"voice: no voice {voice_id!r}", "voice", "voice_not_found") from None
+        except VoiceBusy as error:
+            raise ApiError(409, str(error), "voice", "voice_busy") from None
         return {"id": voice_id, "deleted": True}
 
     @app.post("/v1/audio/speech")
