@@ -148,8 +148,10 @@ def top_k_filtered_probabilities(
     top, order = probabilities.topk(min(top_k, logits.shape[-1]), dim=-1, sorted=True)
     cumulative = top.cumsum(dim=-1)
     mass_before = cumulative - top if keep_crossing else cumulative
-    dropped = mass_before > top_p
-    dropped[..., 0] = False
+    # rank 0 is always kept; a comparison with the ranks, not `dropped[..., 0] = False`: writing a
+    # Python scalar traces into a CPU tensor constant, which keeps CUDA graphs from capturing a step
+    ranks = torch.arange(top.shape[-1], device=top.device)
+    dropped = (mass_before > top_p) & (ranks > 0)
     kept = top.masked_fill(dropped, 0.0)
     kept = kept / kept.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probabilities).scatter(-1, order, kept)
