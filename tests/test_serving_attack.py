@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -291,3 +292,25 @@ def test_folders_left_by_interrupted_writes_are_swept_when_a_store_opens(service
     store = VoiceStore(tmp_path, service.processor)
     assert sorted(path.name for path in tmp_path.iterdir()) == [".locks", "kept", "moved"]
     assert store.ids() == ["kept", "moved"]
+
+
+# ---- a client that leaves cancels its request, streamed or not ----------------------------------------
+
+LONG_TEXT = " ".join(["The river ran past the old mill, and the miller's children watched the boats go by."] * 6)
+
+
+def test_a_non_streamed_request_is_cancelled_soon_after_its_client_leaves(server, service):
+    cancelled = service.metrics.outcomes["cancelled"]
+    body = {"input": LONG_TEXT, "voice": "A", "max_new_tokens": 3000, "seed": 1, "response_format": "wav"}
+    with httpx.Client(base_url=f"http://{server}") as client:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            client.post("/v1/audio/speech", json=body, headers=HEADERS, timeout=httpx.Timeout(WAIT, read=1.5))
+    left = time.perf_counter()
+    while service.metrics.outcomes["cancelled"] == cancelled and time.perf_counter() - left < 8:
+        time.sleep(0.05)
+    assert service.metrics.outcomes["cancelled"] == cancelled + 1
+    assert time.perf_counter() - left < 3  # polled on a timer, not only when no frame arrived
+    deadline = time.perf_counter() + 5
+    while service.engine.running and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert service.engine.running == 0

@@ -294,6 +294,15 @@ async def _next_event(handle, request):
                 return None
 
 
+async def _cancel_when_gone(handle, request) -> None:
+    """Cancel the request once its client has gone. The body has been read, so the next ASGI message
+    is the disconnect: waiting for it notices a client that left at once, whether or not frames are
+    arriving (a running request yields one every step)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()
+
+
 def _failure(event: ErrorEvent) -> ApiError:
     if event.kind == "timeout":
         return ApiError(504, "the request ran past its time limit", None, "timeout")
@@ -410,14 +419,18 @@ def create_app(get_service, settings: ServerSettings | None = None):
         return StreamingResponse(body, media_type=media, headers=headers)
 
     async def _whole(service, handle, request, params, headers):
-        while True:
-            event = await _next_event(handle, request)
-            if event is None:
-                return Response(status_code=499)
-            if isinstance(event, ErrorEvent):
-                raise _failure(event)
-            if isinstance(event, DoneEvent):
-                break
+        watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))
+        try:
+            while True:
+                event = await _next_event(handle, request)
+                if event is None or (isinstance(event, ErrorEvent) and event.kind == "cancelled"):
+                    return Response(status_code=499)  # nobody is listening
+                if isinstance(event, ErrorEvent):
+                    raise _failure(event)
+                if isinstance(event, DoneEvent):
+                    break
+        finally:
+            watcher.cancel()
         waveform = await asyncio.to_thread(service.waveform, event.codes)
         _observe(service, handle, time.perf_counter() - handle.submitted, waveform.shape[0])
         data = await asyncio.to_thread(encode, waveform, service.processor.sampling_rate, params.response_format)
