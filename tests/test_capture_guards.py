@@ -1,0 +1,167 @@
+"""CPU guards for the CUDA-graph capture of the decode step (issue 45, point 6).
+
+`kernels.capture_check` compiles a function with a checking backend on the CPU; each guard is
+proven to fire on a small planted function, then the decode step of a tiny random model must pass
+every guard: one graph, no graph break, no tensor constant made inside the graph, no host sync, no
+input written in place without a static address. On a GPU any of these keeps torch from capturing
+the step (a CPU constant: "skipping cudagraphs due to cpu device (_tensor_constant0)")."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from generation_helpers import SEPARATOR, line_model, line_prompt, prompt, tiny_model
+from transformers_drama3.kernels import fused_step
+from transformers_drama3.kernels.capture_check import NotCapturable, capture_report, check_capturable
+
+# ---- each guard fires ----------------------------------------------------------------------------
+
+
+def planted_constant(x):
+    dropped = x > 0
+    dropped[..., 0] = False  # a Python scalar written into a tensor: traced as a CPU tensor constant
+    return x.masked_fill(dropped, 0.0)
+
+
+def planted_item(x):
+    return torch.full((2,), x.sum().item())  # the host reads a value off the device
+
+
+def planted_mask_shape(x):
+    return x[x > 0]  # the output's length is data: the host must read it
+
+
+def planted_break(x):
+    if x.sum() > 0:  # Python control flow on a tensor: dynamo cannot keep one graph
+        return x + 1
+    return x - 1
+
+
+def clean(x):
+    ranks = torch.arange(x.shape[-1], device=x.device)
+    dropped = (x > 0) & (ranks > 0)
+    return x.masked_fill(dropped, 0.0)
+
+
+def test_a_planted_cpu_constant_is_named_with_its_line():
+    report = capture_report(planted_constant, torch.randn(3, 5))
+    assert len(report.tensor_constants) == 1 and not report.graph_breaks and not report.host_syncs
+    assert "_tensor_constant0" in report.tensor_constants[0].what and "cpu" in report.tensor_constants[0].what
+    assert "dropped[..., 0] = False" in report.tensor_constants[0].where
+    with pytest.raises(NotCapturable, match=r"tensor constant created inside the graph: _tensor_constant0"):
+        check_capturable(planted_constant, torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("planted, op", [(planted_item, "aten._local_scalar_dense"), (planted_mask_shape, "aten.index")])
+def test_a_planted_host_sync_is_named_with_its_line(planted, op):
+    report = capture_report(planted, torch.randn(3, 5))
+    assert report.graphs == 1 and not report.graph_breaks and not report.tensor_constants
+    assert [finding.what.startswith(op) for finding in report.host_syncs] == [True]
+    assert planted.__name__ in report.host_syncs[0].where
+    with pytest.raises(NotCapturable, match=f"host sync: {op}"):
+        check_capturable(planted, torch.randn(3, 5))
+
+
+def test_a_planted_graph_break_is_named_with_its_line():
+    report = capture_report(planted_break, torch.randn(3, 5))
+    assert len(report.graph_breaks) >= 1 and report.graphs == 0
+    assert "if x.sum() > 0" in report.graph_breaks[0].where
+    with pytest.raises(NotCapturable, match="graph break"):
+        check_capturable(planted_break, torch.randn(3, 5))
+
+
+def test_an_input_written_in_place_must_keep_its_address():
+    def count(counter, x):
+        counter.add_(1)
+        return x * 2
+
+    counter = torch.zeros(())
+    report = capture_report(count, counter, torch.randn(3))
+    assert [finding.where.endswith("counter.add_(1)") for finding in report.mutated_inputs] == [True]
+    torch._dynamo.mark_static_address(counter)  # what the decode cache does for its tensors
+    assert capture_report(count, counter, torch.randn(3)).capturable
+
+
+def test_a_clean_function_passes_and_its_ops_are_counted():
+    report = check_capturable(clean, torch.randn(3, 5))
+    assert report.graphs == 1 and report.ops == sum(report.op_counts.values()) >= 4
+    assert report.op_counts["aten.arange.start_step"] + report.op_counts["aten.arange.default"] == 1
+
+
+@pytest.mark.parametrize("keep_crossing", [True, False])
+def test_the_capped_filtered_draw_makes_no_constant(keep_crossing):
+    """The constant torch found on the H200: `dropped[..., 0] = False` in the capped draw."""
+    logits = torch.randn(2, 40)
+    report = check_capturable(fused_step.top_k_filtered_probabilities, logits, 1.0, 8, 0.5, keep_crossing)
+    assert not report.tensor_constants
+
+
+# ---- the decode step passes every guard ----------------------------------------------------------
+
+CASES = [
+    pytest.param(dict(do_sample=False), None, False, id="greedy"),
+    pytest.param(dict(top_p=0.9), 3, False, id="seeded-top-p-ras"),
+    pytest.param(dict(top_k=8, top_p=0.9), 4, True, id="seeded-top-k-ras-separators"),
+]
+"""Settings (repetition-aware sampling is on by default), seed, line separators."""
+
+NEEDS_DECODING = pytest.mark.skipif(
+    importlib.util.find_spec("transformers_drama3.decoding") is None, reason="no decoding package in this tree"
+)
+
+
+def assert_capturable(report):
+    assert report.graphs == 1 and report.ops > 0
+    assert report.graph_breaks == [] and report.tensor_constants == [] and report.host_syncs == []
+    assert report.mutated_inputs == []
+
+
+@NEEDS_DECODING
+@pytest.mark.parametrize("settings, seed, separator", CASES)
+def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separator):
+    from transformers_drama3.decoding import step as decode_step
+    from transformers_drama3.decoding.loop import DecodeRun
+    from transformers_drama3.decoding.sampler import SamplingSettings
+    from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
+
+    model = line_model(seed=0) if separator else tiny_model(seed=0)
+    ids, codes = line_prompt(1) if separator else prompt(1)
+    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
+    request = _resolve_request(model, SamplingSettings(**settings), ids, mask, 20, 1.0, SEPARATOR if separator else None)
+    sampler = make_sampler(model, request, ids, mask, seed)
+    # a compile config marks the cache static and sizes it as a compiled run does; the backend is unused
+    run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    cache, state = run.cache, run.state
+    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, ids.device)
+    cache.open_window(cache.tower_part, 1)
+    assert_capturable(check_capturable(decode_step.draw, model, cache, sampler, state, noise, run.separator_id))
+    cache.open_window(cache.backbone_part, 1)
+    frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+    main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
+    assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers_drama3.static_decoding") is None,
+                    reason="the static step moved into the decoding package")
+@pytest.mark.parametrize("settings, seed, separator", CASES)
+def test_the_static_step_is_capturable(settings, seed, separator):
+    from transformers_drama3 import static_decoding
+    from transformers_drama3.generation_drama3 import SamplingSettings, _resolve_request, make_sampler, prefilled
+
+    model = line_model(seed=0) if separator else tiny_model(seed=0)
+    ids, codes = line_prompt(1) if separator else prompt(1)
+    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
+    separator_id = SEPARATOR if separator else None
+    request = _resolve_request(model, SamplingSettings(**settings), ids, mask, 20, 1.0, separator_id)
+    sampler = make_sampler(model, request, ids, mask, seed)
+    filled = prefilled(model, ids, codes, mask)
+    length = static_decoding.static_length(ids.shape[1] + 40)
+    cache = static_decoding.Drama3StaticCache.from_filled(filled.cache, length)
+    left = None if request.separators is None else request.separators.left
+    state = static_decoding.StaticDecodeState.opened(filled.hidden, filled.ids, filled.codes, mask, length,
+                                                     request.budgets, left)
+    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, ids.device)
+    assert_capturable(check_capturable(static_decoding.static_step, model, cache, sampler, state, noise, separator_id))
