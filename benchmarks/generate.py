@@ -36,16 +36,11 @@ from torch._inductor import metrics
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig
 
-from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration, static_decoding
-from transformers_drama3.generation_drama3 import (
-    Drama3Sampler,
-    SamplingSettings,
-    decode_steps,
-    prefilled,
-    prompt_window,
-    static_decode_steps,
-)
-from transformers_drama3.threads import available_cores, busy_cores_elsewhere, decode_threads, torch_threads
+from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+from transformers_drama3.decoding import step as decode_step
+from transformers_drama3.decoding.loop import DecodeRun
+from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, prompt_window
+from transformers_drama3.decoding.threads import available_cores, busy_cores_elsewhere, decode_threads, torch_threads
 
 CONFIGS = {
     # ~20M parameters: the tiny test model's shape, a little wider
@@ -133,12 +128,10 @@ COMPILED = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode
 
 
 def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path: str):
-    """The decode steps of one path: "eager" (the reference loop), "static" (fixed shapes, not
-    compiled) or "compiled" (the static step through `torch.compile`)."""
-    if path == "eager":
-        return decode_steps(model, input_ids, audio_codes, mask, sampler, budgets)
+    """The decode steps of one path: "eager" (the one step as it is) or "compiled" (the same step
+    through `torch.compile`, on a power-of-two capacity)."""
     compile_config = COMPILED if path == "compiled" else None
-    return static_decode_steps(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config)
+    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps()
 
 
 def run(model, batch: int, rows: int, frames: int, path: str = "eager") -> tuple[float, float]:
@@ -190,31 +183,29 @@ def ops_per_step(model, path: str = "eager") -> tuple[int, int]:
 
 
 def graph_of_one_step(model) -> tuple[int, int, int]:
-    """(graphs, graph breaks, ops in the graphs) of one static step, as `torch._dynamo.explain` sees it."""
+    """(graphs, graph breaks, ops in the graphs) of one step (`draw` + `feed`), as
+    `torch._dynamo.explain` sees them."""
     input_ids, audio_codes, mask = prompt_of(model, 1, 16)
     sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
-    state = prefilled(model, input_ids, audio_codes, mask)
-    length = static_decoding.static_length(32)
-    cache = static_decoding.Drama3StaticCache.from_filled(state.cache, length)
-    static = static_decoding.StaticDecodeState.opened(
-        state.hidden, state.ids, state.codes, mask, length, torch.full((1,), 8), None
-    )
+    run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8))
+    run.cache.mark_static()
+    for part in run.cache.parts:
+        run.cache.open_window(part, 1)
     noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, input_ids.device)
-    explained = torch._dynamo.explain(static_decoding.static_step)(model, cache, sampler, static, noise, None)
-    return explained.graph_count, explained.graph_break_count, explained.op_count
+    draw = torch._dynamo.explain(decode_step.draw)(model, run.cache, sampler, run.state, noise, None)
+    frames = torch.zeros(1, model.config.num_codebooks, dtype=torch.long)
+    feed = torch._dynamo.explain(decode_step.feed)(model, run.cache, run.state, torch.tensor([1]), frames)
+    return draw.graph_count + feed.graph_count, draw.graph_break_count + feed.graph_break_count, draw.op_count + feed.op_count
 
 
 def static_comparison(model, frames: int, rows: int, batches: list[int], compile_it: bool) -> None:
-    """The static step against the eager loop at the current thread count, per batch size."""
-    static_ops, _ = ops_per_step(model, "static")
+    """The step compiled against the same step eager, at the current thread count, per batch size."""
     graphs, breaks, graph_ops = graph_of_one_step(model)
-    print(f"  static step: {static_ops} ATen ops eager; torch._dynamo: {graphs} graph(s), {breaks} graph break(s), "
-          f"{graph_ops} ops in the graph")
+    print(f"  the step (draw + feed), torch._dynamo: {graphs} graph(s), {breaks} graph break(s), "
+          f"{graph_ops} ops in the graphs")
     for batch in batches:
         eager = run(model, batch, rows, frames, "eager")[1]
-        static = run(model, batch, rows, frames, "static")[1]
-        shown = (f"  batch {batch:>2}, ms per step: eager loop {eager * 1e3:.1f}, static step {static * 1e3:.1f} "
-                 f"({eager / static:.2f}x)")
+        shown = f"  batch {batch:>2}, ms per step: eager {eager * 1e3:.1f}"
         if compile_it:
             torch._dynamo.reset()
             metrics.reset()

@@ -26,7 +26,8 @@ import time
 import torch
 from transformers import AutoModel, AutoProcessor
 
-from transformers_drama3.generation_drama3 import AudioChunk, Drama3Cache
+from transformers_drama3.codec.take_streaming import AudioChunk
+from transformers_drama3.decoding.state import Drama3Cache
 from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted
 from transformers_drama3.prompting import Reference, StreamingScript
 from transformers_drama3.tiny.shipped import TINY_MODEL_PATH, reference_voice

@@ -6,7 +6,7 @@ import torch
 from generation_helpers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers_drama3.generation_drama3 import Drama3Cache
+from transformers_drama3.decoding.state import Drama3Cache
 from transformers_drama3.kernels.fused_step import filtered_probabilities, top_k_filtered_probabilities
 from transformers_drama3.modeling_drama3 import tower_attention_mask
 

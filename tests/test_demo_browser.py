@@ -14,7 +14,7 @@ import soundfile
 pytest.importorskip("gradio")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from transformers_drama3.generation_drama3 import expected_seconds_of_text  # noqa: E402
+from transformers_drama3.decoding.budget import expected_seconds_of_text  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (installed by .ci/run); never a browser download
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -5,7 +5,7 @@ import pytest
 import torch
 from generation_helpers import tiny_model
 
-from transformers_drama3.generation_drama3 import Drama3Sampler, SamplingSettings, race_noise
+from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, race_noise
 from transformers_drama3.kernels import fused_step
 
 pytest.importorskip("triton")

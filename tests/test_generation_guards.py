@@ -6,15 +6,7 @@ import pytest
 import torch
 
 from generation_helpers import EOS, SEMANTIC_START, left_pad, prompt, script_main_tokens, tiny_model
-from transformers_drama3.generation_drama3 import (
-    MAX_FRAMES,
-    SILENCE_RMS,
-    detect_anomalies,
-    expected_seconds_of_text,
-    expected_seconds_of_tokens,
-    frame_budgets,
-    target_text_tokens,
-)
+from transformers_drama3.decoding.budget import MAX_FRAMES, SILENCE_RMS, detect_anomalies, expected_seconds_of_text, expected_seconds_of_tokens, frame_budgets, target_text_tokens
 
 FRAME_RATE = 44100 / 2048
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generation_helpers import RecordingStreamer
-from transformers_drama3.generation_drama3 import decode_audio
+from transformers_drama3.codec.take_streaming import decode_audio
 from transformers_drama3 import long_form
 from transformers_drama3.long_form import generate_long_form
 

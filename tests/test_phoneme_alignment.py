@@ -5,10 +5,11 @@ alone and through the engine; `phoneme_alignment=False` gives the unconstrained 
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from generation_helpers import CODEBOOK_SIZE, NUM_CODEBOOKS, prompt, tiny_model
-from transformers_drama3.generation_drama3 import SamplingSettings
-from transformers_drama3.phoneme_alignment import AlignmentTracker, PhonemeAlignment, turn_token_ids
+from transformers_drama3.decoding.sampler import SamplingSettings
+from transformers_drama3.decoding.alignment import AlignmentTracker, PhonemeAlignment, turn_token_ids
 from transformers_drama3.serving.engine import Drama3Engine, SpeechJob
 
 SILENCE = 0
@@ -149,14 +150,18 @@ def test_a_batch_aligns_each_item_to_its_own_text_and_a_regeneration_starts_over
         replay(model, ids, alone.audio_codes[0, : int(alone.lengths[0])], alone.finish_reasons[0])
 
 
-def test_alignment_is_refused_with_the_static_cache():
+def test_alignment_runs_on_a_static_cache_eagerly_and_is_refused_with_a_compiled_step():
+    """Its state lives on the host: the eager step on a static capacity aligns as the default run
+    does; a compiled step is refused before any work."""
     ids, codes = prompt(seed=1, tail_rows=6)
     model = aligned_model(ids)
     with pytest.raises(ValueError, match="phoneme_alignment=False"):
-        model.generate(ids[None], codes[None], max_new_tokens=4, cache_implementation="static", disable_compile=True)
-    plain = model.generate(ids[None], codes[None], max_new_tokens=4, cache_implementation="static",
-                           disable_compile=True, phoneme_alignment=False)
-    assert plain.shape[1] > 0
+        model.generate(ids[None], codes[None], max_new_tokens=4, cache_implementation="static",
+                       compile_config=CompileConfig(fullgraph=True))
+    default = model.generate(ids[None], codes[None], max_new_tokens=12, seed=3)
+    static = model.generate(ids[None], codes[None], max_new_tokens=12, seed=3, cache_implementation="static",
+                            disable_compile=True)
+    assert default.shape[1] > 0 and torch.equal(default, static)
 
 
 def test_the_engine_aligns_a_request_as_generate_does():
@@ -231,7 +236,7 @@ def test_the_bundled_table_aligns_every_phoneme_of_the_evaluation_sentences(bund
     from pathlib import Path
 
     from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES
-    from transformers_drama3.phoneme_alignment import resolve_alignment
+    from transformers_drama3.decoding.alignment import resolve_alignment
     from transformers_drama3.prompting.phonemes import PUNCTUATION, phoneme_symbol
 
     model, processor = bundled_tiny

@@ -4,17 +4,7 @@ rank 0 always kept, and repetition-aware sampling (RAS)."""
 
 import torch
 
-from transformers_drama3.generation_drama3 import (
-    CODEBOOK_TOP_K,
-    EMPTY_WINDOW_SLOT,
-    RAS_WINDOW,
-    Drama3Sampler,
-    SamplingSettings,
-    exponential_race,
-    filtered_probabilities,
-    item_generators,
-    prompt_window,
-)
+from transformers_drama3.decoding.sampler import CODEBOOK_TOP_K, Drama3Sampler, EMPTY_WINDOW_SLOT, RAS_WINDOW, SamplingSettings, exponential_race, filtered_probabilities, item_generators, prompt_window
 
 PROBABILITIES = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBABILITIES.log()

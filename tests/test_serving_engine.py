@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generation_helpers import prompt, tiny_model
-from transformers_drama3.generation_drama3 import SamplingSettings
+from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.serving.engine import (
     DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, compact_batch, prefill_alone,
 )

@@ -66,7 +66,7 @@ def assert_same_take(first: bytes, second: bytes) -> None:
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(match.group(1))
 
@@ -235,7 +235,7 @@ def test_503_while_the_model_loads():
 
 def test_a_take_decodes_to_the_same_samples_whatever_thread_count_its_worker_thread_has(server):
     # the server decodes on whichever worker thread is free, and torch keeps a thread count per thread
-    from transformers_drama3.threads import torch_threads
+    from transformers_drama3.decoding.threads import torch_threads
 
     service = server[1]
     clip, _ = shipped.reference_voice("A")

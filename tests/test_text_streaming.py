@@ -15,7 +15,8 @@ from generation_helpers import tiny_speech_bundle
 from model_helpers import tiny_model
 from processor_helpers import random_codes
 from transformers_drama3 import Drama3Cache
-from transformers_drama3.generation_drama3 import SEED_STRIDE, AudioChunk, decode_audio
+from transformers_drama3.codec.take_streaming import AudioChunk, decode_audio
+from transformers_drama3.decoding.sampler import SEED_STRIDE
 from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from transformers_drama3.prompting import (
     Reference,

@@ -5,7 +5,7 @@ import torch
 from generation_helpers import prompt, tiny_model
 
 from drama3_cli import build_parser
-from transformers_drama3 import threads
+from transformers_drama3.decoding import threads
 from transformers_drama3.serving.engine import Drama3Engine
 
 MIB = 2**20
@@ -88,13 +88,13 @@ def test_torch_threads_sets_the_count_inside_and_restores_it_after():
 def decode_thread_counts(model, monkeypatch, **kwargs) -> set[int]:
     """The torch thread counts seen by each decode step of one generate() call."""
     seen = set()
-    decode_row = model.decode_row
+    speech_logits = model.speech_logits  # read once per decode step, by its draw
 
     def recording(*args, **inner):
         seen.add(torch.get_num_threads())
-        return decode_row(*args, **inner)
+        return speech_logits(*args, **inner)
 
-    monkeypatch.setattr(model, "decode_row", recording)
+    monkeypatch.setattr(model, "speech_logits", recording)
     input_ids, audio_codes = prompt(0)
     model.generate(input_ids[None], audio_codes[None], do_sample=False, max_new_tokens=3, **kwargs)
     return seen

@@ -157,7 +157,7 @@ def test_the_collator_carries_aligned_rows_and_the_guide_pulls_heads_onto_them(t
 
 def test_learned_pronunciations_find_the_codes_that_speak_a_token_and_drop_stray_ones(tmp_path):
     from recipes.drama3_tiny.code_alignment import alignment_config, learn_pronunciations, quiet_tokens
-    from transformers_drama3.phoneme_alignment import PhonemeAlignment
+    from transformers_drama3.decoding.alignment import PhonemeAlignment
 
     tokenizer, processor, phonemes = phoneme_setup(tmp_path)
     rows = PhonemeRows(tokenizer, phonemes)

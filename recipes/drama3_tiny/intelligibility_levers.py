@@ -45,7 +45,7 @@ from transformers_drama3.evaluation import asr
 from transformers_drama3.evaluation.espeak import ESPEAK_RATE, TINY_VOICES, speak
 from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES, resynthesize, speak_with_model
 from transformers_drama3.files import write_text_atomic
-from transformers_drama3.generation_drama3 import expected_seconds_of_text
+from transformers_drama3.decoding.budget import expected_seconds_of_text
 from transformers_drama3.tiny import shipped
 from .instruments import SCORING_RATE, prepare
 from .sentences import LENGTH_PROBES

@@ -29,7 +29,7 @@ from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3
 from .feature_extraction_drama3 import Drama3FeatureExtractor
 from .modeling_drama3 import Drama3Cache, Drama3ForRewardModeling, Drama3ForSpeechGeneration, Drama3Output
 from .processing_drama3 import Drama3Processor
-from .static_decoding import Drama3StaticCache
+from .decoding.state import DecodeCache
 
 __version__ = "0.1.0"
 
@@ -75,7 +75,7 @@ __all__ = [
     "Drama3ForRewardModeling",
     "Drama3ForSpeechGeneration",
     "Drama3Output",
-    "Drama3StaticCache",
+    "DecodeCache",
     "Drama3Processor",
     "Drama3TextConfig",
 ]

@@ -11,7 +11,6 @@ research code and runs from the source tree: `python -m recipes.drama3_tiny.eval
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -30,7 +29,8 @@ from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, chec
 from .files import atomic_output, check_output_path, same_file, write_text_atomic
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
-from .phoneme_alignment import resolve_alignment
+from .decoding.alignment import resolve_alignment
+from .decoding.sampler import check_sampling_values
 from .prompting import parse_text
 from .tiny import shipped
 
@@ -111,11 +111,19 @@ def run_say(args) -> int:
 _SAY_NUMBERS = (
     ("--max-chars", "max_chars", lambda v: v > 0, "a positive number of characters"),
     ("--max-frames", "max_frames", lambda v: v > 0, "a positive number of frames"),
-    ("--temperature", "temperature", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 is greedy)"),
-    ("--top-p", "top_p", lambda v: 0 < v <= 1, "a value in (0, 1]"),
     ("--regenerate", "regenerate", lambda v: v >= 0, "0 (off) or a positive number of attempts"),
 )
 
+
+
+def check_sampling_flags(args) -> None:
+    """`--temperature` / `--top-p` through the one check of sampling values (`generate()`'s, the
+    server's and the demo's), before anything is loaded; the message names the flag."""
+    for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p")):
+        try:
+            check_sampling_values({name: getattr(args, name, None)})
+        except ValueError as error:
+            raise CommandError(f"{flag}: {error}") from None
 
 
 def decoding_switches(args) -> dict:
@@ -137,6 +145,7 @@ def _check_say_arguments(args) -> dict:
         value = getattr(args, name)
         if value is not None and not valid(value):
             raise CommandError(f"{flag} {value}: expected {expected}")
+    check_sampling_flags(args)
     if len(args.text) > args.max_chars:
         raise CommandError(
             f"text: {len(args.text)} characters, over the --max-chars limit of {args.max_chars}; "
@@ -255,7 +264,7 @@ def run_serve(args) -> int:
     try:  # fastapi and uvicorn come with the optional [serve] extra: import them only here
         import uvicorn
 
-        from .serving.app import ServerSettings, create_app, serve_in_background
+        from .serving.app import ServerSettings, create_app, is_loopback, serve_in_background
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
@@ -274,8 +283,12 @@ def run_serve(args) -> int:
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
     )
-    app = create_app(get_service, ServerSettings(api_key=args.api_key, request_timeout=args.timeout))
+    settings = ServerSettings(api_key=args.api_key, open_listings=args.open_listings, request_timeout=args.timeout)
+    app = create_app(get_service, settings)
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"drama3 serve: warning: --host {args.host} serves every route, voice create and delete included, to "
+              "anyone who can reach it, without a key; set DRAMA3_API_KEY (or --api-key)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -350,10 +363,7 @@ def run_eval(args) -> int:
     sentences = _eval_sentences(args)
     references = _eval_references(args.voice)
     seeds = _eval_seeds(args)
-    for flag, value, valid in (("--temperature", args.temperature, lambda v: math.isfinite(v) and v >= 0),
-                               ("--top-p", args.top_p, lambda v: 0 < v <= 1)):
-        if value is not None and not valid(value):
-            raise CommandError(f"{flag} {value}: out of range")
+    check_sampling_flags(args)
     if args.json:
         try:
             check_output_path(args.json, "--json")

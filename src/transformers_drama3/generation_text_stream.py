@@ -15,8 +15,8 @@ exists.
 The prompt is never built again. The system turn (the references) is prefilled once, before the
 first piece is read; each turn then *extends* the cache with its rows (`model.extend`: the
 backbone's Gated DeltaNet and attention layers continue from their state, the tower is
-teacher-forced from the open row), and the take is drawn by the decode loop of `generate()`
-(`decode_from`). The rows the cache holds after turn k are those of `StreamingScript(chunks,
+teacher-forced from the open row), and the take is drawn by the decode step of `generate()`
+(`decoding.loop.DecodeRun`, continued turn by turn). The rows the cache holds after turn k are those of `StreamingScript(chunks,
 references, spoken=takes)`: greedy output equals generating each turn from those rows from
 scratch (the reference path), frame for frame, within float rounding of a chunked prefill.
 
@@ -37,28 +37,19 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from .generation_drama3 import (
+from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer
+from .decoding.budget import expected_seconds_of_tokens, frame_budgets, speak_span_tokens, text_tokens_per_second
+from .decoding.loop import DecodeRun, FrameStep
+from .decoding.sampler import (
     RAS_WINDOW,
     SEED_STRIDE,
-    AudioChunk,
-    ClickFilter,
-    DecodeState,
     Drama3Sampler,
-    FrameStep,
     SamplingSettings,
-    WaveformStreamer,
-    _split_kwargs,
-    check_codec_matches,
-    decode_from,
-    expected_seconds_of_tokens,
-    frame_budgets,
     item_generators,
-    prefilled,
     prompt_window,
     resolve_settings,
-    speak_span_tokens,
-    text_tokens_per_second,
 )
+from .generation_drama3 import _split_kwargs, check_codec_matches
 from .prompting import (
     CHUNK_BYTES,
     CHUNK_SPEAKERS,
@@ -203,7 +194,9 @@ def stream_text(
     device = model.device
     system = processor.rows(StreamingSystemTurn(references))
     ids = system.input_ids[None].to(device)
-    state = prefilled(model, ids, system.audio_codes[None].to(device), torch.ones_like(ids))
+    run = DecodeRun.prefilled(
+        model, ids, system.audio_codes[None].to(device), torch.ones_like(ids), None, torch.zeros(1, dtype=torch.long)
+    )
     recent = ids[:, -RAS_WINDOW:]  # the last main ids of the rows: the RAS window of the next turn
     stream = _Stream(TextStreamChunker(max_bytes, max_speakers), iter(text_pieces))
     streamer = WaveformStreamer(codec, 0.0)
@@ -221,9 +214,9 @@ def stream_text(
         script = StreamingScript([chunk.lines for chunk in chunks[: turn + 2]], references, strict_speakers=strict_speakers)
         rows = processor.rows(StreamingTurn(script, turn))
         if last_step is not None and not bool(last_step.eos[0]):
-            _feed_last_frame(model, state, last_step)
+            run.feed_last_frame(last_step)
         ids = rows.input_ids[None].to(device)
-        _extend(model, state, ids, rows.audio_codes[None].to(device))
+        run.extend(ids, rows.audio_codes[None].to(device))
         recent = _recent(recent, ids)
         look_ahead = render_lines(chunks[turn + 1].lines) if turn + 1 < len(chunks) else ""
         started = ChunkStarted(
@@ -237,7 +230,8 @@ def stream_text(
         )
         drawn = _Turn(int(frame_budgets(seconds, model.config.frame_rate, max_new_tokens)[0]))
         last_turn = stream.ended and turn + 1 == len(chunks)
-        yield from _speak_turn(model, state, sampler, streamer, stream, stop, last_turn, drawn)
+        run.next_turn(sampler, torch.tensor([drawn.budget]))
+        yield from _speak_turn(run, streamer, stream, stop, last_turn, drawn)
         last_step = drawn.last_step
         take = drawn.codes(model.config.num_codebooks, device)
         recent = _recent(recent, take[:, 0][None] + model.config.semantic_start_token_id)
@@ -272,11 +266,11 @@ class _Turn:
         return torch.stack(self.frames)
 
 
-def _speak_turn(model, state, sampler, streamer, stream, stop, last_turn: bool, drawn: _Turn) -> Iterator[AudioChunk]:
-    """Draw one turn's take from `state` (the decode loop of `generate()`) and yield its audio; the
-    turn's audio ends with it (the stream's last chunk after the last turn)."""
+def _speak_turn(run: DecodeRun, streamer, stream, stop, last_turn: bool, drawn: _Turn) -> Iterator[AudioChunk]:
+    """Draw one turn's take from the run's open row (the decode step of `generate()`) and yield its
+    audio; the turn's audio ends with it (the stream's last chunk after the last turn)."""
     clicks = ClickFilter()
-    for step in decode_from(model, state, sampler, torch.tensor([drawn.budget])):
+    for step in run.steps():
         _check_stop(stop)
         if bool(step.produced[0]):
             drawn.frames.append(step.frames[0])
@@ -297,23 +291,6 @@ def _check_stop(stop: Callable[[], bool] | None) -> None:
 def _recent(recent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The last `RAS_WINDOW` main ids of the rows so far, after `ids` [1, rows] are added."""
     return torch.cat((recent, ids.to(recent.device)), dim=1)[:, -RAS_WINDOW:]
-
-
-def _feed_last_frame(model, state: DecodeState, step) -> None:
-    """A take that used its budget ended without feeding its last frame (the decode loop stops
-    there, the tower has seen the row before it): feed it, so the cache holds the whole take and
-    ends with an open row again."""
-    main_ids, frames = step.main_ids[:, None], step.frames[:, None]
-    state.mask = torch.cat((state.mask, state.mask.new_ones(1, 1)), dim=1)
-    state.hidden = model.decode_row(main_ids, frames, state.mask, state.cache)
-    state.ids, state.codes = main_ids, frames
-
-
-def _extend(model, state: DecodeState, ids: torch.Tensor, codes: torch.Tensor) -> None:
-    """Append rows ids [1, new] / codes [1, new, num_codebooks] to the cache; the last becomes the open row."""
-    state.mask = torch.cat((state.mask, state.mask.new_ones(1, ids.shape[1])), dim=1)
-    hidden = model.extend(state.hidden, state.ids, state.codes, ids, codes, state.mask, state.cache)
-    state.hidden, state.ids, state.codes = hidden[:, -1:], ids[:, -1:], codes[:, -1:]
 
 
 class Drama3TextStreamingMixin:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .generation_drama3 import WaveformStreamer, check_codec_matches, decode_audio, generate, put_chunk
+from .codec.take_streaming import WaveformStreamer, decode_audio, put_chunk
+from .generation_drama3 import check_codec_matches, generate
 from .processing_drama3 import Drama3Processor
 from .prompting import Script, Take, long_text_history, parse_text, speaker_turns
 

@@ -34,7 +34,9 @@ from transformers.utils.generic import is_flash_attention_requested
 from .checkpoint_files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 # Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
-from .generation_drama3 import Drama3Cache, Drama3GenerationMixin, drama3_generation_config
+from .decoding.sampler import drama3_generation_config
+from .decoding.state import Drama3Cache
+from .generation_drama3 import Drama3GenerationMixin
 from .generation_text_stream import Drama3TextStreamingMixin
 from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 # The label of an unsupervised row: defined once, by the rows that carry it.

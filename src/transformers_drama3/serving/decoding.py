@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import torch
 
-from ..generation_drama3 import (  # noqa: F401  (re-exported for the engine)
+from ..codec.take_streaming import ClickFilter, decode_audio  # noqa: F401  (re-exported for the engine)
+from ..decoding.alignment import AlignmentTracker, draw_within, resolve_alignment, turn_token_ids  # noqa: F401
+from ..decoding.budget import (  # noqa: F401  (re-exported for the engine)
     BUDGET_FACTOR,
-    ClickFilter,
-    Drama3Sampler,
-    FrameStep,
-    SamplingSettings,
-    decode_audio,
     detect_anomalies,
     expected_seconds_of_tokens,
     frame_budgets,
-    item_generators,
     overlong_factor,
-    prepare_prompt,
-    prompt_window,
-    resolve_settings,
     target_text_tokens,
     text_tokens_per_second,
 )
-
-from ..generation_drama3 import Drama3Cache  # noqa: F401  (re-exported for the engine)
-from ..phoneme_alignment import AlignmentTracker, draw_within, resolve_alignment, turn_token_ids  # noqa: F401
+from ..decoding.loop import FrameStep  # noqa: F401
+from ..decoding.sampler import (  # noqa: F401  (re-exported for the engine)
+    Drama3Sampler,
+    SamplingSettings,
+    item_generators,
+    prompt_window,
+    resolve_settings,
+)
+from ..decoding.state import Drama3Cache  # noqa: F401  (re-exported for the engine)
+from ..generation_drama3 import prepare_prompt  # noqa: F401
 from ..modeling_drama3 import positions_from_mask
 
 

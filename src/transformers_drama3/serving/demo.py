@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from ..files import atomic_output
-from ..generation_drama3 import AudioChunk, WaveformStreamer
+from ..codec.take_streaming import AudioChunk, WaveformStreamer
+from ..decoding.sampler import check_sampling_values
 from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..loading import resolve_device
 from ..long_form import resolve_scene_mode
@@ -455,8 +456,12 @@ class Director:
         for name, value in numbers.items():
             if value is not None and (not np.isfinite(value) or value < 0):
                 raise bad_input(f"{name}: {value!r}; expected a number of 0 or more")
-        if top_p is not None and top_p > 1:
-            raise bad_input(f"Top-p: {top_p!r}; expected a value in (0, 1]")
+        labels = {"temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k"}
+        for name, value in (("temperature", temperature), ("top_p", top_p or None), ("top_k", int(top_k) if top_k else None)):
+            try:  # the one check of sampling values, as generate() and the server apply it
+                check_sampling_values({name: value})
+            except ValueError as error:
+                raise bad_input(f"{labels[name]}: {error}") from None
         if max_frames is not None and max_frames > self.limits.max_new_tokens:
             raise bad_input(f"Max frames: {max_frames!r}; at most {self.limits.max_new_tokens}")
         sampling = {"temperature": temperature or None, "top_p": top_p or None, "top_k": int(top_k) if top_k else None}

@@ -50,7 +50,7 @@ from .decoding import (
     text_tokens_per_second,
     turn_token_ids,
 )
-from ..threads import check_threads, resolve_threads
+from ..decoding.threads import check_threads, resolve_threads
 from .slot_pool import SlotPool
 from .slots import SlotBatch
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..generation_drama3 import SEED_STRIDE
+from ..decoding.sampler import SEED_STRIDE
 from ..prompting import Infill, Line, LineByLineScript, PromptRows, Reference, Script, StreamingScript, Take
 
 DEFAULT_SEAM_FRAMES = 4

@@ -28,7 +28,7 @@ import torch
 
 from ..feature_extraction_drama3 import is_inaudible, read_audio
 from ..files import write_text_atomic
-from ..generation_drama3 import MIN_SPEECH_FRACTION, speech_shortfall
+from ..decoding.budget import MIN_SPEECH_FRACTION, speech_shortfall
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 TEXT_COLUMNS = ("text", "transcript", "transcription", "sentence")

@@ -19,18 +19,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..generation_drama3 import (
-    BUDGET_FACTOR,
-    MAX_FRAMES,
-    SEED_STRIDE,
-    Drama3Sampler,
-    SamplingSettings,
-    TakeCollector,
-    decode_steps,
-    frame_budgets,
-    item_generators,
-    prompt_window,
-)
+from ..decoding.budget import BUDGET_FACTOR, MAX_FRAMES, frame_budgets
+from ..decoding.loop import DecodeRun, TakeCollector
+from ..decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_generators, prompt_window
 from ..modeling_drama3 import positions_from_mask
 
 ROLLOUT_SETTINGS = SamplingSettings(do_sample=True, temperature=1.0, top_p=1.0, top_k=None, repetition_aware=False)
@@ -100,7 +91,7 @@ def rollout(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, group_siz
         item_generators(seed, group_size, ids.device),
     )
     collector = TakeCollector(group_size)
-    for step in decode_steps(model, ids, codes, mask, sampler, budgets):
+    for step in DecodeRun.prefilled(model, ids, codes, mask, sampler, budgets).steps():
         collector.add(step)
     # The policy's tokens are kept as drawn: no click frame is dropped before eos.
     frames = [take.cpu() for take in collector.takes(model.config.num_codebooks)]

@@ -1,0 +1,309 @@
+"""The frame loop: one decode run over the one step, yielding a `FrameStep` per step.
+
+    run = DecodeRun.prefilled(model, input_ids, audio_codes, attention_mask, sampler, budgets)
+    for step in run.steps():      # FrameStep: main ids, frames, who spoke, who ended
+        ...
+
+A run sets its `DecodeCache` up once, the prefill writes the prompt into it, and every step is
+`step.draw` then `step.feed` (the next row is fed only while some item still speaks, so the run
+leaves its cache holding what was drawn, the open row last). `compile_config` (a transformers
+`CompileConfig`) only decides whether the two are wrapped by `torch.compile`: eager and compiled
+runs execute the same functions, on the same cache, with the same random numbers. The text stream
+continues a run turn by turn (`extend`, `feed_last_frame`, `next_turn`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import CompileConfig
+
+from . import step as decode_step
+from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
+
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
+"""The `cache_implementation` values a call may name: both decode on the one `DecodeCache`;
+"static" means one fixed capacity and, by default on CUDA, a compiled step."""
+
+
+def check_cache_implementation(name: str | None) -> None:
+    if name is not None and name not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation={name!r}; Drama 3 decodes with one of {list(CACHE_IMPLEMENTATIONS)} "
+            f"(None: dynamic)"
+        )
+
+
+@dataclass
+class FrameStep:
+    """What one decode step produced for the batch.
+
+    main_ids: [batch] the drawn main token (a `<|semantic:c0|>`, eos, or `<|audio_separator|>`);
+    frames: [batch, num_codebooks] (zeros where no frame was made);
+    produced: [batch] the item was still speaking and this is one of its frames;
+    ended: [batch] the item ended at this step (eos, or its budget is used up);
+    eos: [batch] the item ended with eos;
+    boundary: [batch] the item drew `<|audio_separator|>`: its current line ended and the next
+    begins (no frame).
+    """
+
+    step: int
+    main_ids: torch.Tensor
+    frames: torch.Tensor
+    produced: torch.Tensor
+    ended: torch.Tensor
+    eos: torch.Tensor
+    boundary: torch.Tensor | None = None
+
+
+@dataclass
+class LineSeparators:
+    """Where the backbone may draw `<|audio_separator|>` (line-by-line layouts).
+
+    token_id: the id of `<|audio_separator|>`; left: [batch] how many more separators each item
+    may draw (the line boundaries its prompt has not spoken yet; 0: the token stays masked).
+    """
+
+    token_id: int
+    left: torch.Tensor
+
+
+class TakeCollector:
+    """Gathers the frames and line boundaries of every item; `finish()` drops click frames."""
+
+    def __init__(self, batch: int):
+        self.frames: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.finish_reasons = [""] * batch
+        self.line_boundaries: list[list[int]] = [[] for _ in range(batch)]
+        self.last_was_frame = [False] * batch
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(frames) for frames in self.frames]
+
+    def add(self, step: FrameStep) -> None:
+        for item in step.produced.nonzero().flatten().tolist():
+            self.frames[item].append(step.frames[item])
+            self.last_was_frame[item] = True
+        if step.boundary is not None:
+            for item in step.boundary.nonzero().flatten().tolist():
+                self.line_boundaries[item].append(len(self.frames[item]))
+                self.last_was_frame[item] = False
+        for item in step.ended.nonzero().flatten().tolist():
+            self.finish_reasons[item] = "eos" if bool(step.eos[item]) else "length"
+
+    def takes(self, num_codebooks: int) -> list[torch.Tensor]:
+        """Every item's frames as drawn, click frames included: per item [frames, num_codebooks]."""
+        return [
+            torch.stack(frames) if frames else torch.zeros(0, num_codebooks, dtype=torch.long)
+            for frames in self.frames
+        ]
+
+    def finish(self, num_codebooks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """codes [batch, frames, num_codebooks] (0 after each item's length), lengths [batch], and
+        which items lost a `<|semantic:0|>` frame right before eos (not before a line boundary)."""
+        clicks = [
+            reason == "eos" and last and bool(frames) and int(frames[-1][0]) == 0
+            for reason, last, frames in zip(self.finish_reasons, self.last_was_frame, self.frames)
+        ]
+        kept = [frames[:-1] if click else frames for frames, click in zip(self.frames, clicks)]
+        lengths = torch.tensor([len(frames) for frames in kept], dtype=torch.long, device=device)
+        codes = torch.zeros(len(kept), max(lengths.tolist(), default=0), num_codebooks, dtype=torch.long, device=device)
+        for item, frames in enumerate(kept):
+            if frames:
+                codes[item, : len(frames)] = torch.stack(frames).to(device)
+        return codes, lengths, clicks
+
+
+# ----------------------------------------------------------------------------- a decode run
+
+
+class DecodeRun:
+    """One decode run: the model, its sampler, its `DecodeCache` and its `DecodeState`.
+
+    separator_id: the id of `<|audio_separator|>` when some item may draw it (the state's
+    `separators_left` says how many), else None. compile_config: None runs the step eagerly; a
+    `CompileConfig` compiles `draw` and `feed` (a run with phoneme alignment is refused: the
+    alignment's state lives on the host)."""
+
+    def __init__(self, model, sampler, cache: DecodeCache, state: DecodeState, separator_id: int | None = None,
+                 compile_config: CompileConfig | None = None):
+        if compile_config is not None and state.alignment is not None:
+            raise ValueError("phoneme_alignment runs eagerly: pass phoneme_alignment=False to compile the decode step")
+        self.model, self.sampler, self.cache, self.state = model, sampler, cache, state
+        self.separator_id = separator_id
+        self.compiled = compile_config is not None
+        self._draw, self._feed = compiled_functions(compile_config)
+        if self.compiled:
+            cache.mark_static()
+
+    @classmethod
+    def prefilled(cls, model, input_ids, audio_codes, attention_mask, sampler, budgets, separators: LineSeparators | None = None,
+                  alignment=None, compile_config: CompileConfig | None = None) -> DecodeRun:
+        """Set a cache up for a prompt (input_ids [batch, rows], audio_codes [batch, rows,
+        num_codebooks], attention_mask [batch, rows], left padding) and `budgets` [batch] frames,
+        and prefill the prompt into it. The cache holds every row the run may feed: the prompt,
+        one per frame and line boundary, and the last row fed (a compiled run rounds up to its
+        length class)."""
+        batch, rows = input_ids.shape
+        device = input_ids.device
+        budgets = budgets.to(device)
+        left = torch.zeros(batch, dtype=torch.long, device=device) if separators is None else separators.left.to(device).clone()
+        most = rows + int((budgets + left.clamp(min=0)).max()) + 1
+        capacity = most if compile_config is None else compiled_capacity(most)
+        cache = DecodeCache(model, capacity, device)
+        state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)
+        run = cls(model, sampler, cache, state, None if separators is None else separators.token_id, None)
+        run.extend(input_ids, audio_codes, attention_mask)
+        if compile_config is not None:
+            run = cls(model, sampler, run.cache, run.state, run.separator_id, compile_config)
+        return run
+
+    def extend(self, input_ids: torch.Tensor, audio_codes: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Write rows input_ids [batch, new] / audio_codes [batch, new, num_codebooks] (mask
+        [batch, new], default all real) into the cache: the prefill when the cache is empty, else
+        after the open row (the backbone continues from its states, the tower is teacher-forced
+        from the open row). The last new row becomes the open row."""
+        model, cache, state = self.model, self.cache, self.state
+        rows = input_ids.shape[1]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        backbone, tower = cache.parts
+        filled = backbone.filled
+        self._reserve(rows)
+        key_mask = self.state.key_mask.clone()
+        key_mask[:, filled : filled + rows] = attention_mask.bool()
+        mask = key_mask[:, : filled + rows].long()
+        tower_rows = rows - 1 if filled == 0 else rows
+        compiled = cache.compiled
+        cache.compiled = False  # rows written from the host read only the filled columns
+        cache.open_window(backbone, rows)
+        cache.open_window(tower, tower_rows)
+        if filled == 0:
+            hidden = model.prefill(input_ids, audio_codes, mask, cache)
+        else:
+            hidden = model.extend(self.state.hidden, state.ids, state.codes, input_ids, audio_codes, mask, cache)
+        cache.compiled = compiled
+        for part, written in ((backbone, rows), (tower, tower_rows)):
+            part.next_column.add_(written)
+            cache.advance(part, written)
+        position = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+        self.state = replace(
+            self.state, hidden=hidden[:, -1:], ids=input_ids[:, -1:], codes=audio_codes[:, -1:], key_mask=key_mask,
+            position=position,
+        )
+
+    def feed_last_frame(self, step: FrameStep) -> None:
+        """A take that used its budget ended without its last frame fed (the loop feeds a row only
+        while an item speaks): feed it, so the cache holds the whole take and ends with an open row."""
+        self._reserve(1)
+        self.cache.open_window(self.cache.backbone_part, 1)
+        self.state = decode_step.feed(self.model, self.cache, self.state, step.main_ids, step.frames)
+        self.cache.advance(self.cache.backbone_part, 1)
+
+    def next_turn(self, sampler, budgets: torch.Tensor) -> None:
+        """Start drawing a new take from the open row, with `sampler` and `budgets` [batch]."""
+        self.sampler = sampler
+        device = self.state.key_mask.device
+        self.state = replace(
+            self.state, active=torch.ones_like(self.state.active), produced=torch.zeros_like(self.state.produced),
+            budgets=budgets.to(device), separators_left=torch.zeros_like(self.state.separators_left),
+        )
+
+    def steps(self) -> Iterator[FrameStep]:
+        """One `FrameStep` per step until every item has ended."""
+        model, cache, sampler = self.model, self.cache, self.sampler
+        batch, device = self.state.batch, self.state.key_mask.device
+        candidates, num_codebooks = sampler.candidate_ids.shape[0], model.config.num_codebooks
+        backbone, tower = cache.parts
+        if not self.compiled:
+            self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
+        index = 0
+        while True:
+            cache.open_window(tower, 1)
+            noise = sampler.step_noise(batch, candidates, num_codebooks, device)
+            self._mark_step()
+            output, self.state = self._owned(self._draw(model, cache, sampler, self.state, noise, self.separator_id))
+            cache.advance(tower, 1)
+            sampler.rewind(noise, output.speaking, output.boundary)
+            yield FrameStep(index, output.main_ids, output.frames, output.speaking, output.ended, output.eos, output.boundary)
+            if not bool(self.state.active.any()):
+                if not bool((output.speaking | output.boundary).any()):
+                    # every item drew eos: no frame follows the open row, so the tower's take of it
+                    # is not kept (a run continued by `extend` teacher-forces it with its next row)
+                    tower.next_column.sub_(1)
+                    tower.filled -= 1
+                return
+            cache.open_window(backbone, 1)
+            self._mark_step()
+            self.state = self._owned(self._feed(model, cache, self.state, output.main_ids, output.frames))
+            cache.advance(backbone, 1)
+            index += 1
+
+    def _reserve(self, rows: int) -> None:
+        self.cache.reserve(rows)
+        missing = self.cache.capacity - self.state.key_mask.shape[1]
+        if missing > 0:
+            self.state = replace(self.state, key_mask=torch.nn.functional.pad(self.state.key_mask, (0, missing)))
+
+    def _mark_step(self) -> None:
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def _owned(self, value):
+        """A compiled function's outputs, copied out of CUDA-graph memory (the next replay reuses
+        it) together with the sampler's RAS window and counters that the draw replaced."""
+        if not self.compiled:
+            return value
+        self.sampler.window = self.sampler.window.clone()
+        self.sampler.ras_replacements = self.sampler.ras_replacements.clone()
+        return _cloned(value)
+
+
+def _cloned(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_cloned(item) for item in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return replace(value, **{name: _cloned(getattr(value, name)) for name in value.__dataclass_fields__
+                                 if torch.is_tensor(getattr(value, name))})
+    return value
+
+
+# ----------------------------------------------------------------------------- compiling the step
+
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def compile_options(config: CompileConfig) -> dict:
+    """`torch.compile` keyword arguments of a transformers `CompileConfig`."""
+    options = {
+        "fullgraph": config.fullgraph,
+        "dynamic": config.dynamic,
+        "backend": config.backend,
+        "mode": config.mode,
+        "options": config.options,
+    }
+    if options["mode"] is not None and options["options"] is not None:
+        options.pop("mode")  # torch.compile takes one of the two
+    return options
+
+
+def default_compile_config() -> CompileConfig:
+    """One graph per function (`fullgraph=True`, no dynamic shapes); CUDA graphs on a GPU."""
+    return CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="reduce-overhead")
+
+
+def compiled_functions(config: CompileConfig | None) -> tuple:
+    """(`draw`, `feed`), compiled with `config` (None: as they are), built once per set of
+    options; torch recompiles them for a new model, batch size or capacity class."""
+    if config is None:
+        return decode_step.draw, decode_step.feed
+    options = compile_options(config)
+    key = tuple(sorted((name, repr(value)) for name, value in options.items()))
+    if key not in _COMPILED:
+        _COMPILED[key] = (torch.compile(decode_step.draw, **options), torch.compile(decode_step.feed, **options))
+    return _COMPILED[key]

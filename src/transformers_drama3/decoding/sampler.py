@@ -1,0 +1,385 @@
+"""Sampling: settings and presets, the one validator of sampling values, the sampler and its random numbers.
+
+The sampler follows the published serving code (spec §5): temperature before top-p; the main token
+has no top-k by default and keeps the token that crosses top-p (so eos stays reachable); the
+codebook heads cap top-k at 30 and drop the crossing token; rank 0 is always kept. RAS: when the
+first draw is a semantic token that repeats one of the last 16 main tokens (prompt rows
+included), a second draw at temperature 1.0 / top-p 0.95 / top-k 30 replaces it. Both draws
+always run, so the random stream of a request does not depend on its RAS window.
+
+Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so an item draws the
+same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
+E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set. The decode step
+takes each step's numbers drawn ahead (`Drama3Sampler.step_noise`), in the order it consumes them.
+
+`check_sampling_values` is the one check of sampling values: `generate()`, the CLI, the HTTP
+protocol and the demo all call it, so the same values are refused everywhere with the same words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import GenerationConfig
+
+from ..kernels import fused_step
+# The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
+from ..kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities  # noqa: F401
+from .budget import MAX_FRAMES
+
+# ----------------------------------------------------------------------------- published constants
+
+RAS_WINDOW = 16
+"""Main tokens (prompt rows included) a semantic draw is compared with."""
+RAS_TEMPERATURE = 1.0
+RAS_TOP_P = 0.95
+RAS_TOP_K = 30
+CODEBOOK_TOP_K = 30
+"""The codebook heads never keep more than this many candidates."""
+EMPTY_WINDOW_SLOT = -1
+"""Fills the RAS window where a row is padding; equals no token id."""
+
+# ----------------------------------------------------------------------------- sampling settings
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How frames are drawn.
+
+    Args:
+        do_sample: False draws every token by argmax (no RAS).
+        temperature: divides the logits before top-p, for the main token and the codebook heads.
+        top_p: nucleus mass for the main token and the codebook heads (1.0: off).
+        top_k: candidates kept for the main token (None: all); the codebook heads keep
+            `min(top_k, 30)`.
+        repetition_aware: apply RAS to the main token. A generation config may set it
+            (`repetition_aware: false`): a model whose main tokens repeat by design, such as
+            drama3-tiny's phonetic codes (one phoneme spans several frames), turns RAS off there.
+    """
+
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 0.9
+    top_k: int | None = None
+    repetition_aware: bool = True
+
+    @property
+    def codebook_top_k(self) -> int:
+        return CODEBOOK_TOP_K if self.top_k is None else min(self.top_k, CODEBOOK_TOP_K)
+
+
+SERVING_DEFAULTS = SamplingSettings()
+"""The published serving defaults: temperature 1.0, top-p 0.9, main token uncapped."""
+PAPER_EVALUATION = SamplingSettings(temperature=0.7, top_p=0.7, top_k=30)
+"""The paper's evaluation setting (temperature 0.7, top-p 0.7, top-k 30). Capping the main token
+at 30 candidates makes takes without a reference go silent more often (spec §5)."""
+PRESETS = {"serving": SERVING_DEFAULTS, "paper-eval": PAPER_EVALUATION}
+
+
+def drama3_generation_config(config, **overrides) -> GenerationConfig:
+    """A `GenerationConfig` holding the published serving defaults for a model with `config`.
+
+    `max_new_tokens` is the hard cap of 4096 frames; each request is further capped by its own
+    budget (see `frame_budgets`)."""
+    values = dict(
+        do_sample=SERVING_DEFAULTS.do_sample,
+        temperature=SERVING_DEFAULTS.temperature,
+        top_p=SERVING_DEFAULTS.top_p,
+        max_new_tokens=MAX_FRAMES,
+        eos_token_id=config.eos_token_id,
+    )
+    values.update(overrides)
+    return GenerationConfig(**values)
+
+
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "repetition_aware")
+
+
+def resolve_settings(
+    model_config: GenerationConfig | None,
+    preset: str | SamplingSettings | None,
+    generation_config: GenerationConfig | None,
+    overrides: dict,
+) -> tuple[SamplingSettings, int | None, bool]:
+    """Sampling settings, max_new_tokens and return_dict_in_generate of one call.
+
+    Later sources win: the serving defaults, the model's generation config, the preset, the
+    `generation_config` argument, then keyword arguments. Unset (None) values never override.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"preset={preset!r}; expected one of {sorted(PRESETS)}")
+        preset = PRESETS[preset]
+    settings = SERVING_DEFAULTS
+    values: dict = {}
+    sources = [model_config, preset, generation_config, overrides]
+    for source in sources:
+        if source is None:
+            continue
+        if isinstance(source, SamplingSettings):
+            settings = source  # the preset's sampling settings replace those read so far
+            values = {key: value for key, value in values.items() if key not in _SAMPLING_KEYS}
+            continue
+        items = source if isinstance(source, dict) else source.to_dict()
+        values.update({key: value for key, value in items.items() if value is not None})
+    changes = {key: values[key] for key in _SAMPLING_KEYS if key in values}
+    check_sampling_values({**changes, "max_new_tokens": values.get("max_new_tokens")})
+    if "top_k" in changes and changes["top_k"] == 0:
+        changes["top_k"] = None
+    settings = replace(settings, **changes)
+    if settings.do_sample and settings.temperature <= 0:
+        settings = replace(settings, do_sample=False)
+    return settings, values.get("max_new_tokens"), bool(values.get("return_dict_in_generate", False))
+
+
+MAX_TEMPERATURE = 10.0
+"""The highest temperature any entry point takes (past it every draw is near uniform noise)."""
+MAX_TOP_K = 1_000_000
+"""The highest top-k any entry point takes (beyond any vocabulary; 0 or None: no top-k)."""
+
+
+def check_sampling_values(values: dict) -> None:
+    """Refuse sampling values that would sample something else than asked (NaN, a top-p of 0) or
+    generate anyway (a frame cap of 0). Reads `temperature`, `top_p`, `top_k`, `max_new_tokens`,
+    `repetition_aware` and `do_sample` where present and not None; raises ValueError naming the
+    field. Temperature 0 means greedy; top_k 0 means no top-k."""
+
+    def number(name) -> bool:
+        value = values.get(name)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name in ("repetition_aware", "do_sample"):
+        flag = values.get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r}; expected True or False")
+    if values.get("temperature") is not None and not (number("temperature") and 0 <= values["temperature"] <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature={values['temperature']!r}; expected a finite number in [0, {MAX_TEMPERATURE:g}] (0 is greedy)")
+    if values.get("top_p") is not None and not (number("top_p") and 0 < values["top_p"] <= 1):
+        raise ValueError(f"top_p={values['top_p']!r}; expected a value in (0, 1]")
+    top_k = values.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K):
+        raise ValueError(f"top_k={top_k!r}; expected an integer in [0, {MAX_TOP_K}] (0: no top-k)")
+    frames = values.get("max_new_tokens")
+    if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or not 0 < frames):
+        raise ValueError(f"max_new_tokens={frames!r}; expected a positive number of frames")
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def exponential_race(
+    probabilities: torch.Tensor,
+    generators: Sequence[torch.Generator] | None,
+    widths: torch.Tensor | None = None,
+    drawing: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One index per row of `probabilities` `[batch, V]`, row b drawn with `generators[b]`
+    (the global generator when None).
+
+    With generators, row b draws only `widths[b]` numbers (default V; the candidates after them
+    must have probability 0), and nothing at all where `drawing[b]` is False (its index is then
+    meaningless). So what an item draws never depends on what else is in the batch."""
+    return race(probabilities, race_noise(probabilities, generators, widths, drawing))
+
+
+def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`argmax p_i / E_i` over the last dimension: the draw of an exponential race over `noise`."""
+    return (probabilities / noise).argmax(dim=-1)
+
+
+def race_noise(
+    probabilities: torch.Tensor,
+    generators: Sequence[torch.Generator] | None,
+    widths: torch.Tensor | None = None,
+    drawing: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Exp(1) numbers `exponential_race` divides by, `[batch, V]` like `probabilities` (`inf`
+    past an item's width, 1 where it does not draw)."""
+    if generators is None:
+        return torch.empty_like(probabilities).exponential_()
+    size = probabilities.shape[-1]
+    device = probabilities.device
+    rows = []
+    for item, generator in enumerate(generators):
+        if drawing is not None and not bool(drawing[item]):
+            rows.append(torch.ones(size, device=device))
+            continue
+        width = size if widths is None else int(widths[item])
+        row = torch.empty(width, device=device).exponential_(generator=generator)
+        rows.append(torch.cat((row, torch.full((size - width,), float("inf"), device=device))))
+    return torch.stack(rows)
+
+
+@dataclass
+class StepNoise:
+    """The numbers of one decode step, drawn ahead: main / ras `[batch, candidates]` (ras None
+    without RAS), codebooks `[batch, num_codebooks - 1, codebook_size]`, and `marks`: each
+    generator's state after the main draws (`Drama3Sampler.rewind` returns to it)."""
+
+    main: torch.Tensor
+    ras: torch.Tensor | None
+    codebooks: torch.Tensor
+    marks: list[torch.Tensor]
+
+
+class Drama3Sampler:
+    """Draws the main token and the codebook codes of each frame, and keeps the RAS window.
+
+    Args:
+        settings: the sampling settings.
+        candidate_ids: token ids of the restricted main logits: the semantic band, eos, then
+            optionally `<|audio_separator|>`.
+        window: `[batch, RAS_WINDOW]` the last main tokens of each prompt (`EMPTY_WINDOW_SLOT` where
+            padding), oldest first.
+        generators: one per item, or None for torch's global generator.
+        codebook_size: size of the semantic band (default: all candidates but the last).
+        main_widths: `[batch]` candidates item b may ever draw (default: all); an item that may not
+            emit the separator draws as if it were not a candidate.
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        candidate_ids: torch.Tensor,
+        window: torch.Tensor,
+        generators: Sequence[torch.Generator] | None = None,
+        codebook_size: int | None = None,
+        main_widths: torch.Tensor | None = None,
+    ):
+        self.settings = settings
+        self.candidate_ids = candidate_ids
+        self.codebook_size = candidate_ids.shape[0] - 1 if codebook_size is None else codebook_size
+        self.window = window
+        self.generators = generators
+        self.main_widths = main_widths
+        self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
+
+    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None):
+        # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
+        if top_k is None:
+            probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        else:
+            probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
+        if noise is not None:
+            return race(probabilities, noise)
+        return exponential_race(probabilities, self.generators, widths, drawing)
+
+    def main_token(
+        self, logits: torch.Tensor, noise: StepNoise | None = None, active: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Restricted main logits `[batch, 1, candidates]` -> main token ids `[batch, 1]`.
+
+        `noise`: the step's numbers drawn ahead (`step_noise`) instead of drawing them now;
+        `active` [batch]: the items still speaking (default: all); only their RAS replacements count
+        (an item that ended keeps stepping with the batch, on rows nobody hears)."""
+        logits = logits[:, -1]
+        settings = self.settings
+        if not settings.do_sample:
+            choice = logits.argmax(dim=-1)
+        else:
+            widths = self.main_widths
+            first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
+            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, True, widths, noise=first_noise)
+            if settings.repetition_aware:
+                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths, noise=second_noise)
+                first_ids = self.candidate_ids[choice]
+                repeats = (self.window == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
+                counted = repeats if active is None else repeats & active
+                self.ras_replacements = self.ras_replacements + counted.long()  # out of place: a graph input stays unmutated
+                choice = torch.where(repeats, second, choice)
+        main_ids = self.candidate_ids[choice]
+        self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
+        return main_ids[:, None]
+
+    def codebook(
+        self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None, noise: StepNoise | None = None
+    ) -> torch.Tensor:
+        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head).
+
+        `drawing` [batch]: the items that make a frame now; the others draw nothing (their code is
+        meaningless). `noise`: the step's numbers drawn ahead (`step_noise`)."""
+        logits = logits[:, -1]
+        settings = self.settings
+        if not settings.do_sample:
+            return logits.argmax(dim=-1)[:, None]
+        given = None if noise is None else noise.codebooks[:, codebook_index - 1]
+        if fused_step.use_kernel(logits):
+            # one fused kernel for the filtered draw, over the noise the reference would divide by
+            if given is None:
+                given = race_noise(torch.empty(logits.shape, device=logits.device), self.generators, drawing=drawing)
+            codes = fused_step.filtered_race(logits, given, settings.temperature, settings.codebook_top_k, settings.top_p, False)
+            return codes[:, None]
+        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing, noise=given)
+        return codes[:, None]
+
+    # -- drawing a step's numbers ahead (the static decode step) ---------------------------------
+
+    def step_noise(self, batch: int, candidates: int, num_codebooks: int, device: torch.device) -> StepNoise | None:
+        """Every number one decode step may draw, drawn now, in the order the step would draw them:
+        the main draw (and the RAS draw) over `candidates`, then one row of `codebook_size` per
+        acoustic codebook, for every item. None when nothing is drawn (greedy).
+
+        An item that then makes no frame would not have drawn its codebook numbers: `rewind`
+        takes them back, so the generators end where a step that drew on demand leaves them."""
+        if not self.settings.do_sample:
+            return None
+        shape = torch.empty(batch, candidates, device=device)
+        main = race_noise(shape, self.generators, self.main_widths)
+        ras = race_noise(shape, self.generators, self.main_widths) if self.settings.repetition_aware else None
+        marks = [generator.get_state() for generator in self._generators_of(device)]
+        row = torch.empty(batch, self.codebook_size, device=device)
+        codebooks = torch.stack([race_noise(row, self.generators) for _ in range(num_codebooks - 1)], dim=1)
+        return StepNoise(main, ras, codebooks, marks)
+
+    def rewind(self, noise: StepNoise | None, speaking: torch.Tensor, boundary: torch.Tensor) -> None:
+        """Take back the codebook numbers of `noise` that a step drawing on demand would not have
+        drawn: per item, those of the items not `speaking` [batch]; with torch's global generator
+        (one stream for the batch) all of them when no item made a frame or a boundary."""
+        if noise is None:
+            return
+        generators = self._generators_of(speaking.device)
+        if self.generators is None:
+            if not bool((speaking | boundary).any()):
+                generators[0].set_state(noise.marks[0])
+            return
+        for item in (~speaking).nonzero().flatten().tolist():
+            generators[item].set_state(noise.marks[item])
+
+    def _generators_of(self, device: torch.device) -> list[torch.Generator]:
+        """The generators the draws use: one per item, or torch's global one for `device`."""
+        if self.generators is not None:
+            return list(self.generators)
+        if device.type == "cuda":
+            return [torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]]
+        return [torch.default_generator]
+
+
+def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The RAS window of each prompt: its last `RAS_WINDOW` main tokens, `EMPTY_WINDOW_SLOT` on
+    padding (and before the prompt's first row). `[batch, rows]` -> `[batch, RAS_WINDOW]`."""
+    window = input_ids.masked_fill(~attention_mask.bool(), EMPTY_WINDOW_SLOT)[:, -RAS_WINDOW:]
+    missing = RAS_WINDOW - window.shape[1]
+    return torch.nn.functional.pad(window, (missing, 0), value=EMPTY_WINDOW_SLOT)
+
+
+SEED_STRIDE = 1_000_003
+"""Seeds of two seeded runs that must not share draws lie this far apart (attempt n of a request
+draws with seed + n * SEED_STRIDE, GRPO step n with n * SEED_STRIDE): a prime above any batch."""
+
+
+def item_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """The seed of each item of a batch: an int gives item b the seed `seed + b`, a list one each."""
+    return [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
+
+
+def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
+    """One generator per item, seeded with `item_seeds(seed, batch)`; None without a seed."""
+    if seed is None:
+        return None
+    seeds = item_seeds(seed, batch)
+    if len(seeds) != batch:
+        raise ValueError(f"seed has {len(seeds)} values for a batch of {batch}; expected one per item or an int")
+    return [torch.Generator(device=device).manual_seed(int(value)) for value in seeds]
