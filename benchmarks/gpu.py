@@ -45,14 +45,8 @@ import torch
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers import CompileConfig
 
-from transformers_drama3.generation_drama3 import (
-    Drama3Sampler,
-    SamplingSettings,
-    decode_steps,
-    prompt_window,
-    static_decode_steps,
-)
-from transformers_drama3.static_decoding import default_compile_config
+from transformers_drama3.decoding.loop import DecodeRun, default_compile_config
+from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, prompt_window
 
 PAPER_FRAMES_PER_SECOND = 271.0
 """The paper's Drama 3 decode speed on one H200 (batch 1)."""
@@ -175,10 +169,8 @@ def compile_config_of(mode: str, device: str) -> CompileConfig | None:
 
 
 def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode: str, device: str):
-    if mode == "eager":
-        return decode_steps(model, input_ids, audio_codes, mask, sampler, budgets)
-    return static_decode_steps(model, input_ids, audio_codes, mask, sampler, budgets,
-                               compile_config=compile_config_of(mode, device))
+    compile_config = None if mode == "eager" else compile_config_of(mode, device)
+    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps()
 
 
 def synchronize(device: str) -> None:
