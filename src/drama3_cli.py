@@ -130,7 +130,16 @@ def add_serve(subparsers) -> None:
              "speakers 0 and 1)",
     )
     parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
-    parser.add_argument("--api-key", default=os.environ.get("DRAMA3_API_KEY"), help="require Authorization: Bearer KEY")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("DRAMA3_API_KEY"),
+        help="require Authorization: Bearer KEY on every route but /health (default: $DRAMA3_API_KEY, which "
+             "keeps the key out of the process list)",
+    )
+    parser.add_argument(
+        "--open-listings", action="store_true",
+        help="with a key, still answer GET /v1/models, /v1/audio/models and /v1/audio/voices without it "
+             "(for front ends such as Open WebUI that list without credentials)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument("--device", default="auto")

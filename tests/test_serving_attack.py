@@ -314,3 +314,78 @@ def test_a_non_streamed_request_is_cancelled_soon_after_its_client_leaves(server
     while service.engine.running and time.perf_counter() < deadline:
         time.sleep(0.05)
     assert service.engine.running == 0
+
+
+# ---- exposure: the key guards every route but /health; errors and listings clients can read ----------
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/docs", "/openapi.json", "/redoc", "/v1/models", "/v1/audio/voices"])
+def test_with_a_key_every_route_but_health_needs_it(server, path):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        refused = client.get(path, timeout=WAIT)
+        assert assert_openai_error(refused, 401, None)["code"] == "invalid_api_key"
+        assert client.get(path, headers={"Authorization": "Bearer not-the-key"}, timeout=WAIT).status_code == 401
+        assert client.get(path, headers=HEADERS, timeout=WAIT).status_code == 200
+        assert client.get("/health", timeout=WAIT).status_code == 200
+
+
+def test_open_listings_let_a_front_end_list_models_and_voices_without_the_key_and_nothing_else(service):
+    app = create_app(lambda: service, ServerSettings(api_key=API_KEY, open_listings=True))
+    with serving_on_loopback(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        assert client.get("/v1/audio/models", timeout=WAIT).json() == {"models": [{"id": "drama3-tiny"}]}
+        assert [model["id"] for model in client.get("/v1/models", timeout=WAIT).json()["data"]] == ["drama3-tiny"]
+        assert {"id": "A", "name": "A"} in client.get("/v1/audio/voices", timeout=WAIT).json()["voices"]
+        assert client.post("/v1/audio/voices", json=clip_body("intruder"), timeout=WAIT).status_code == 401
+        assert client.delete("/v1/audio/voices/A", timeout=WAIT).status_code == 401
+        assert client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "A"}, timeout=WAIT).status_code == 401
+        assert client.get("/metrics", timeout=WAIT).status_code == 401
+
+
+def test_a_public_bind_without_a_key_warns(monkeypatch, capsys):
+    import uvicorn as uvicorn_module
+
+    from transformers_drama3.cli import main
+    from transformers_drama3.serving import app as app_module
+
+    monkeypatch.setattr(app_module, "serve_in_background", lambda *args, **kwargs: ((lambda: None), None))
+    monkeypatch.setattr(uvicorn_module, "run", lambda *args, **kwargs: None)
+    monkeypatch.delenv("DRAMA3_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 0
+    assert "warning" in capsys.readouterr().err.lower()
+    assert main(["serve", "--host", "127.0.0.1"]) == 0
+    assert "warning" not in capsys.readouterr().err.lower()
+    monkeypatch.setenv("DRAMA3_API_KEY", "from-the-environment")
+    assert main(["serve", "--host", "0.0.0.0"]) == 0
+    assert "warning" not in capsys.readouterr().err.lower()
+
+
+def test_a_full_queue_answers_429_with_retry_after(server, service):
+    saved, service.engine.max_queue = service.engine.max_queue, 0
+    try:
+        with httpx.Client(base_url=f"http://{server}") as client:
+            refused = post_raw(client, "/v1/audio/speech", '{"input": "Hello.", "voice": "A", "max_new_tokens": 2}')
+    finally:
+        service.engine.max_queue = saved
+    assert assert_openai_error(refused, 429, None)["type"] == "rate_limit_error"
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/audio/voices/v1", 405), ("GET", "/v1/nothing", 404),
+                                                  ("PUT", "/v1/audio/speech", 405)])
+def test_unknown_routes_and_methods_answer_in_openai_s_shape(server, method, path, status):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        assert_openai_error(client.request(method, path, headers=HEADERS, timeout=WAIT), status, None)
+
+
+@pytest.mark.parametrize("text", ["\u0000", "\u200b\u200b\u200b", "\U0001f600\U0001f600", "\ue000\ue001", "?! ... --"],
+                         ids=["nul", "zero-width", "emoji", "private-use", "punctuation"])
+def test_input_with_nothing_speakable_is_refused(server, text):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        refused = post_raw(client, "/v1/audio/speech", json.dumps({"input": text, "voice": "A", "max_new_tokens": 2}))
+        assert_openai_error(refused, 400, "input")
+
+
+def test_stream_false_with_a_stream_format_is_refused(server):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        body = {"input": "Hello.", "voice": "A", "max_new_tokens": 2, "stream": False, "stream_format": "sse"}
+        assert_openai_error(post_raw(client, "/v1/audio/speech", json.dumps(body)), 400, "stream")

@@ -25,6 +25,8 @@ import _thread
 import asyncio
 import base64
 import dataclasses
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -39,12 +41,14 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generation_drama3 import AudioChunk, WaveformStreamer, resolve_settings
+from ..codec.take_streaming import AudioChunk, WaveformStreamer
+from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..loading import load_model_and_processor
 from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
-from ..threads import torch_threads
+from ..decoding.threads import torch_threads
 from ..tiny import shipped
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
 from .decoding import decode_audio
@@ -79,11 +83,22 @@ POLL_SECONDS = 0.25
 logger = logging.getLogger(__name__)
 
 
+RETRY_AFTER_SECONDS = 1
+"""What a 429 asks the client to wait (`Retry-After`): a slot frees as soon as one request ends."""
+OPEN_PATHS = ("/health",)
+"""Routes that answer without the API key (a load balancer's probe)."""
+LISTING_PATHS = ("/v1/models", "/v1/audio/models", "/v1/audio/voices")
+"""The read-only listings `ServerSettings.open_listings` leaves open (GET only)."""
+
+
 @dataclass
 class ServerSettings:
-    """Server-wide settings: the API key (None: no auth), limits, timeouts."""
+    """Server-wide settings: the API key (None: no auth), limits, timeouts. With a key every route
+    but `/health` needs it (`/metrics`, `/docs` and `/openapi.json` included); `open_listings` leaves
+    GET of the model and voice lists open, for front ends (Open WebUI) that list without credentials."""
 
     api_key: str | None = None
+    open_listings: bool = False
     limits: Limits = field(default_factory=Limits)
     request_timeout: float = 300.0
     max_body_bytes: int = 32 * 2**20
@@ -248,7 +263,7 @@ class ErrorResponse(JSONResponse):
 
 
 def _error_response(error: ApiError):
-    return ErrorResponse(error.body(), status_code=error.status)
+    return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _unexpected(error: Exception, where: str) -> ApiError:
@@ -303,6 +318,22 @@ async def _cancel_when_gone(handle, request) -> None:
     handle.cancel()
 
 
+def _key_matches(headers, api_key: str) -> bool:
+    """Whether `Authorization: Bearer KEY` carries the key, compared in constant time."""
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _failure(event: ErrorEvent) -> ApiError:
     if event.kind == "timeout":
         return ApiError(504, "the request ran past its time limit", None, "timeout")
@@ -324,13 +355,25 @@ def create_app(get_service, settings: ServerSettings | None = None):
     async def api_error(_request, error: ApiError):
         return _error_response(error)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):  # unknown routes, wrong methods
+        detail = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        response = _error_response(ApiError(error.status_code, detail.get(error.status_code, str(error.detail)), None,
+                                            {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)))
+        response.headers.update(error.headers or {})
+        return response
+
+    def needs_key(request) -> bool:
+        path = request.url.path
+        if settings.api_key is None or path in OPEN_PATHS:
+            return False
+        return not (settings.open_listings and request.method == "GET" and path in LISTING_PATHS)
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        if needs_key(request) and not _key_matches(request.headers, settings.api_key):
+            return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"))
         if request.url.path.startswith("/v1/"):
-            if settings.api_key is not None:
-                header = request.headers.get("authorization", "")
-                if header != f"Bearer {settings.api_key}":
-                    return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"))
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
                 return _error_response(ApiError(413, f"the body is {length} bytes; at most {settings.max_body_bytes}"))
@@ -361,6 +404,11 @@ def create_app(get_service, settings: ServerSettings | None = None):
     async def models():
         service = service_or_503()
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "drama3"}]}
+
+    @app.get("/v1/audio/models")
+    async def audio_models():  # Open WebUI asks here first, then falls back to /v1/models
+        service = service_or_503()
+        return {"models": [{"id": service.model_name}]}
 
     @app.get("/v1/audio/voices")
     async def list_voices():
@@ -407,7 +455,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
             handle = service.engine.submit(job)
         except QueueFull as error:
             service.metrics.count("rejected")
-            raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full") from None
+            raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full",
+                           {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineStopped as error:
             raise ApiError(503, str(error), None, "stopped") from None
         rate = service.processor.sampling_rate
@@ -444,7 +493,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
     async def speech_stream(websocket: WebSocket):
         await websocket.accept()
         try:
-            if settings.api_key is not None and websocket.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+            if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
             service = service_or_503()
             start = parse_message(await _receive(websocket), "messages[0]")

@@ -31,12 +31,14 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             409: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error", 504: "timeout_error", 500: "server_error"}
+             405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+             422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "timeout_error", 500: "server_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
@@ -218,6 +220,9 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     text = _string(body, "input", required=True)
     if not text.strip():
         raise ApiError(400, "input: nothing to say", "input")
+    if not any(character.isalnum() for character in text):
+        raise ApiError(400, "input: nothing speakable (no letters or digits; only symbols, emoji, controls or "
+                            "invisible characters)", "input")
     if len(text) > limits.max_input_chars:
         raise ApiError(413, f"input: {len(text)} characters; at most {limits.max_input_chars}", "input")
     instructions = _string(body, "instructions")
@@ -234,6 +239,9 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         raise ApiError(400, f"stream: expected true or false; got {stream!r}", "stream")
     if stream and stream_format is None:
         stream_format = "audio"
+    if stream is False and stream_format is not None:
+        raise ApiError(400, f"stream: false contradicts stream_format {stream_format!r}; leave one of them out",
+                       "stream")
     response_format = _string(body, "response_format")
     if response_format is None:
         response_format = "pcm" if stream_format else ("mp3" if "mp3" in supported_formats() else "wav")
