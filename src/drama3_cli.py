@@ -141,6 +141,10 @@ def add_serve(subparsers) -> None:
              "(for front ends such as Open WebUI that list without credentials)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive whole (then 408)")
+    parser.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                        help="seconds a text stream waits for its start and each next message (then close code 4408)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -354,6 +355,8 @@ def test_a_public_bind_without_a_key_warns(monkeypatch, capsys):
     assert "warning" in capsys.readouterr().err.lower()
     assert main(["serve", "--host", "127.0.0.1"]) == 0
     assert "warning" not in capsys.readouterr().err.lower()
+    assert main(["serve", "--body-timeout", "0"]) == 2
+    assert "--body-timeout 0" in capsys.readouterr().err
     monkeypatch.setenv("DRAMA3_API_KEY", "from-the-environment")
     assert main(["serve", "--host", "0.0.0.0"]) == 0
     assert "warning" not in capsys.readouterr().err.lower()
@@ -389,3 +392,69 @@ def test_stream_false_with_a_stream_format_is_refused(server):
     with httpx.Client(base_url=f"http://{server}") as client:
         body = {"input": "Hello.", "voice": "A", "max_new_tokens": 2, "stream": False, "stream_format": "sse"}
         assert_openai_error(post_raw(client, "/v1/audio/speech", json.dumps(body)), 400, "stream")
+
+
+# ---- bounded buffering and timeouts -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def strict_server(service):
+    """A server with small limits: 64 KiB bodies, 1 s for a body or a text-stream message."""
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=64 * 2**10, body_timeout=1.0, stream_idle_timeout=1.0)
+    app = create_app(lambda: service, settings)
+    with serving_on_loopback(app) as port:
+        yield port, app
+
+
+def raw_request(port: int, head: bytes, body_parts, wait: float = 10.0) -> bytes:
+    """Send a request's head and body parts on a socket, then read what comes back within `wait` s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        connection.sendall(head)
+        for part in body_parts:
+            connection.sendall(part)
+        answer = b""
+        try:
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                data = connection.recv(65536)
+                if not data:
+                    break
+                answer += data
+        except socket.timeout:
+            pass
+        return answer
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(strict_server):
+    port, _ = strict_server
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (16 * 2**10, b" " * 16 * 2**10)
+    started = time.perf_counter()
+    answer = raw_request(port, head, [chunk] * 8)  # 128 KiB sent, no last chunk: the body never ends
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b'"body_too_large"' in answer and time.perf_counter() - started < 5
+
+
+def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(strict_server):
+    port, _ = strict_server
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
+    started = time.perf_counter()
+    answer = raw_request(port, head, [b'{"input": "'])  # 11 of 1000 declared bytes, then silence
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"timeout_error"' in answer and time.perf_counter() - started < 5
+
+
+def test_a_text_stream_that_never_starts_or_goes_quiet_is_closed_with_4408(strict_server):
+    port, app = strict_server
+    url = f"127.0.0.1:{port}"
+    started = time.perf_counter()
+    code, error = closed_with(url, [])  # connects, never sends start
+    assert (code, error["code"]) == (4408, "timeout") and "start" in error["message"]
+    code, error = closed_with(url, [START[:-2] + "}", '{"type": "text", "text": "Hello"}'])  # then silence, no done
+    assert (code, error["code"]) == (4408, "timeout")
+    assert time.perf_counter() - started < 20
+    deadline = time.perf_counter() + 10
+    while app.state.text_streams.active and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert app.state.text_streams.active == 0

@@ -283,7 +283,11 @@ def run_serve(args) -> int:
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
     )
-    settings = ServerSettings(api_key=args.api_key, open_listings=args.open_listings, request_timeout=args.timeout)
+    for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout)):
+        if not value > 0:
+            raise CommandError(f"{name} {value}: expected a positive number of seconds")
+    settings = ServerSettings(api_key=args.api_key, open_listings=args.open_listings, request_timeout=args.timeout,
+                              body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout)
     app = create_app(get_service, settings)
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
     if args.api_key is None and not is_loopback(args.host):

@@ -102,7 +102,11 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)
     request_timeout: float = 300.0
     max_body_bytes: int = 32 * 2**20
+    body_timeout: float = 30.0
+    """Seconds a request body may take to arrive whole (then 408): slow senders do not hold connections."""
     max_text_streams: int = 4
+    stream_idle_timeout: float = 30.0
+    """Seconds a text stream waits for its `start`, and then for each next message (then close code 4408)."""
 
 
 class TextStreamSlots:
@@ -309,6 +313,34 @@ async def _next_event(handle, request):
                 return None
 
 
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, counted as it arrives: 413 as soon as it passes `limit` bytes (a chunked body
+    declares no length), 408 when it has not arrived whole within `timeout` seconds."""
+    chunks, size = [], 0
+
+    async def read():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the body is over {limit} bytes", None, "body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout:g} s ({size} bytes came)", None, "timeout") from None
+    return b"".join(chunks)
+
+
+async def _receive_within(websocket: WebSocket, timeout: float, what: str):
+    """The next message (`_receive`); ApiError 408 when none arrives within `timeout` seconds."""
+    try:
+        return await asyncio.wait_for(_receive(websocket), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"no {what} message within {timeout:g} s", None, "timeout") from None
+
+
 async def _cancel_when_gone(handle, request) -> None:
     """Cancel the request once its client has gone. The body has been read, so the next ASGI message
     is the disconnect: waiting for it notices a client that left at once, whether or not frames are
@@ -380,10 +412,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
         return await call_next(request)
 
     async def json_body(request: Request):
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise ApiError(413, f"the body is {len(raw)} bytes; at most {settings.max_body_bytes}")
-        return load_json(raw)
+        return load_json(await _read_body(request, settings.max_body_bytes, settings.body_timeout))
 
     @app.get("/health")
     async def health():
@@ -496,7 +525,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
             if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
             service = service_or_503()
-            start = parse_message(await _receive(websocket), "messages[0]")
+            start = parse_message(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
             params = parse_stream_start(start, settings.limits, lambda voice_id: voice_id in service.voices, 4 * CHUNK_BYTES)
             references = await asyncio.to_thread(service.references_of, params)
             try:
@@ -605,7 +634,8 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
         index, received = 1, 0
         try:
             while True:
-                message = parse_message(await _receive(websocket), f"messages[{index}]")
+                raw = await _receive_within(websocket, settings.stream_idle_timeout, "text or done")
+                message = parse_message(raw, f"messages[{index}]")
                 piece = parse_text_message(message, received, settings.limits, index)
                 index += 1
                 if piece is None:

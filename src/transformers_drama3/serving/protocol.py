@@ -31,8 +31,9 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-             422: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "timeout_error", 500: "server_error"}
+             405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
+             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "server_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
