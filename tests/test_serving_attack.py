@@ -458,3 +458,19 @@ def test_a_text_stream_that_never_starts_or_goes_quiet_is_closed_with_4408(stric
     while app.state.text_streams.active and time.perf_counter() < deadline:
         time.sleep(0.05)
     assert app.state.text_streams.active == 0
+
+
+def test_a_speaker_without_a_voice_is_told_how_to_give_one_over_http(server):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        body = {"input": "Hello there. <|speaker:15|>Goodbye.", "voice": "A", "max_new_tokens": 2}
+        error = assert_openai_error(post_raw(client, "/v1/audio/speech", json.dumps(body)), 400, "input")
+    assert "speaker 15" in error["message"] and "references" in error["message"]
+    assert "strict_speakers" not in error["message"]  # a Python argument an HTTP client cannot pass
+
+
+def test_a_new_voice_s_audio_is_not_said_to_be_a_voice_id(server):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        body = {"name": "copy", "audio": "A", "text": "Hello."}  # the id of a stored voice is not audio
+        answer = client.post("/v1/audio/voices", json=body, headers=HEADERS, timeout=WAIT)
+    error = assert_openai_error(answer, 400, "references[0].audio")
+    assert "voice id" not in error["message"]

@@ -209,6 +209,7 @@ class SpeechService:
         references = self.references_of(params)
         try:
             lines = parse_text(params.input, "input")
+            _check_speakers_have_voices(lines, references)
             if params.instructions:
                 lines = tuple(line if line.note else dataclasses.replace(line, note=params.instructions) for line in lines)
                 lines = tuple(line.checked("instructions") for line in lines)
@@ -256,6 +257,18 @@ class SpeechService:
         """`work(*args)` at the service's codec thread count (`codec_threads`)."""
         with torch_threads(self.codec_threads):
             return work(*args)
+
+
+def _check_speakers_have_voices(lines, references) -> None:
+    """Every speaker of the input needs a voice; the error says how to give one over HTTP."""
+    known = sorted({reference.speaker for reference in references})
+    for index, line in enumerate(lines):
+        if known and line.speaker not in known:
+            raise ApiError(
+                400, f"input: line {index} is spoken by speaker {line.speaker}, who has no voice (the request's voices "
+                f"are speakers {known}); add one: \"references\": [{{\"audio\": a voice id or base64 audio, "
+                f"\"text\": its transcript, \"speaker\": {line.speaker}}}]", "input",
+            )
 
 
 class ErrorResponse(JSONResponse):

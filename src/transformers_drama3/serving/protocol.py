@@ -166,10 +166,12 @@ def parse_voice(value) -> str | None:
     return unicode_text(value, "voice")
 
 
-def decode_audio_field(value, location: str, limits: Limits) -> tuple:
-    """Base64 audio (optionally a `data:` URL) -> (samples, rate)."""
+def decode_audio_field(value, location: str, limits: Limits, voice_ids: bool = True) -> tuple:
+    """Base64 audio (optionally a `data:` URL) -> (samples, rate). `voice_ids`: whether the field
+    could also have named a registered voice (the error says so only then)."""
     if not isinstance(value, str) or not value:
-        raise ApiError(400, f"{location}: expected base64 audio or a voice id", location)
+        expected = "base64 audio or a registered voice id" if voice_ids else "base64 audio"
+        raise ApiError(400, f"{location}: expected {expected}", location)
     if value.startswith("data:"):
         value = value.partition(",")[2]
     if len(value) * 3 // 4 > limits.max_reference_bytes:
@@ -177,7 +179,8 @@ def decode_audio_field(value, location: str, limits: Limits) -> tuple:
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(400, f"{location}: not valid base64 audio, nor a registered voice id", location) from None
+        problem = "not valid base64 audio, nor a registered voice id" if voice_ids else "not valid base64 audio"
+        raise ApiError(400, f"{location}: {problem}", location) from None
     try:
         return read_audio_bytes(data, location)
     except ValueError as error:
@@ -186,7 +189,7 @@ def decode_audio_field(value, location: str, limits: Limits) -> tuple:
 
 def parse_references(value, limits: Limits, is_voice) -> list:
     """`references`: [{"audio": base64 | voice id, "text", "speaker"}] -> a list of VoiceReference
-    or ("voice", id, speaker) entries."""
+    or ("voice", id, speaker) entries; `is_voice` None: voice ids are not accepted (a new voice)."""
     if value is None:
         return []
     if not isinstance(value, list) or not value:
@@ -201,14 +204,14 @@ def parse_references(value, limits: Limits, is_voice) -> list:
         speaker = _number(item, "speaker", 0, 15, integer=True)
         speaker = 0 if speaker is None else speaker
         audio = item.get("audio")
-        if isinstance(audio, str) and is_voice(audio):
+        if is_voice is not None and isinstance(audio, str) and is_voice(audio):
             references.append(("voice", audio, speaker))
             continue
         text = item.get("text")
         if not isinstance(text, str) or not text.strip():
             raise ApiError(400, f"{location}.text: the transcript of the reference audio is required", f"{location}.text")
         unicode_text(text, f"{location}.text")
-        samples, rate = decode_audio_field(audio, f"{location}.audio", limits)
+        samples, rate = decode_audio_field(audio, f"{location}.audio", limits, voice_ids=is_voice is not None)
         references.append(VoiceReference(samples, rate, text, speaker))
     return references
 
@@ -362,5 +365,5 @@ def parse_voice_upload(body, limits: Limits) -> tuple[str, str, list[VoiceRefere
     raw = body.get("references")
     if raw is None:
         raw = [{"audio": body.get("audio"), "text": body.get("text"), "speaker": body.get("speaker")}]
-    references = parse_references(raw, limits, lambda _: False)
+    references = parse_references(raw, limits, None)
     return voice_id, name, references
