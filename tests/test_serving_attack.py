@@ -474,3 +474,17 @@ def test_a_new_voice_s_audio_is_not_said_to_be_a_voice_id(server):
         answer = client.post("/v1/audio/voices", json=body, headers=HEADERS, timeout=WAIT)
     error = assert_openai_error(answer, 400, "references[0].audio")
     assert "voice id" not in error["message"]
+
+
+def test_a_client_that_leaves_mid_body_logs_no_error(strict_server, caplog):
+    port, _ = strict_server
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+                connection.sendall(head + b'{"input": ')  # 10 of 1000 bytes, then gone
+        time.sleep(0.5)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            assert client.get("/health", timeout=WAIT).status_code == 200
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []

@@ -42,6 +42,7 @@ import torch
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..codec.take_streaming import AudioChunk, WaveformStreamer
 from ..decoding.sampler import resolve_settings
@@ -309,6 +310,8 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:
+            return  # the client left while sending its body: nobody to answer, nothing went wrong here
         except Exception as error:  # the catch-all: every route answers JSON
             response = _error_response(_unexpected(error, f"{scope.get('method')} {scope.get('path')}"))
             if not started:
