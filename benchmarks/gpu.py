@@ -108,8 +108,10 @@ def build(layers: int, device: str, dtype: torch.dtype, dry_run: bool) -> Drama3
 
     def without_eos(hidden):
         logits = speech_logits(hidden)
-        logits[..., eos_index] = float("-inf")
-        return logits
+        # a mask on the logits' device: writing the Python scalar into `logits[..., eos]` traced as a
+        # CPU tensor constant, and torch skipped CUDA graphs for the whole step
+        is_eos = torch.arange(logits.shape[-1], device=logits.device) == eos_index
+        return logits.masked_fill(is_eos, float("-inf"))
 
     model.speech_logits = without_eos
     return model
@@ -171,6 +173,66 @@ def compile_config_of(mode: str, device: str) -> CompileConfig | None:
 def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode: str, device: str):
     compile_config = None if mode == "eager" else compile_config_of(mode, device)
     return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps()
+
+
+OP_COUNT_DEPTHS = (4, 8)
+"""Backbone depths the op count of a step is measured at (whole groups of 3 Gated DeltaNet + 1
+attention layers); the count per layer is their difference, extrapolated to the published 40."""
+
+
+def step_reports(model, seed: int = 0, draw: bool = True) -> list:
+    """`capture_check` reports of one decode step of `model` on the CPU, `draw` (unless `draw` is
+    False) then `feed`: batch 1, a 16-row prompt, the serving sampling defaults (top-p 0.9, RAS), seeded."""
+    from transformers_drama3.decoding import step as decode_step
+    from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
+    from transformers_drama3.kernels.capture_check import capture_report
+
+    config = model.config
+    input_ids = torch.randint(3, config.semantic_start_token_id, (1, 16), generator=torch.Generator().manual_seed(seed))
+    audio_codes = torch.zeros(1, 16, config.num_codebooks, dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    request = _resolve_request(model, SamplingSettings(), input_ids, mask, 20, 1.0, None)
+    sampler = make_sampler(model, request, input_ids, mask, seed)
+    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], config.num_codebooks, input_ids.device)
+    row = torch.full((1,), config.semantic_start_token_id), torch.zeros(1, config.num_codebooks, dtype=torch.long)
+    with torch.no_grad():
+        run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, request.budgets, request.separators,
+                                  compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    cache = run.cache
+    reports = []
+    if draw:
+        cache.open_window(cache.tower_part, 1)
+        reports.append(capture_report(decode_step.draw, model, cache, sampler, run.state, noise, None))
+    cache.open_window(cache.backbone_part, 1)
+    return [*reports, capture_report(decode_step.feed, model, cache, run.state, *row)]
+
+
+def print_step_op_count() -> None:
+    """Ops per decode step at the published depth, from `capture_check` on the CPU: the dry run's
+    model (the published structure: 10 codebooks, the published tower and layer pattern, at a tiny
+    width) at two backbone depths, the per-layer count extrapolated to 40 layers. The step has
+    fixed shapes, so the count does not depend on widths or expert counts (the same at twice the
+    width and at 256 experts, 8 per token). Aten ops before inductor fuses them: an upper bound on
+    the kernels of a step, not a kernel count."""
+    low, high = OP_COUNT_DEPTHS
+    capturable = True
+    feeds = {}
+    for depth in OP_COUNT_DEPTHS:
+        torch.manual_seed(0)
+        model = Drama3ForSpeechGeneration(published_config(depth, dry_run=True)).eval()
+        # the draw (restricted head, sampler, tower) does not depend on the backbone's depth
+        reports = step_reports(model, draw=depth == low)
+        if depth == low:
+            draw = reports[0].ops
+        feeds[depth] = reports[-1].ops
+        capturable = capturable and all(report.capturable for report in reports)
+        for line in (line for report in reports for line in report.problems()):
+            print(f"    not capturable: {line}")
+    per_layer = (feeds[high] - feeds[low]) / (high - low)
+    total = draw + extrapolate((low, feeds[low]), (high, feeds[high]))
+    print(f"  ops per decode step (aten ops before fusion, batch 1, top-p + RAS): {total:.0f} at {PUBLISHED_LAYERS} "
+          f"layers = {draw} (draw) + {feeds[low]} (feed at {low} layers) + {per_layer:.2f} per further backbone layer; "
+          f"{'each graph capturable' if capturable else 'NOT capturable'} (the paper: 1,278 kernels)", flush=True)
 
 
 def synchronize(device: str) -> None:
@@ -256,6 +318,8 @@ def main(argv=None) -> None:
     low_depth, high_depth = arguments.depths
     print(f"{name}, torch {torch.__version__}; backbone depths {low_depth} and {high_depth} extrapolated to "
           f"{PUBLISHED_LAYERS}; prompt {arguments.prompt_rows} rows, {arguments.frames} frames per run")
+    if arguments.dry_run:
+        print_step_op_count()
     for experts in arguments.experts:
         for mode in arguments.modes:
             low = measure(arguments, low_depth, experts, mode, device, dtype)

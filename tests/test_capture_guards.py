@@ -6,13 +6,15 @@ every guard: one graph, no graph break, no tensor constant made inside the graph
 input written in place without a static address. On a GPU any of these keeps torch from capturing
 the step (a CPU constant: "skipping cudagraphs due to cpu device (_tensor_constant0)")."""
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import CompileConfig
 
 from generation_helpers import SEPARATOR, line_model, line_prompt, prompt, tiny_model
+from transformers_drama3.decoding import step as decode_step
+from transformers_drama3.decoding.loop import DecodeRun
+from transformers_drama3.decoding.sampler import SamplingSettings
+from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
 from transformers_drama3.kernels import fused_step
 from transformers_drama3.kernels.capture_check import NotCapturable, capture_report, check_capturable
 
@@ -107,10 +109,6 @@ CASES = [
 ]
 """Settings (repetition-aware sampling is on by default), seed, line separators."""
 
-NEEDS_DECODING = pytest.mark.skipif(
-    importlib.util.find_spec("transformers_drama3.decoding") is None, reason="no decoding package in this tree"
-)
-
 
 def assert_capturable(report):
     assert report.graphs == 1 and report.ops > 0
@@ -118,14 +116,8 @@ def assert_capturable(report):
     assert report.mutated_inputs == []
 
 
-@NEEDS_DECODING
 @pytest.mark.parametrize("settings, seed, separator", CASES)
 def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separator):
-    from transformers_drama3.decoding import step as decode_step
-    from transformers_drama3.decoding.loop import DecodeRun
-    from transformers_drama3.decoding.sampler import SamplingSettings
-    from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
-
     model = line_model(seed=0) if separator else tiny_model(seed=0)
     ids, codes = line_prompt(1) if separator else prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
@@ -142,26 +134,3 @@ def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separ
     frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
     main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
     assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers_drama3.static_decoding") is None,
-                    reason="the static step moved into the decoding package")
-@pytest.mark.parametrize("settings, seed, separator", CASES)
-def test_the_static_step_is_capturable(settings, seed, separator):
-    from transformers_drama3 import static_decoding
-    from transformers_drama3.generation_drama3 import SamplingSettings, _resolve_request, make_sampler, prefilled
-
-    model = line_model(seed=0) if separator else tiny_model(seed=0)
-    ids, codes = line_prompt(1) if separator else prompt(1)
-    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    separator_id = SEPARATOR if separator else None
-    request = _resolve_request(model, SamplingSettings(**settings), ids, mask, 20, 1.0, separator_id)
-    sampler = make_sampler(model, request, ids, mask, seed)
-    filled = prefilled(model, ids, codes, mask)
-    length = static_decoding.static_length(ids.shape[1] + 40)
-    cache = static_decoding.Drama3StaticCache.from_filled(filled.cache, length)
-    left = None if request.separators is None else request.separators.left
-    state = static_decoding.StaticDecodeState.opened(filled.hidden, filled.ids, filled.codes, mask, length,
-                                                     request.budgets, left)
-    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, ids.device)
-    assert_capturable(check_capturable(static_decoding.static_step, model, cache, sampler, state, noise, separator_id))

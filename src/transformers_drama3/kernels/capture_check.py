@@ -331,7 +331,7 @@ def _first_line(error: BaseException) -> str:
 
 def check_capturable(fn, *args, **kwargs) -> CaptureReport:
     """`capture_report`, raising `NotCapturable` (naming each problem) unless `fn` traced as one
-    graph with no break, no tensor constant and no host sync."""
+    graph with no break, no tensor constant, no host sync and no unmarked input mutation."""
     report = capture_report(fn, *args, **kwargs)
     if not report.capturable:
         raise NotCapturable(getattr(fn, "__qualname__", repr(fn)), report)
