@@ -46,7 +46,7 @@ def test_generate_refuses_what_the_check_refuses_before_any_work(values, name):
                                          ("--top-p", "1.01")])
 def test_the_cli_refuses_what_the_check_refuses_naming_the_flag(tmp_path, flag, value):
     args = build_parser().parse_args(["say", "hi", "-o", str(tmp_path / "x.wav"), flag, value])
-    with pytest.raises(CommandError, match=f"^{flag}: "):
+    with pytest.raises(CommandError, match=f"^{flag} {float(value)}: expected "):
         _check_say_arguments(args)
 
 

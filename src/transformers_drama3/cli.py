@@ -120,10 +120,12 @@ def check_sampling_flags(args) -> None:
     """`--temperature` / `--top-p` through the one check of sampling values (`generate()`'s, the
     server's and the demo's), before anything is loaded; the message names the flag."""
     for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p")):
+        value = getattr(args, name, None)
         try:
-            check_sampling_values({name: getattr(args, name, None)})
+            check_sampling_values({name: value})
         except ValueError as error:
-            raise CommandError(f"{flag}: {error}") from None
+            expected = str(error).split("; ", 1)[-1]
+            raise CommandError(f"{flag} {value}: {expected}") from None
 
 
 def decoding_switches(args) -> dict:

@@ -229,7 +229,9 @@ class Drama3Sampler:
     """Draws the main token and the codebook codes of each frame, and keeps the RAS window.
 
     Args:
-        settings: the sampling settings.
+        settings: the sampling settings of every item, or one per item (a batch whose requests
+            sample differently, as the serving engine's): items with equal settings draw together,
+            each from its own numbers, so an item draws what it draws alone.
         candidate_ids: token ids of the restricted main logits: the semantic band, eos, then
             optionally `<|audio_separator|>`.
         window: `[batch, RAS_WINDOW]` the last main tokens of each prompt (`EMPTY_WINDOW_SLOT` where
@@ -242,22 +244,48 @@ class Drama3Sampler:
 
     def __init__(
         self,
-        settings: SamplingSettings,
+        settings: SamplingSettings | Sequence[SamplingSettings],
         candidate_ids: torch.Tensor,
         window: torch.Tensor,
         generators: Sequence[torch.Generator] | None = None,
         codebook_size: int | None = None,
         main_widths: torch.Tensor | None = None,
     ):
-        self.settings = settings
+        batch = window.shape[0]
+        self.row_settings = [settings] * batch if isinstance(settings, SamplingSettings) else list(settings)
+        if len(self.row_settings) != batch:
+            raise ValueError(f"settings has {len(self.row_settings)} values for a batch of {batch}")
         self.candidate_ids = candidate_ids
         self.codebook_size = candidate_ids.shape[0] - 1 if codebook_size is None else codebook_size
         self.window = window
         self.generators = generators
         self.main_widths = main_widths
-        self.ras_replacements = torch.zeros(window.shape[0], dtype=torch.long, device=window.device)
+        self.ras_replacements = torch.zeros(batch, dtype=torch.long, device=window.device)
+        self._grouped = None
 
-    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None):
+    @property
+    def settings(self) -> SamplingSettings:
+        """The settings of every item (a batch whose items sample alike)."""
+        groups = self.groups()
+        if len(groups) != 1:
+            raise ValueError("this sampler's items sample differently: read row_settings")
+        return groups[0][0]
+
+    def groups(self) -> list[tuple[SamplingSettings, torch.Tensor | None]]:
+        """(settings, the items that draw with them as a long tensor; None: every item)."""
+        if self._grouped is None:
+            distinct = list(dict.fromkeys(self.row_settings))
+            if len(distinct) <= 1:
+                self._grouped = [(distinct[0] if distinct else SamplingSettings(), None)]
+            else:
+                device = self.window.device
+                self._grouped = [
+                    (each, torch.tensor([i for i, row in enumerate(self.row_settings) if row == each], device=device))
+                    for each in distinct
+                ]
+        return self._grouped
+
+    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None, generators=None):
         # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
         if top_k is None:
             probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
@@ -265,7 +293,23 @@ class Drama3Sampler:
             probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
         if noise is not None:
             return race(probabilities, noise)
-        return exponential_race(probabilities, self.generators, widths, drawing)
+        return exponential_race(probabilities, generators, widths, drawing)
+
+    def _per_group(self, batch_values: torch.Tensor, draw) -> torch.Tensor:
+        """`draw(settings, pick, rows)` for each group of items (`pick` selects a tensor's rows of
+        the group, None stays None; `rows` None: every item), put back in item order."""
+        groups = self.groups()
+        if len(groups) == 1:
+            return draw(groups[0][0], lambda tensor: tensor, None)
+        out = torch.empty_like(batch_values)
+        for settings, rows in groups:
+            out[rows] = draw(settings, lambda tensor, rows=rows: None if tensor is None else tensor[rows], rows)
+        return out
+
+    def _generators(self, rows: torch.Tensor | None) -> list[torch.Generator] | None:
+        if self.generators is None or rows is None:
+            return self.generators
+        return [self.generators[item] for item in rows.tolist()]
 
     def main_token(
         self, logits: torch.Tensor, noise: StepNoise | None = None, active: torch.Tensor | None = None
@@ -276,20 +320,29 @@ class Drama3Sampler:
         `active` [batch]: the items still speaking (default: all); only their RAS replacements count
         (an item that ended keeps stepping with the batch, on rows nobody hears)."""
         logits = logits[:, -1]
-        settings = self.settings
-        if not settings.do_sample:
-            choice = logits.argmax(dim=-1)
-        else:
-            widths = self.main_widths
-            first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
-            choice = self._draw(logits, settings.temperature, settings.top_k, settings.top_p, True, widths, noise=first_noise)
-            if settings.repetition_aware:
-                second = self._draw(logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths, noise=second_noise)
-                first_ids = self.candidate_ids[choice]
-                repeats = (self.window == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
-                counted = repeats if active is None else repeats & active
-                self.ras_replacements = self.ras_replacements + counted.long()  # out of place: a graph input stays unmutated
-                choice = torch.where(repeats, second, choice)
+        first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
+        counted = torch.zeros_like(self.ras_replacements)
+
+        def draw(settings: SamplingSettings, pick, rows) -> torch.Tensor:
+            nonlocal counted
+            group_logits = pick(logits)
+            if not settings.do_sample:
+                return group_logits.argmax(dim=-1)
+            widths, generators = pick(self.main_widths), self._generators(rows)
+            choice = self._draw(group_logits, settings.temperature, settings.top_k, settings.top_p, True, widths,
+                                noise=pick(first_noise), generators=generators)
+            if not settings.repetition_aware:
+                return choice
+            second = self._draw(group_logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths,
+                                noise=pick(second_noise), generators=generators)
+            first_ids = self.candidate_ids[choice]
+            repeats = (pick(self.window) == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
+            replaced = repeats if active is None else repeats & pick(active)
+            counted = counted + replaced.long() if rows is None else counted.index_put((rows,), replaced.long())
+            return torch.where(repeats, second, choice)
+
+        choice = self._per_group(logits[:, 0].long(), draw)
+        self.ras_replacements = self.ras_replacements + counted  # out of place: a graph input stays unmutated
         main_ids = self.candidate_ids[choice]
         self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
         return main_ids[:, None]
@@ -297,41 +350,53 @@ class Drama3Sampler:
     def codebook(
         self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None, noise: StepNoise | None = None
     ) -> torch.Tensor:
-        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (same settings for every head).
+        """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (the same settings for
+        every head of an item).
 
         `drawing` [batch]: the items that make a frame now; the others draw nothing (their code is
         meaningless). `noise`: the step's numbers drawn ahead (`step_noise`)."""
         logits = logits[:, -1]
-        settings = self.settings
-        if not settings.do_sample:
-            return logits.argmax(dim=-1)[:, None]
-        given = None if noise is None else noise.codebooks[:, codebook_index - 1]
-        if fused_step.use_kernel(logits):
-            # one fused kernel for the filtered draw, over the noise the reference would divide by
-            if given is None:
-                given = race_noise(torch.empty(logits.shape, device=logits.device), self.generators, drawing=drawing)
-            codes = fused_step.filtered_race(logits, given, settings.temperature, settings.codebook_top_k, settings.top_p, False)
-            return codes[:, None]
-        codes = self._draw(logits, settings.temperature, settings.codebook_top_k, settings.top_p, False, drawing=drawing, noise=given)
-        return codes[:, None]
+        given_all = None if noise is None else noise.codebooks[:, codebook_index - 1]
 
-    # -- drawing a step's numbers ahead (the static decode step) ---------------------------------
+        def draw(settings: SamplingSettings, pick, rows) -> torch.Tensor:
+            head = pick(logits)
+            if not settings.do_sample:
+                return head.argmax(dim=-1)
+            given, generators = pick(given_all), self._generators(rows)
+            if fused_step.use_kernel(head):
+                # one fused kernel for the filtered draw, over the noise the reference would divide by
+                if given is None:
+                    given = race_noise(torch.empty(head.shape, device=head.device), generators, drawing=pick(drawing))
+                return fused_step.filtered_race(head, given, settings.temperature, settings.codebook_top_k, settings.top_p, False)
+            return self._draw(head, settings.temperature, settings.codebook_top_k, settings.top_p, False,
+                              drawing=pick(drawing), noise=given, generators=generators)
+
+        return self._per_group(logits[:, 0].long(), draw)[:, None]
+
+    # -- drawing a step's numbers ahead (the decode step) -----------------------------------------
 
     def step_noise(self, batch: int, candidates: int, num_codebooks: int, device: torch.device) -> StepNoise | None:
         """Every number one decode step may draw, drawn now, in the order the step would draw them:
         the main draw (and the RAS draw) over `candidates`, then one row of `codebook_size` per
-        acoustic codebook, for every item. None when nothing is drawn (greedy).
+        acoustic codebook, for every item that samples (a greedy item or one without RAS draws none
+        of those numbers). None when nothing is drawn (greedy).
 
         An item that then makes no frame would not have drawn its codebook numbers: `rewind`
         takes them back, so the generators end where a step that drew on demand leaves them."""
-        if not self.settings.do_sample:
+        sampling = [settings.do_sample for settings in self.row_settings]
+        if not any(sampling):
             return None
+        with_ras = [settings.do_sample and settings.repetition_aware for settings in self.row_settings]
+
+        def only(flags):  # which items draw; None: all of them (the plain, uniform batch)
+            return None if all(flags) else torch.tensor(flags, device=device)
+
         shape = torch.empty(batch, candidates, device=device)
-        main = race_noise(shape, self.generators, self.main_widths)
-        ras = race_noise(shape, self.generators, self.main_widths) if self.settings.repetition_aware else None
+        main = race_noise(shape, self.generators, self.main_widths, only(sampling))
+        ras = race_noise(shape, self.generators, self.main_widths, only(with_ras)) if any(with_ras) else None
         marks = [generator.get_state() for generator in self._generators_of(device)]
         row = torch.empty(batch, self.codebook_size, device=device)
-        codebooks = torch.stack([race_noise(row, self.generators) for _ in range(num_codebooks - 1)], dim=1)
+        codebooks = torch.stack([race_noise(row, self.generators, drawing=only(sampling)) for _ in range(num_codebooks - 1)], dim=1)
         return StepNoise(main, ras, codebooks, marks)
 
     def rewind(self, noise: StepNoise | None, speaking: torch.Tensor, boundary: torch.Tensor) -> None:

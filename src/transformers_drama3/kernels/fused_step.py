@@ -60,7 +60,7 @@ def use_kernel(tensor: torch.Tensor) -> bool:
     """Whether a kernel serves `tensor`: a CUDA tensor, with Triton installed, in eager code.
 
     Under `torch.compile` the references run instead: inductor fuses them into its own kernels
-    (the static decode step, `static_decoding.py`), and a graph holds no opaque launch."""
+    (the compiled decode step, `decoding/step.py`), and a graph holds no opaque launch."""
     return triton is not None and tensor.is_cuda and not torch.compiler.is_compiling()
 
 
