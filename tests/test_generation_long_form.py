@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generation_helpers import RecordingStreamer
-from transformers_drama3.codec.take_streaming import decode_audio
+from transformers_drama3.codec.take_streaming import WaveformStreamer, decode_audio
 from transformers_drama3 import long_form
 from transformers_drama3.long_form import generate_long_form
 
@@ -51,8 +51,13 @@ def test_one_waveform_of_all_the_chunks(bundle):
     model, processor = bundle
     out = generate_long_form(model, processor, TEXT, seed=1, max_new_tokens=3, progress=False)
     assert out.audio_codes.shape[0] == sum(out.chunk_lengths)
+    # the call's one streaming decoder, window by window (10, 10, 12, ...) across the chunk seams
+    streamer = WaveformStreamer(processor.codec, 0.0)
+    chunks = streamer.push(list(out.audio_codes)) + streamer.finish()
+    assert torch.equal(out.audio, torch.cat([chunk.audio for chunk in chunks]))
+    # float32 codec: its streaming state and one offline pass round differently (~1e-4 at most)
     expected = decode_audio(processor.codec, out.audio_codes[None], torch.tensor([out.audio_codes.shape[0]]))[0]
-    assert torch.equal(out.audio, expected)
+    torch.testing.assert_close(out.audio, expected, rtol=0, atol=1e-3)
     assert out.sampling_rate == 44100
 
 
@@ -62,8 +67,9 @@ def test_a_long_form_stream_equals_the_offline_waveform(bundle):
     streamed = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False, streamer=streamer)
     offline = generate_long_form(model, processor, TEXT, seed=2, max_new_tokens=3, progress=False)
     assert streamer.ends == 1
-    # float32 codec: its streaming state and one offline pass round differently (~1e-4 at most)
-    assert torch.allclose(torch.cat(streamer.values), offline.audio, atol=1e-3)
+    # both decode every frame once through one streaming decoder, in the same windows
+    assert torch.equal(torch.cat(streamer.values), streamed.audio)
+    assert torch.equal(streamed.audio, offline.audio)
     assert streamed.time_to_first_audio is not None
 
 

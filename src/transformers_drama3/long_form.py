@@ -4,7 +4,10 @@ a scene spoken one speaker turn at a time (`generate_scene_turns`).
 This module sits above the processor: it cuts the script with `Drama3Processor.chunk`, builds each
 chunk's prompt with the processor (the first and the previous take as history,
 `prompting.long_text_history`), and speaks each prompt with `generation_drama3.generate`. The takes'
-codes are concatenated and decoded once; a streamer gets one waveform stream across every chunk.
+codes are concatenated, and every frame goes once through one `WaveformStreamer` (the codec's
+streaming decoder, its state running on over the chunk seams): a caller's streamer gets its
+chunks as frames are made, and the same chunks make `LongFormOutput.audio`, so a streamed call
+decodes each frame once and writes the same waveform as a call without a streamer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .codec.take_streaming import WaveformStreamer, decode_audio, put_chunk
+from .codec.take_streaming import WaveformStreamer, put_chunk
 from .generation_drama3 import check_codec_matches, generate
 from .processing_drama3 import Drama3Processor
 from .prompting import Script, Take, long_text_history, parse_text, speaker_turns
@@ -50,7 +53,8 @@ class SpeakerTurn:
 class LongFormOutput:
     """A long text spoken chunk by chunk.
 
-    audio: [samples] the whole waveform (when the processor has a codec), decoded in one pass;
+    audio: [samples] the whole waveform (when the processor has a codec): the chunks of the call's
+    one `WaveformStreamer`, the same with a streamer or without;
     audio_codes: [frames, num_codebooks] every chunk's take, in order; chunk_lengths: frames per
     chunk; chunks: the chunk scripts; finish_reasons / anomalies: per chunk; time_to_first_audio:
     seconds to the first streamed chunk (with a streamer); turns: the speaker turns, when the
@@ -68,35 +72,78 @@ class LongFormOutput:
     turns: list[SpeakerTurn] | None = None
 
 
-class _FramesToWaveform:
-    """A streamer for `generate` (frames in, no end per chunk) that feeds one `WaveformStreamer`
-    across every chunk, so the codec's decoder state runs on over the chunk seams."""
+class _LongFormWaveform:
+    """The one waveform stream of a long-form call: every frame of every take goes once through
+    one `WaveformStreamer`, whose decoder state runs on over the chunk seams. Its chunks go to the
+    caller's streamer (`target`, when there is one) and make the call's waveform (`audio`).
 
-    def __init__(self, target, waveform_streamer: WaveformStreamer):
-        self.target, self.waveform_streamer = target, waveform_streamer
+    With a target the frames come live, as `generate` makes them (this is `generate`'s streamer:
+    frames in, no end per chunk); without one each take's codes are pushed once it is spoken.
+    The window schedule depends only on how many frames came before, so both ways decode the
+    same windows and give the same waveform."""
+
+    def __init__(self, codec, target):
+        self.codec, self.target = codec, target
+        decodes = codec is not None or target is not None
+        self.waveform_streamer = WaveformStreamer(codec, time.perf_counter()) if decodes else None
+        self.pieces: list[torch.Tensor] = []
+
+    @property
+    def live(self) -> bool:
+        """Frames come from `generate` as they are made (a caller streams), not once per take."""
+        return self.target is not None
 
     def put(self, frames: torch.Tensor) -> None:
-        for chunk in self.waveform_streamer.push(list(frames[0])):
-            put_chunk(self.target, chunk)
+        """frames: [1, frames, num_codebooks], final."""
+        self._push(frames[0])
 
     def end(self) -> None:
         """A chunk ended; the stream goes on."""
 
-    def close(self) -> None:
-        for chunk in self.waveform_streamer.finish():
-            if chunk.codes.numel():
-                put_chunk(self.target, chunk)
-        self.target.end()
+    def take_spoken(self, codes: torch.Tensor) -> None:
+        """A take [frames, num_codebooks] is spoken: push it, unless its frames came live."""
+        if not self.live and self.waveform_streamer is not None:
+            self._push(codes)
+
+    def close(self) -> torch.Tensor | None:
+        """End the stream (the target's `end()`); the whole waveform [samples], without a codec None."""
+        if self.waveform_streamer is not None:
+            for chunk in self.waveform_streamer.finish():
+                if chunk.codes.numel() or (chunk.audio is not None and chunk.audio.numel()):
+                    self._hand_on(chunk)
+        if self.target is not None:
+            self.target.end()
+        if self.codec is None:
+            return None
+        if not self.pieces:
+            return torch.zeros(0, device=self.codec.device)
+        return torch.cat(self.pieces)
+
+    @property
+    def time_to_first_audio(self) -> float | None:
+        """Seconds to the first streamed chunk; None when the call does not stream."""
+        return self.waveform_streamer.time_to_first_audio if self.live else None
+
+    def _push(self, frames: torch.Tensor) -> None:
+        for chunk in self.waveform_streamer.push(list(frames)):
+            self._hand_on(chunk)
+
+    def _hand_on(self, chunk) -> None:
+        if chunk.audio is not None:
+            self.pieces.append(chunk.audio)
+        if self.target is not None:
+            put_chunk(self.target, chunk)
 
 
 class _FrameProgress:
     """The progress bar of a long-form call: the frames made so far and the seconds of audio they
     hold, advanced as each frame is final (`generate` hands it the frames as their streamer, and it
-    hands them on to `relay` when the call streams audio). A call that regenerates anomalous
+    hands them on to the waveform when the call streams audio). A call that regenerates anomalous
     takes cannot stream, so its bar advances once per chunk instead."""
 
-    def __init__(self, frame_rate: float, relay: _FramesToWaveform | None, enabled: bool):
-        self.frame_rate, self.relay, self.enabled = frame_rate, relay, enabled
+    def __init__(self, frame_rate: float, waveform: _LongFormWaveform, enabled: bool):
+        self.frame_rate, self.waveform, self.enabled = frame_rate, waveform, enabled
+        self.relay = waveform if waveform.live else None
         self.bar = tqdm(desc="speaking", unit="frame", disable=not enabled)
         self.where = ""
 
@@ -112,6 +159,13 @@ class _FrameProgress:
     def advance(self, frames: int) -> None:
         self.bar.update(frames)
         self._show()
+
+    def take_spoken(self, codes: torch.Tensor, regenerating: bool) -> None:
+        """A chunk's take [frames, num_codebooks] is final: to the waveform (once), to the bar
+        when its frames did not come one by one."""
+        if regenerating:
+            self.advance(codes.shape[0])
+        self.waveform.take_spoken(codes)
 
     def put(self, frames: torch.Tensor) -> None:
         """frames: [1, frames, num_codebooks], final."""
@@ -162,12 +216,6 @@ def _long_form_script(processor: Drama3Processor, text, references, strict_speak
     return script
 
 
-def _waveform_relay(streamer, codec) -> _FramesToWaveform | None:
-    if streamer is None:
-        return None
-    return _FramesToWaveform(streamer, WaveformStreamer(codec, time.perf_counter()))
-
-
 def _speak_chunks(model, processor: Drama3Processor, script, seed, progress: _FrameProgress, max_new_tokens,
                   generate_kwargs, where: str = "") -> _SpokenChunks:
     """Speak `script` chunk by chunk; chunk k draws with seed + k and has the history of the first
@@ -193,8 +241,7 @@ def _speak_chunks(model, processor: Drama3Processor, script, seed, progress: _Fr
             **generate_kwargs,
         )
         codes = output.audio_codes[0, : int(output.lengths[0])]
-        if regenerating:
-            progress.advance(codes.shape[0])
+        progress.take_spoken(codes, regenerating)
         spoken.codes.append(codes)
         spoken.finish_reasons.append(output.finish_reasons[0])
         spoken.anomalies.append(output.anomalies[0])
@@ -204,18 +251,14 @@ def _speak_chunks(model, processor: Drama3Processor, script, seed, progress: _Fr
 
 
 def _long_form_output(model, codec, spoken: _SpokenChunks, progress: _FrameProgress, turns=None) -> LongFormOutput:
-    """Every take's codes in order, decoded in one pass; ends the stream and the bar."""
+    """Every take's codes in order and their waveform (each frame decoded once, by the call's one
+    `WaveformStreamer`); ends the stream and the bar."""
     progress.close()
-    relay = progress.relay
-    if relay is not None:
-        relay.close()
+    audio = progress.waveform.close()
     if spoken.codes:
         audio_codes = torch.cat(spoken.codes)
     else:
         audio_codes = torch.zeros(0, model.config.num_codebooks, dtype=torch.long)
-    audio = None
-    if codec is not None:
-        audio = decode_audio(codec, audio_codes[None], torch.tensor([audio_codes.shape[0]]))[0]
     return LongFormOutput(
         audio=audio,
         audio_codes=audio_codes,
@@ -224,7 +267,7 @@ def _long_form_output(model, codec, spoken: _SpokenChunks, progress: _FrameProgr
         finish_reasons=spoken.finish_reasons,
         anomalies=spoken.anomalies,
         sampling_rate=None if codec is None else codec.sampling_rate,
-        time_to_first_audio=None if relay is None else relay.waveform_streamer.time_to_first_audio,
+        time_to_first_audio=progress.waveform.time_to_first_audio,
         turns=turns,
     )
 
@@ -293,7 +336,7 @@ def generate_long_form(
     if references is None:
         references = processor.references_from(reference_audio, reference_text, reference_speaker)
     script = _long_form_script(processor, text, references)
-    bar = _FrameProgress(processor.frame_rate, _waveform_relay(streamer, processor.codec), progress)
+    bar = _FrameProgress(processor.frame_rate, _LongFormWaveform(processor.codec, streamer), progress)
     spoken = _speak_chunks(model, processor, script, seed, bar, max_new_tokens, generate_kwargs)
     return _long_form_output(model, processor.codec, spoken, bar)
 
@@ -319,7 +362,8 @@ def generate_scene_turns(
     The script is cut into speaker turns (maximal runs of consecutive lines of one speaker;
     `prompting.speaker_turns`): each is spoken from that speaker's references alone, renumbered to
     speaker 0, as a long text of its own (it chunks when long; its chunks share history, turns do
-    not). The turns' codes are concatenated in order and decoded once. Chunk k of the whole scene
+    not). The turns' codes are concatenated in order and each frame is decoded once, by one
+    `WaveformStreamer` across every turn. Chunk k of the whole scene
     draws with seed + k, so a one-speaker script gives `generate_long_form`'s joint take. The tqdm
     bar counts frames, as in `generate_long_form`, and names the turn. Arguments as in `generate_long_form`; every speaker needs a reference.
 
@@ -332,7 +376,7 @@ def generate_scene_turns(
     # speaker_turns names a speaker without a reference in this mode's words
     script = _long_form_script(processor, text, references, strict_speakers=False)
     requests = speaker_turns(script)
-    bar = _FrameProgress(processor.frame_rate, _waveform_relay(streamer, processor.codec), progress)
+    bar = _FrameProgress(processor.frame_rate, _LongFormWaveform(processor.codec, streamer), progress)
     spoken, turns = _SpokenChunks(), []
     for index, (speaker, request) in enumerate(requests):
         turn_seed = None if seed is None else seed + len(spoken.chunks)
