@@ -285,3 +285,61 @@ def test_no_package_module_is_imported_inside_a_function():
 def test_the_serving_subpackage_is_imported_lazily_only_where_it_is_used():
     lazy = {(short(module), short(target)) for module, target in internal_function_imports() if needs_an_optional_extra(target)}
     assert {module for module, _ in lazy} <= {"cli"}, lazy
+
+
+# ----------------------------------------------------------------------------- the console script
+
+CONSOLE_SCRIPT = "drama3_cli"
+CONSOLE_SCRIPT_PATH = ROOT.parent / f"{CONSOLE_SCRIPT}.py"
+
+
+def all_imports(tree: ast.Module):
+    """Every import statement, wherever it is: module level, functions, `if TYPE_CHECKING:`."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def imports_the_console_script(node: ast.Import | ast.ImportFrom) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == CONSOLE_SCRIPT for alias in node.names)
+    return node.level == 0 and (node.module or "").split(".")[0] == CONSOLE_SCRIPT
+
+
+def test_no_module_of_the_package_imports_the_console_script():
+    """`drama3_cli` (beside the package) is the console script's thin front; the package never
+    imports it, at module level or inside a function."""
+    found = [
+        f"{short(name)}:{node.lineno}"
+        for name, module in MODULES.items()
+        for node in all_imports(ast.parse(module.path.read_text(encoding="utf-8"), str(module.path)))
+        if imports_the_console_script(node)
+    ]
+    assert not found, "modules importing the console script: " + ", ".join(found)
+
+
+def test_no_import_cycle_through_the_console_script_at_run_time():
+    """The package's graph with function-level imports as edges, plus the console script and what
+    it imports (its `main` imports the package inside the function): still no cycle."""
+    script = Module(CONSOLE_SCRIPT, CONSOLE_SCRIPT_PATH, is_package=False)
+    tree = ast.parse(CONSOLE_SCRIPT_PATH.read_text(encoding="utf-8"), str(CONSOLE_SCRIPT_PATH))
+    graph = full_import_graph()
+    graph[CONSOLE_SCRIPT] = {target for node in all_imports(tree) for target in resolve(script, node)}
+    assert graph[CONSOLE_SCRIPT], "the console script imports the package (the graph reader sees it)"
+    for name, module in MODULES.items():
+        package_tree = ast.parse(module.path.read_text(encoding="utf-8"), str(module.path))
+        if any(imports_the_console_script(node) for node in all_imports(package_tree)):
+            graph[name].add(CONSOLE_SCRIPT)
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(short(module) for module in cycle) for cycle in found)
+
+
+def test_the_command_line_parser_imports_only_the_standard_library():
+    """The console script loads `cli_arguments` without the package's `__init__` (so `--help` needs
+    no torch): it may import nothing of the package and nothing outside the standard library."""
+    path = ROOT / "cli_arguments.py"
+    imported = {
+        ("." * node.level + (node.module or "")) if isinstance(node, ast.ImportFrom) else alias.name
+        for node in all_imports(ast.parse(path.read_text(encoding="utf-8")))
+        for alias in (node.names if isinstance(node, ast.Import) else [None])
+    }
+    outside = {name for name in imported if name.split(".")[0] not in sys.stdlib_module_names}
+    assert not outside, f"cli_arguments imports {sorted(outside)}"

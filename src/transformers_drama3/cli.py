@@ -1,9 +1,9 @@
-"""What the `drama3` command does, once `drama3_cli` has parsed its arguments.
+"""What the `drama3` command does, once its arguments are parsed (`cli_arguments`).
 
-The console script is `drama3_cli:main`: it parses the command line without importing torch (so
-`drama3 --help` and argument errors answer at once), then calls `run` here. `main(argv)` does
-both, for Python callers and tests. Each subcommand is a `run_<name>(args)` in `HANDLERS` and a
-parser in `drama3_cli`. `eval` measures whether a model says the words (`evaluation`, the [eval]
+The console script is `drama3_cli:main`, beside the package: it parses the command line without
+importing torch (so `drama3 --help` and argument errors answer at once), then calls `run` here.
+`main(argv)` does both, for Python callers and tests. Each subcommand is a `run_<name>(args)` in
+`HANDLERS` and a parser in `cli_arguments`. `eval` measures whether a model says the words (`evaluation`, the [eval]
 extra); drama3-tiny's full evaluation (voice, directions, DTW on the corpus's held-out split) is
 research code and runs from the source tree: `python -m recipes.drama3_tiny.evaluation`.
 """
@@ -18,9 +18,9 @@ from dataclasses import asdict
 
 import numpy as np
 import soundfile
-from drama3_cli import build_parser
 
 from .accounting import account, format_table
+from .cli_arguments import build_parser
 from .configuration_drama3 import Drama3Config
 from .evaluation import asr
 from .evaluation.espeak import INSTALL_HINT as ESPEAK_HINT
@@ -402,7 +402,7 @@ def run_eval(args) -> int:
 
 
 HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo, "eval": run_eval}
-"""Each subcommand's work, given the arguments `drama3_cli` parsed; returns the exit code."""
+"""Each subcommand's work, given its parsed arguments (`cli_arguments`); returns the exit code."""
 
 
 def run(args) -> int:
@@ -415,7 +415,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`drama3 ARGV`: parse with `drama3_cli`, run here."""
+    """`drama3 ARGV`: parse (`cli_arguments`), run here."""
     return run(build_parser().parse_args(argv))
 
 

@@ -13,9 +13,9 @@ import contextlib
 import os
 
 import torch
-from drama3_cli import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
 from transformers.utils import logging as hf_logging
 
+from .cli_arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
 from .modeling_drama3 import Drama3ForSpeechGeneration
 from .processing_drama3 import Drama3Processor
 

@@ -1,0 +1,197 @@
+"""The `drama3` command line's arguments: the parser, its subcommands and their defaults.
+
+    drama3 say "text" -o out.wav [--reference a.wav --reference-text "..." [--reference-speaker N]] [--model PATH_OR_REPO]
+                                 [--voice A[,D...]] [--scene auto|joint|turns] [--stream] [--seed N]
+                                 [--preset serving|paper-eval] ...
+    drama3 table [--config config.json]
+    drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
+    drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
+    drama3 eval [--model PATH_OR_REPO] [--voice A,B] [--sentences N | --sentences-file FILE] [--json out.json]
+
+Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
+espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
+voices (`--voice`, default A; `--voice A,B` gives speaker 0 voice A and speaker 1 voice B). Each
+`--reference` clones speaker 0 unless its `--reference-speaker` says otherwise.
+
+This module imports only the standard library, nothing of the package nor torch: the console
+script (`drama3_cli`, beside the package) loads it alone, without the package's `__init__`, so
+that `--help` and a mistyped flag answer before torch and transformers are imported (seconds). A
+parsed command is run by `cli.run`. Subcommands are registered in `SUBCOMMANDS`: each is a
+function `add_<name>(subparsers)` that adds its parser; its work is `cli.HANDLERS[name]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_MODEL = "fishaudio/drama-3"
+EXIT_USAGE = 2
+MAX_CHARS = 4096
+"""Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
+THREADS_HELP = (
+    "CPU threads to decode with: auto (default) picks them from the model's size and the cores other "
+    "programs leave idle (one thread for drama3-tiny, or on a busy machine); N uses N"
+)
+
+
+def add_decoding_switches(parser) -> None:
+    """`--ras` and `--alignment` (on / off; default: the model's generation config), for say and eval."""
+    parser.add_argument(
+        "--ras", choices=["on", "off"], default=None,
+        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
+    )
+    parser.add_argument(
+        "--alignment", choices=["on", "off"], default=None,
+        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
+             "off draws every code freely)",
+    )
+
+
+def thread_count(value: str):
+    """`--threads`: "auto" or a positive number of threads."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or a positive number of threads")
+    return count
+
+
+def add_say(subparsers) -> None:
+    parser = subparsers.add_parser("say", help="speak a text into an audio file")
+    parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
+    parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
+    parser.add_argument(
+        "--model", default=None,
+        help=f"checkpoint folder or Hub repo, e.g. {DEFAULT_MODEL} (default: the bundled drama3-tiny)",
+    )
+    parser.add_argument(
+        "--voice", default=None,
+        help="bundled drama3-tiny voices (A, B) when no --reference is given; a comma list gives "
+             "speaker i of the text the i-th voice (--voice A,B)",
+    )
+    parser.add_argument(
+        "--scene", choices=["auto", "joint", "turns"], default="auto",
+        help="speak several speakers in one take per chunk (joint) or one speaker turn at a time (turns); "
+             "auto: as the model's generation config says, else joint",
+    )
+    parser.add_argument("--reference", action="append", default=[], help="reference audio file (repeatable)")
+    parser.add_argument("--reference-text", action="append", default=[], help="transcript of each --reference")
+    parser.add_argument(
+        "--reference-speaker", action="append", type=int, default=[],
+        help="speaker N (<|speaker:N|>) of each --reference, in the same order (default: all speaker 0)",
+    )
+    parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
+    parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
+    parser.add_argument(
+        "--preset", choices=["serving", "paper-eval"], default=None,
+        help="sampling preset, in place of the model's generation config (default: the model's own settings, "
+        "which for the published model are the serving defaults)",
+    )
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    add_decoding_switches(parser)
+    parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
+    parser.add_argument(
+        "--max-chars", type=int, default=MAX_CHARS,
+        help=f"refuse texts longer than this many characters (default {MAX_CHARS}, like OpenAI's speech API; "
+             "at the default frame cap 100k characters would take hours on a CPU)",
+    )
+    parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (loading or speaking)")
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)
+
+
+def add_table(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "table", help="print the paper's per-frame table computed from the model built on the meta device"
+    )
+    parser.add_argument("--config", help="a config.json to account instead of the default full-size Drama 3")
+
+
+def add_serve(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoded together")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (then 429)")
+    parser.add_argument(
+        "--voice", action="append", default=[],
+        help="register a voice: NAME=clip.wav:transcript.txt (repeatable; NAME=a.wav:a.txt,b.wav:b.txt gives "
+             "speakers 0 and 1)",
+    )
+    parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("DRAMA3_API_KEY"),
+        help="require Authorization: Bearer KEY on every route but /health (default: $DRAMA3_API_KEY, which "
+             "keeps the key out of the process list)",
+    )
+    parser.add_argument(
+        "--open-listings", action="store_true",
+        help="with a key, still answer GET /v1/models, /v1/audio/models and /v1/audio/voices without it "
+             "(for front ends such as Open WebUI that list without credentials)",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive whole (then 408)")
+    parser.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                        help="seconds a text stream waits for its start and each next message (then close code 4408)")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)
+
+
+def add_demo(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="open the Gradio demo: direct a scene, hear it stream, revise the take")
+    parser.add_argument(
+        "--model", default=None,
+        help="checkpoint folder or Hub repo (default: $DRAMA3_MODEL, else the bundled drama3-tiny)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
+    parser.add_argument("--max-batch", type=int, default=4, help="takes decoded together (more wait in the queue)")
+    parser.add_argument("--device", default="auto")
+
+
+def add_eval(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="does the model say the words? Whisper WER of espeak originals, codec resyntheses and outputs",
+        description="Every voice speaks every held-out sentence; Whisper tiny.en (offline, the [eval] extra) "
+                    "writes down what it hears in the espeak-ng original, its codec resynthesis and the model's "
+                    "output. Prints a WER table per voice. Needs espeak-ng.",
+    )
+    parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
+    parser.add_argument("--voice", default=None, help="bundled drama3-tiny voices to clone (default: all of them, A,B)")
+    parser.add_argument("--sentences", type=int, default=None, help="speak only the first N held-out sentences (of 12)")
+    parser.add_argument("--sentences-file", default=None, help="a UTF-8 file of sentences to speak instead, one per line")
+    parser.add_argument("--seed", type=int, default=None, help="take i of each voice uses seed + i (default 0)")
+    parser.add_argument("--seeds", default=None,
+                        help="several seeds, e.g. 0,100,200: every sentence spoken once per seed, the WERs pooled "
+                             "(the outputs are drawn; one seed's WER moves by several points)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
+    add_decoding_switches(parser)
+    parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
+    parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve, add_demo, add_eval]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drama3", description="Fish Audio Drama 3 text-to-speech")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
