@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from transformers_drama3.quantization import (
+from transformers_drama3.checkpoint.quantization import (
     FP8_DTYPE,
     FP8_MAX,
     NON_EXPERT_MODULES,

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
 
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers_drama3 import Drama3Cache, Drama3Config, Drama3ForSpeechGeneration
-from transformers_drama3.quantization import dequantize_block_fp8, quantize_saved_experts
+from transformers_drama3.checkpoint.quantization import dequantize_block_fp8, quantize_saved_experts
 
 BLOCK_FP8 = {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 

@@ -20,8 +20,8 @@ import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers import AutoModel
 from transformers_drama3 import Drama3ForSpeechGeneration
 from transformers_drama3.accounting import round_trip_memory
-from transformers_drama3.loaded_checkpoint import published_state_dict
-from transformers_drama3.quantization import (
+from transformers_drama3.checkpoint.loaded_checkpoint import published_state_dict
+from transformers_drama3.checkpoint.quantization import (
     FP8_DTYPE,
     dequantize_block_fp8,
     is_routed_expert_weight,

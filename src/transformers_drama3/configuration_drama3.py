@@ -15,7 +15,7 @@ import os
 
 from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 
-from .quantization import is_block_fp8_config, transformers_quantization_config
+from .checkpoint.quantization import is_block_fp8_config, transformers_quantization_config
 
 SPEECH_TEMPLATE_VERSION = "reference-bracket-v1"
 # Codes per frame: codebook 0 (semantic) and 9 acoustic ones. The one source of this count.

@@ -9,7 +9,6 @@ published checkpoint, so its tensors load under their own names.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -31,20 +30,20 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
 from transformers.utils import ModelOutput
 from transformers.utils.generic import is_flash_attention_requested
 
-from .checkpoint_files import check_dtype, check_weight_files
+from .checkpoint.files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 # Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
 from .decoding.sampler import drama3_generation_config
 from .decoding.state import Drama3Cache
 from .generation_drama3 import Drama3GenerationMixin
 from .generation_text_stream import Drama3TextStreamingMixin
-from .loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
+from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 # The label of an unsupervised row: defined once, by the rows that carry it.
 from .prompting import IGNORE_INDEX
-from .quantization import dequantize_state_dict, fuse_expert_weights, quantize_saved_experts
-from .integrations import PreTrainedModelWithLoadedFiles, start_hub_upload
+from .checkpoint.quantization import dequantize_state_dict, fuse_expert_weights
+from .integrations import PreTrainedModelWithLoadedFiles
 from .kernels import fused_step
-from .saving import save_published
+from .checkpoint.saving import save_model
 from .rope import apply_interleaved_rope, rope_cos_sin
 
 
@@ -371,7 +370,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         # The published serving defaults, so pipelines and saved checkpoints carry them.
         self.generation_config = drama3_generation_config(config)
         # What the weights were loaded from, so that `save_pretrained` writes it back unchanged
-        # (`loaded_checkpoint.py`); None for a model built from a config. Set it to None to free
+        # (`checkpoint/loaded_checkpoint.py`); None for a model built from a config. Set it to None to free
         # the kept FP8 experts (a later save then re-quantises every expert).
         self.loaded_checkpoint: LoadedCheckpoint | None = None
         self.register_load_state_dict_pre_hook(_published_layout_to_modules)
@@ -394,11 +393,12 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         save_original_format: bool = True,
         **kwargs,
     ):
-        """Save in the published layout (`saving.py`): per-expert tensor names, each tensor in the
-        dtype it was loaded in (float32 `A_log`), and, when the config says "bsgemm-moe", the
-        routed experts in block-FP8 with their `weight_scale_inv`. A tensor unchanged since loading
-        is written byte for byte as loaded, into the same shard files when the checkpoint was
-        sharded and each shard fits `max_shard_size`; a changed routed expert is re-quantised.
+        """Save in the published layout (`checkpoint/saving.py`): per-expert tensor names, each
+        tensor in the dtype it was loaded in (float32 `A_log`), and, when the config says
+        "bsgemm-moe", the routed experts in block-FP8 with their `weight_scale_inv`. A tensor
+        unchanged since loading is written byte for byte as loaded, into the same shard files when
+        the checkpoint was sharded and each shard fits `max_shard_size`; a changed routed expert is
+        re-quantised.
 
         Returns the names of the routed expert weights quantised from the model's weights (changed
         since loading; all of them for a model not loaded from block-FP8 experts).
@@ -408,34 +408,11 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         checkpoints, models sharded by transformers' `distributed_config` and models offloaded by a
         device map go through transformers' writer, with the experts quantised afresh.
         """
-        offloaded = {"cpu", "disk"} & set((getattr(self, "hf_device_map", None) or {}).values())
-        if (
-            getattr(self, "_hf_peft_config_loaded", False)
-            or variant is not None
-            or not save_original_format
-            or kwargs.get("distributed_checkpoint")
-            or offloaded
-            or getattr(self.config, "distributed_config", None) is not None
-        ):
-            super().save_pretrained(
-                save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
-                max_shard_size=max_shard_size, variant=variant, token=token, save_peft_format=save_peft_format,
-                save_original_format=save_original_format, **kwargs,
-            )
-            if self.config.is_block_fp8 and is_main_process and not getattr(self, "_hf_peft_config_loaded", False):
-                block = tuple(self.config.published_quantization_config.get("weight_block_size", (128, 128)))
-                quantize_saved_experts(save_directory, block)
-            return []
-        if os.path.isfile(save_directory):
-            raise ValueError(f"save_directory must be a directory; {os.fspath(save_directory)!r} is a file")
-        if not is_main_process:
-            return []
-        os.makedirs(save_directory, exist_ok=True)
-        upload = start_hub_upload(self, save_directory, token, kwargs) if push_to_hub else None
-        quantized = save_published(self, save_directory, state_dict, max_shard_size)
-        if upload is not None:
-            upload()
-        return quantized
+        return save_model(
+            self, save_directory, super().save_pretrained, is_main_process=is_main_process, state_dict=state_dict,
+            push_to_hub=push_to_hub, max_shard_size=max_shard_size, variant=variant, token=token,
+            save_peft_format=save_peft_format, save_original_format=save_original_format, **kwargs,
+        )
 
     # -- small helpers used by generation and training ----------------------------------------
 
@@ -872,81 +849,3 @@ def _masked_cross_entropy(
     if total <= 0:
         return logits.sum() * 0.0
     return (losses * weights[mask]).sum() / total
-
-
-# ----------------------------------------------------------------------------- reward model
-
-
-SCORE_REGULARISER = 1e-3
-
-
-@dataclass
-class RewardOutput(ModelOutput):
-    """loss: Bradley-Terry + regulariser (with labels); logits: [batch, 1] scores of each take
-    (pairs: A takes first, then B takes); accuracy: share of pairs ranked as labelled."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    scores_a: torch.Tensor | None = None
-    scores_b: torch.Tensor | None = None
-
-
-def bradley_terry_loss(scores_a: torch.Tensor, scores_b: torch.Tensor, labels: torch.Tensor,
-                       regulariser: float = SCORE_REGULARISER) -> torch.Tensor:
-    """Mean over pairs of the BT loss (labels: 1 = A preferred, 0 = B; soft labels allowed)."""
-    margin = scores_a - scores_b
-    labels = labels.to(margin.dtype)
-    nll = -(labels * F.logsigmoid(margin) + (1 - labels) * F.logsigmoid(-margin))
-    return (nll + regulariser * (scores_a**2 + scores_b**2)).mean()
-
-
-class Drama3ForRewardModeling(Drama3PreTrainedModel):
-    """Backbone + partial codebook fusion + a scalar `score` head on each take's end row.
-
-    forward(input_ids [n, rows], audio_codes [n, rows, C], attention_mask, end_positions [n],
-    labels [pairs]): rows of a pair batch hold the A takes then the B takes (n = 2 * pairs);
-    without labels, any n is scored. `end_positions` default to each row's last real row.
-    """
-
-    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.", r"^audio_decoder_mtp", r"^mtp\."]
-
-    # The fusion and the semantic band are the speech model's own methods (same attribute names).
-    backbone = Drama3ForSpeechGeneration.backbone
-    embed_rows = Drama3ForSpeechGeneration.embed_rows
-    is_semantic = Drama3ForSpeechGeneration.is_semantic
-
-    def __init__(self, config: Drama3Config):
-        super().__init__(config)
-        self.model = Drama3Model(config)
-        self.audio_decoder = Drama3CodebookEmbeddings(config.audio_decoder_config)
-        self.score = nn.Linear(config.hidden_size, 1, bias=False)
-        self.backbone_codebooks = config.audio_decoder_config.vq_backbone_codebooks
-        self.num_codebooks = config.audio_decoder_config.num_codebooks
-        self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embed_tokens
-
-    def forward(self, input_ids, audio_codes=None, attention_mask=None, end_positions=None, labels=None, **kwargs):
-        batch, rows = input_ids.shape
-        if audio_codes is None:
-            audio_codes = input_ids.new_zeros(batch, rows, self.num_codebooks)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        hidden = self.backbone(
-            inputs_embeds=self.embed_rows(input_ids, audio_codes),
-            attention_mask=attention_mask,
-            position_ids=positions_from_mask(attention_mask),
-            use_cache=False,
-        ).last_hidden_state
-        if end_positions is None:
-            end_positions = rows - 1 - attention_mask.flip(-1).long().argmax(-1)  # last real row
-        scores = self.score(hidden[torch.arange(batch, device=hidden.device), end_positions]).squeeze(-1).float()
-        output = RewardOutput(logits=scores[:, None])
-        if labels is not None:
-            pairs = labels.shape[0]
-            if batch != 2 * pairs:
-                raise ValueError(f"labels: {pairs} pairs need 2 x {pairs} rows (A takes then B takes); got {batch}")
-            output.scores_a, output.scores_b = scores[:pairs], scores[pairs:]
-            output.loss = bradley_terry_loss(output.scores_a, output.scores_b, labels)
-        return output

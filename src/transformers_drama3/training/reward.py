@@ -9,7 +9,7 @@ regulariser:
 
 Its backbone and codebook tables have the speech model's names (`model.language_model.*`,
 `audio_decoder.codebook_embeddings`), so `from_pretrained` of a speech checkpoint loads them and
-initialises only the `score` head. The model is in `modeling_drama3` (registered with
+initialises only the `score` head. The model is in `modeling_drama3_reward` (registered with
 `AutoModelForSequenceClassification` by `register_auto_classes`); this module holds its data side.
 """
 
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..modeling_drama3 import (  # noqa: F401  (the model lives with the other modules; training uses it from here too)
+from ..modeling_drama3_reward import (  # noqa: F401  (the model has its own module; training uses it from here too)
     SCORE_REGULARISER,
     Drama3ForRewardModeling,
     RewardOutput,
