@@ -7,9 +7,8 @@ import torch
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.serving.engine import (
-    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, compact_batch, prefill_alone,
+    DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, prefill_alone,
 )
-from transformers_drama3.serving.slot_pool import SlotPool
 
 MAX_FRAMES = 8
 FLOAT32 = dict(rtol=1.3e-6, atol=1e-5)
@@ -24,11 +23,9 @@ def model():
     return model.double()
 
 
-@pytest.fixture(params=["slot_pool", "compact_batch"])
-def make_engine(request, model):
-    """Engines over the preallocated slot pool and over its plain reference, the compact batch."""
-    state = {"slot_pool": SlotPool, "compact_batch": compact_batch}[request.param]
-    return lambda **options: Drama3Engine(model, batch_state=state, **options)
+@pytest.fixture
+def make_engine(model):
+    return lambda **options: Drama3Engine(model, **options)
 
 
 def job(seed: int, prompt_seed: int, text_rows: int = 5, audio_rows: int = 4, **settings) -> SpeechJob:
@@ -148,13 +145,15 @@ def test_a_prefill_continued_from_a_cached_prefix_matches_the_whole_prefill(mode
     rows = 7
     prefix = prefill_prefix(model, request.input_ids[:, :rows], request.audio_codes[:, :rows])
     continued = continue_prefill(model, prefix, request.input_ids[:, rows:], request.audio_codes[:, rows:])
-    torch.testing.assert_close(continued.hidden, whole.hidden, **FLOAT32)
-    assert torch.equal(continued.mask, whole.mask)
+    torch.testing.assert_close(continued.state.hidden, whole.state.hidden, **FLOAT32)
+    filled = whole.cache.backbone_part.filled
+    assert continued.cache.backbone_part.filled == filled and continued.cache.tower_part.filled == filled - 1
+    assert torch.equal(continued.state.key_mask[:, :filled], whole.state.key_mask[:, :filled])
     for mine, theirs in zip(continued.cache.tower.layers, whole.cache.tower.layers):
-        torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
+        torch.testing.assert_close(mine.keys[:, :, : filled - 1], theirs.keys[:, :, : filled - 1], **FLOAT32)
     for mine, theirs in zip(continued.cache.backbone.layers, whole.cache.backbone.layers):
         if getattr(theirs, "keys", None) is not None:
-            torch.testing.assert_close(mine.keys, theirs.keys, **FLOAT32)
+            torch.testing.assert_close(mine.keys[:, :, :filled], theirs.keys[:, :, :filled], **FLOAT32)
         else:
             torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0], **FLOAT32)
             torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0], **FLOAT32)
@@ -201,9 +200,9 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_without_taking_a_slo
 
 def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
     requests = [job(seed=20 + i, prompt_seed=40 + i, text_rows=3 + 4 * i) for i in range(3)]
-    engine = Drama3Engine(model, batch_state=lambda slots: SlotPool(slots, capacity=8))
+    engine = Drama3Engine(model, capacity=8)
     handles = drive(engine, {0: requests[:1], 2: requests[1:]})
-    assert engine._batch.capacity > 8
+    assert engine._pool.capacity > 8
     for request, handle in zip(requests, handles):
         assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
 
@@ -224,3 +223,74 @@ def test_the_engine_reports_an_overlong_take_where_the_model_sets_a_factor():
     scripted.generation_config.overlong_factor = 0.5
     with pytest.raises(ValueError, match="overlong_factor"):
         Drama3Engine(scripted)
+
+
+# ---- the engine's state, not only its codes ------------------------------------------------------------
+
+
+def drive_watching(engine, arrivals: dict, watched: SpeechJob):
+    """`drive`, recording what `watched`'s item holds after every step it runs: the backbone output
+    of its open row [dim], then its cache (every layer's keys and values or recurrent states).
+    Returns (the handles by job, the records in step order)."""
+    handles, seen, step = {}, [], 0
+    while step <= max(arrivals) or not engine.idle:
+        for request in arrivals.get(step, []):
+            handles[id(request)] = engine.submit(request)
+        engine.step()
+        held = engine.state_of(handles[id(watched)]) if id(watched) in handles else None
+        if held is not None:
+            state, cache = held
+            seen.append([state.hidden[0, 0].clone(), *cache])
+        step += 1
+    return handles, seen
+
+
+def test_a_request_joining_a_reused_slot_beside_a_longer_request_has_the_states_it_has_alone(model):
+    """A long request runs; a short one takes the second slot and leaves; a third joins that reused
+    slot (its columns still hold the leaver's keys) beside the long one, whose rows run further:
+    its backbone output after every step equals the one it has decoding alone (float64), so neither
+    the leaver's keys nor its neighbour's longer rows reach it."""
+    long = job(seed=1, prompt_seed=80, text_rows=9, audio_rows=8)
+    long.max_new_tokens = 30
+    short = job(seed=2, prompt_seed=81, audio_rows=2)
+    short.max_new_tokens = 2
+    joiner, alone = job(seed=11, prompt_seed=21), job(seed=11, prompt_seed=21)
+    busy_handles, busy = drive_watching(Drama3Engine(model, max_batch=2), {0: [long, short], 4: [joiner]}, joiner)
+    alone_handles, solo = drive_watching(Drama3Engine(model, max_batch=2), {0: [alone]}, alone)
+    assert busy_handles[id(short)].finished_at is not None and len(busy) == len(solo) > 3
+    for mine, theirs in zip(busy, solo):
+        assert len(mine) == len(theirs)
+        for held, reference in zip(mine, theirs):
+            torch.testing.assert_close(held, reference, rtol=1e-9, atol=1e-9)
+    codes = busy_handles[id(joiner)].result(timeout=1).codes
+    assert torch.equal(codes, alone_handles[id(alone)].result(timeout=1).codes)
+    assert torch.equal(codes, generate_alone(model, joiner)[0])
+
+
+def test_the_engine_steps_a_request_as_the_decode_run_of_generate_steps_it_alone(model):
+    """The backbone output of a request's open row after each engine step (other requests joining
+    and leaving around it) equals the decode run `generate()` makes of its prompt alone."""
+    from transformers_drama3.decoding.loop import DecodeRun
+    from transformers_drama3.decoding.sampler import Drama3Sampler, item_generators, prompt_window
+
+    request = job(seed=4, prompt_seed=83)
+    arrivals = {0: [job(seed=5, prompt_seed=84, audio_rows=1), request], 2: [job(seed=6, prompt_seed=85)]}
+    _, states = drive_watching(Drama3Engine(model, max_batch=3), arrivals, request)
+    ids, codes = request.input_ids, request.audio_codes
+    mask = torch.ones_like(ids)
+    _, budget, _ = _budget_of(model, request)
+    sampler = Drama3Sampler(request.settings, model.speech_token_ids(), prompt_window(ids, mask),
+                            item_generators([request.seed], 1, ids.device))
+    run = DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor([budget]))
+    reference = [run.state.hidden[0, 0].clone() for index, _ in enumerate(run.steps()) if index]
+    assert len(states) == len(reference) > 3
+    for mine, theirs in zip(states, reference):
+        torch.testing.assert_close(mine[0], theirs, rtol=1e-9, atol=1e-9)
+
+
+def _budget_of(model, request: SpeechJob):
+    from transformers_drama3.generation_drama3 import _resolve_request
+
+    resolved = _resolve_request(model, request.settings, request.input_ids, torch.ones_like(request.input_ids),
+                                request.max_new_tokens, None)
+    return resolved, int(resolved.budgets[0]), float(resolved.expected_frames[0])

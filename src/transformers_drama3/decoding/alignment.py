@@ -235,6 +235,32 @@ class AlignmentTracker:
         expected = None if self.expected_frames is None else [self.expected_frames[item] for item in index]
         return AlignmentTracker(self.alignment, [self.token_ids[item] for item in index], self.codebook_size, expected)
 
+    _PER_ITEM = ("token_ids", "sub_frames", "rows", "pauses", "state", "silent_run", "last_code", "stay")
+
+    def take(self, items) -> AlignmentTracker:
+        """The items `items` (in that order) where they stand: the serving engine's running
+        requests after some left."""
+        items = [int(item) for item in items]
+        taken = AlignmentTracker.__new__(AlignmentTracker)
+        taken.alignment, taken.codebook_size = self.alignment, self.codebook_size
+        taken.expected_frames = None if self.expected_frames is None else [self.expected_frames[i] for i in items]
+        for name in self._PER_ITEM:
+            setattr(taken, name, [getattr(self, name)[i] for i in items])
+        return taken
+
+    def joined(self, other: AlignmentTracker | None) -> AlignmentTracker:
+        """These items, then `other`'s, where each stands (an engine's request joining the batch)."""
+        if other is None:
+            raise ValueError("a request without phoneme alignment cannot join aligned ones")
+        joined = self.take(range(len(self.rows)))
+        if (self.expected_frames is None) != (other.expected_frames is None):
+            raise ValueError("joined trackers must both know their expected frames, or neither")
+        if joined.expected_frames is not None:
+            joined.expected_frames += other.expected_frames
+        for name in self._PER_ITEM:
+            getattr(joined, name).extend(getattr(other, name))
+        return joined
+
     def released(self, item: int) -> bool:
         """The item has outlasted `release` times its expected frames: it is no longer held."""
         if self.alignment.release is None or self.expected_frames is None:

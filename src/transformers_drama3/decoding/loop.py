@@ -153,7 +153,7 @@ class DecodeRun:
         left = torch.zeros(batch, dtype=torch.long, device=device) if separators is None else separators.left.to(device).clone()
         most = rows + int((budgets + left.clamp(min=0)).max()) + 1
         capacity = most if compile_config is None else compiled_capacity(most)
-        cache = DecodeCache(model, capacity, device)
+        cache = DecodeCache(model, capacity, device, batch)
         state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)
         run = cls(model, sampler, cache, state, None if separators is None else separators.token_id, None)
         run.extend(input_ids, audio_codes, attention_mask)

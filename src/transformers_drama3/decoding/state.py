@@ -9,13 +9,19 @@
     tower layers                keys / values [batch, kv_heads, capacity, head_dim]
 
 Row r of a prompt (left padding included) and of the decoded frames lives in column r. Each part
-(backbone, tower) keeps `next_column`, a 0-d tensor: where its next row goes. The backbone always
-holds one row more than the tower: the open row, fed through the backbone but not yet through the
-tower, whose next row is not drawn yet.
+(backbone, tower) keeps `next_column` [batch]: where each item's next row goes (the same column
+for every item of a left-padded batch; each its own in the serving engine, whose items are
+requests that joined at different times). The backbone always holds one row more than the tower:
+the open row, fed through the backbone but not yet through the tower, whose next row is not drawn
+yet.
 
 `window` says how many columns an attention layer reads: the columns filled so far on the eager
 path (exactly the keys a growing cache would hold, so the eager path computes what a dynamic cache
 computes), every column when the step is compiled (one shape for every step).
+
+The serving engine keeps one cache of `max_batch` items as its pool of slots: a request is
+prefilled into a one-item cache and `place`d into a free item; the engine steps the running items
+through `head(n)`, a view of the first n.
 
 `DecodeState` is everything else a step reads, in tensors of fixed shape (see its docstring).
 """
@@ -40,15 +46,20 @@ def compiled_capacity(rows: int) -> int:
 
 
 class _Part:
-    """The bookkeeping one set of attention layers shares: where the next row goes (`next_column`,
-    a 0-d long tensor), how many columns are filled (`filled`, known on the host), how many columns
-    the layers read (`window`), and the capacity."""
+    """The bookkeeping one set of attention layers shares: where each item's next row goes
+    (`next_column` [batch]), how many columns the fullest item has filled (`filled`, known on the
+    host), how many columns the layers read (`window`), and the capacity."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, next_column: torch.Tensor):
         self.capacity = capacity
-        self.next_column = torch.zeros((), dtype=torch.long, device=device)
+        self.next_column = next_column
         self.filled = 0
         self.window = 0
+
+    def head(self, items: int) -> _Part:
+        view = _Part(self.capacity, self.next_column[:items])
+        view.filled, view.window = self.filled, self.window
+        return view
 
 
 class ColumnKeysLayer(CacheLayerMixin):
@@ -71,13 +82,14 @@ class ColumnKeysLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states: [batch, kv_heads, rows, head_dim] -> the first `window`
-        columns of every item, [batch, kv_heads, window, head_dim]."""
+        """key_states, value_states: [batch, kv_heads, rows, head_dim], written at each item's
+        next columns -> the first `window` columns of every item, [batch, kv_heads, window, head_dim]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        columns = self.part.next_column + torch.arange(key_states.shape[-2], device=key_states.device)
-        self.keys.index_copy_(2, columns, key_states)
-        self.values.index_copy_(2, columns, value_states)
+        batch, heads, rows, _ = key_states.shape
+        columns = self.part.next_column[:, None] + torch.arange(rows, device=key_states.device)  # [batch, rows]
+        self.keys.scatter_(2, columns[:, None, :, None].expand(batch, heads, rows, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, columns[:, None, :, None].expand(batch, heads, rows, self.values.shape[-1]), value_states)
         window = self.part.window
         return self.keys[:, :, :window], self.values[:, :, :window]
 
@@ -96,6 +108,18 @@ class ColumnKeysLayer(CacheLayerMixin):
             self.values = _grown(self.values, capacity)
 
 
+def _linear_layer(conv: torch.Tensor, recurrent: torch.Tensor) -> LinearAttentionLayer:
+    """A Gated DeltaNet layer's cache over the given states (views: its in-place updates land in
+    the tensors given), past its prefill."""
+    layer = LinearAttentionLayer()
+    layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+    layer.conv_kernel_size[0] = conv.shape[-1]
+    layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+    layer.has_previous_state[0] = True
+    layer.device, layer.dtype = conv.device, conv.dtype
+    return layer
+
+
 def _grown(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
     grown = tensor.new_zeros(tensor.shape[:2] + (capacity, tensor.shape[-1]))
     grown[:, :, : tensor.shape[2]].copy_(tensor)
@@ -108,17 +132,97 @@ class DecodeCache:
     backbone / tower: transformers `Cache`s the model reads and writes (`model.prefill`,
     `model.extend`, the decode step); `capacity` columns each."""
 
-    def __init__(self, model, capacity: int, device: torch.device):
+    def __init__(self, model, capacity: int, device: torch.device, batch: int = 1):
         text = model.config.text_config
         self.capacity = capacity
-        self.backbone_part = _Part(capacity, device)
-        self.tower_part = _Part(capacity, device)
+        self.backbone_part = _Part(capacity, torch.zeros(batch, dtype=torch.long, device=device))
+        self.tower_part = _Part(capacity, torch.zeros(batch, dtype=torch.long, device=device))
         self.backbone = Cache(layers=[
             LinearAttentionLayer() if kind == "linear_attention" else ColumnKeysLayer(self.backbone_part)
             for kind in text.layer_types[: text.num_hidden_layers]
         ])
         self.tower = Cache(layers=[ColumnKeysLayer(self.tower_part) for _ in model.tower_layers])
         self.compiled = False
+
+    # -- the serving engine's pool of slots ---------------------------------------------------------
+
+    @classmethod
+    def pool_like(cls, example: DecodeCache, items: int, capacity: int) -> DecodeCache:
+        """An empty cache of `items` items, each shaped as the filled one-item `example`'s."""
+        pool = cls.__new__(cls)
+        pool.capacity, pool.compiled = capacity, False
+        device = example.backbone_part.next_column.device
+        pool.backbone_part = _Part(capacity, torch.zeros(items, dtype=torch.long, device=device))
+        pool.tower_part = _Part(capacity, torch.zeros(items, dtype=torch.long, device=device))
+
+        def layer_like(layer, part):
+            if isinstance(layer, ColumnKeysLayer):
+                empty = ColumnKeysLayer(part)
+                keys, values = layer.keys, layer.values
+                empty.lazy_initialization(keys.new_zeros(items, *keys.shape[1:]), values.new_zeros(items, *values.shape[1:]))
+                return empty
+            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+            return _linear_layer(conv.new_zeros(items, *conv.shape[1:]), recurrent.new_zeros(items, *recurrent.shape[1:]))
+
+        pool.backbone = Cache(layers=[layer_like(layer, pool.backbone_part) for layer in example.backbone.layers])
+        pool.tower = Cache(layers=[layer_like(layer, pool.tower_part) for layer in example.tower.layers])
+        return pool
+
+    def place(self, item: int, source: DecodeCache) -> None:
+        """Copy the one-item cache `source` (a prefilled request) into item `item`."""
+        filled = source.backbone_part.filled
+        if filled > self.capacity:
+            raise ValueError(f"a request of {filled} rows does not fit a pool of {self.capacity} columns")
+        for mine, theirs in zip((*self.backbone.layers, *self.tower.layers), (*source.backbone.layers, *source.tower.layers), strict=True):
+            if isinstance(mine, ColumnKeysLayer):
+                mine.keys[item, :, :filled].copy_(theirs.keys[0, :, :filled])
+                mine.values[item, :, :filled].copy_(theirs.values[0, :, :filled])
+            else:
+                mine.conv_states[0][item].copy_(theirs.conv_states[0][0])
+                mine.recurrent_states[0][item].copy_(theirs.recurrent_states[0][0])
+        for mine, theirs in zip(self.parts, source.parts):
+            mine.next_column[item] = theirs.next_column[0]
+
+    def move(self, source: int, target: int) -> None:
+        """Copy item `source` over item `target` (the engine closes the gap a request left)."""
+        for layer in (*self.backbone.layers, *self.tower.layers):
+            if isinstance(layer, ColumnKeysLayer):
+                layer.keys[target].copy_(layer.keys[source])
+                layer.values[target].copy_(layer.values[source])
+            else:
+                layer.conv_states[0][target].copy_(layer.conv_states[0][source])
+                layer.recurrent_states[0][target].copy_(layer.recurrent_states[0][source])
+        for part in self.parts:
+            part.next_column[target] = part.next_column[source]
+
+    def item_tensors(self, item: int, rows: int) -> list[torch.Tensor]:
+        """What item `item` holds when its backbone holds `rows` rows (its tower one fewer): per
+        attention layer its keys and values, per Gated DeltaNet layer its conv and recurrent states."""
+        held = []
+        for layer, filled in [*((layer, rows) for layer in self.backbone.layers), *((layer, rows - 1) for layer in self.tower.layers)]:
+            if isinstance(layer, ColumnKeysLayer):
+                held += [layer.keys[item, :, :filled], layer.values[item, :, :filled]]
+            else:
+                held += [layer.conv_states[0][item], layer.recurrent_states[0][item]]
+        return [tensor.clone() for tensor in held]
+
+    def head(self, items: int) -> DecodeCache:
+        """A view of the first `items` items: what the model reads and writes lands in this cache."""
+        view = DecodeCache.__new__(DecodeCache)
+        view.capacity, view.compiled = self.capacity, self.compiled
+        view.backbone_part, view.tower_part = self.backbone_part.head(items), self.tower_part.head(items)
+
+        def layer_view(layer, part):
+            if isinstance(layer, ColumnKeysLayer):
+                viewed = ColumnKeysLayer(part)
+                viewed.keys, viewed.values = layer.keys[:items], layer.values[:items]
+                viewed.dtype, viewed.device, viewed.is_initialized = layer.dtype, layer.device, True
+                return viewed
+            return _linear_layer(layer.conv_states[0][:items], layer.recurrent_states[0][:items])
+
+        view.backbone = Cache(layers=[layer_view(layer, view.backbone_part) for layer in self.backbone.layers])
+        view.tower = Cache(layers=[layer_view(layer, view.tower_part) for layer in self.tower.layers])
+        return view
 
     def get_seq_length(self) -> int:
         """Rows the backbone holds."""
@@ -144,9 +248,11 @@ class DecodeCache:
         """Make room for `rows` more backbone rows (eager runs that grow turn by turn: the text
         stream); a compiled run's capacity is fixed when it is set up."""
         needed = self.backbone_part.filled + rows
-        if needed <= self.capacity:
-            return
-        capacity = max(needed, 2 * self.capacity)
+        if needed > self.capacity:
+            self.grow(max(needed, 2 * self.capacity))
+
+    def grow(self, capacity: int) -> None:
+        """Give every item `capacity` columns (one copy of the keys and values)."""
         for layer in (*self.backbone.layers, *self.tower.layers):
             if isinstance(layer, ColumnKeysLayer):
                 layer.grow(capacity)
@@ -191,10 +297,30 @@ class DecodeState:
     def batch(self) -> int:
         return self.ids.shape[0]
 
+    def select(self, items: list[int]) -> DecodeState:
+        """The state of the items `items`, in that order (the alignment's too)."""
+        index = torch.tensor(items, dtype=torch.long, device=self.ids.device)
+        fields = {name: getattr(self, name).index_select(0, index) for name in _ITEM_TENSORS}
+        alignment = None if self.alignment is None else self.alignment.take(items)
+        return DecodeState(**fields, alignment=alignment)
+
+    def joined(self, other: DecodeState) -> DecodeState:
+        """This state's items, then `other`'s (key masks padded to the wider of the two)."""
+        width = max(self.key_mask.shape[1], other.key_mask.shape[1])
+        masks = [torch.nn.functional.pad(mask, (0, width - mask.shape[1])) for mask in (self.key_mask, other.key_mask)]
+        fields = {name: torch.cat((getattr(self, name), getattr(other, name))) for name in _ITEM_TENSORS if name != "key_mask"}
+        alignment = None
+        if self.alignment is not None or other.alignment is not None:
+            alignment = self.alignment.joined(other.alignment)
+        return DecodeState(**fields, key_mask=torch.cat(masks), alignment=alignment)
+
     def attention_mask(self, rows: int) -> torch.Tensor:
         """The first `rows` columns of the key mask as a [batch, rows] long padding mask (what
         transformers' mask builders take)."""
         return self.key_mask[:, :rows].long()
+
+
+_ITEM_TENSORS = ("hidden", "ids", "codes", "key_mask", "position", "active", "produced", "budgets", "separators_left")
 
 
 def empty_state(model, batch: int, capacity: int, device: torch.device) -> DecodeState:

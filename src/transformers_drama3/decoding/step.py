@@ -102,7 +102,7 @@ def feed(model, cache: DecodeCache, state: DecodeState, main_ids: torch.Tensor, 
     open row it is."""
     backbone = cache.backbone_part
     columns = torch.arange(cache.capacity, device=state.key_mask.device)
-    key_mask = state.key_mask | (columns == backbone.next_column)[None]
+    key_mask = state.key_mask | (columns[None, :] == backbone.next_column[:, None])
     position = state.position + 1
     ids, codes = main_ids[:, None], frames[:, None]
     hidden = model.backbone(

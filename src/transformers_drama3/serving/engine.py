@@ -7,16 +7,19 @@
         ...
     engine.stop()
 
-Each scheduler step advances every running request by one frame, the way `generate()`'s decode
-loop advances a static batch: main token from the restricted lm_head logits (with RAS), codes
-1..9 from the tower, then the frame goes back through the backbone. Between steps, a finished,
-failed or cancelled request leaves the batch at once and frees its slot, and waiting requests are
-prefilled alone (the prefill/decode split) and join the batch (see `slots.SlotBatch`).
+Each scheduler step advances every running request by one frame with the decode step of
+`generate()` (`decoding.step`: `draw`, then `feed`), over the running requests as items of one
+`DecodeState` and one `DecodeCache`: the engine's cache is a pool of `max_batch` items (slots),
+and the running requests are its first items. Between steps, a finished, failed or cancelled
+request leaves at once (the items after it move up), and waiting requests are prefilled alone
+(the prefill/decode split: a one-item `DecodeRun`, from a cached voice prefix where one matches)
+and placed into the next free item, each with its own columns.
 
-Each request keeps its own sampler: its own settings, RAS window and `torch.Generator` (seeded as
-`generate(seed=s)` seeds a batch of one), so what a request draws never depends on what else runs:
-a request's codes with a given seed are the ones `generate()` gives it alone, whether it runs
-alone or joins a busy batch mid-flight. Budgets and guards are `generate()`'s.
+One sampler draws for the whole batch, each request with its own settings, RAS window and
+`torch.Generator` (seeded as `generate(seed=s)` seeds a batch of one), so what a request draws
+never depends on what else runs: a request's codes with a given seed are the ones `generate()`
+gives it alone, whether it runs alone or joins a busy batch mid-flight. Budgets, guards and
+phoneme alignment are `generate()`'s.
 """
 
 from __future__ import annotations
@@ -26,38 +29,33 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..decoding import step as decode_step
+from ..decoding.loop import DecodeRun, FrameStep
+from ..decoding.state import DecodeCache, DecodeState
+from ..decoding.threads import check_threads, resolve_threads
 from .decoding import (
     AlignmentTracker,
     ClickFilter,
-    Drama3Cache,
     Drama3Sampler,
-    FrameStep,
     SamplingSettings,
     detect_anomalies,
-    draw_within,
     expected_seconds_of_tokens,
     frame_budgets,
     item_generators,
     overlong_factor,
     prompt_window,
     resolve_alignment,
-    slot_tower_step,
     target_text_tokens,
     text_tokens_per_second,
     turn_token_ids,
 )
-from ..decoding.threads import check_threads, resolve_threads
-from .slot_pool import SlotPool
-from .slots import SlotBatch
 
-
-def compact_batch(max_batch: int) -> SlotBatch:
-    """The plain reference state: one growing `Drama3Cache`, re-padded when a request joins."""
-    return SlotBatch.empty()
+INITIAL_CAPACITY = 512
+"""Columns each slot of the pool holds at first; doubled (one copy) when a request outgrows them."""
 
 
 class QueueFull(Exception):
@@ -148,17 +146,20 @@ class RequestHandle:
 
 @dataclass
 class _Slot:
-    """A running request: its handle, sampler, budgets, click filter and frames so far."""
+    """A running request: its handle, budgets, sampling, click filter, frames so far, and the rows
+    its item holds (the backbone's; the tower holds one fewer between steps)."""
 
     handle: RequestHandle
-    sampler: Drama3Sampler
     budget: int
     guard_budget: int
     expected_frames: float
+    settings: SamplingSettings
+    generator: torch.Generator
+    window: torch.Tensor
+    rows: int = 0
     clicks: ClickFilter = field(default_factory=ClickFilter)
     frames: list[torch.Tensor] = field(default_factory=list)
     produced: int = 0
-    aligner: AlignmentTracker | None = None
 
 
 @dataclass
@@ -178,20 +179,19 @@ class Drama3Engine:
         model: the model (eval mode, on its device).
         max_batch: requests decoded together (slots).
         max_queue: requests that may wait for a slot; `submit` raises `QueueFull` beyond it.
-        prefill: how a job's prompt is prefilled: `prefill(model, job) -> SlotBatch` of one row
+        prefill: how a job's prompt is prefilled: `prefill(model, job) -> DecodeRun` of one item
             (default: `prefill_alone`; `prefix_cache.PrefixCache.prefill` reuses voice prefixes).
         on_finish: called with (handle, outcome) when a request leaves ("eos", "length",
             "cancelled", "timeout", "error"): the metrics hook.
-        batch_state: `batch_state(max_batch)` makes the running batch's state: `SlotPool`
-            (default: preallocated slots written in place) or `compact_batch` (the plain
-            reference: one growing cache, re-padded when a request joins).
+        capacity: columns (rows) each slot holds at first; the pool doubles when a request
+            outgrows it.
         threads: CPU threads the scheduler decodes with: "auto" (default) chooses them from the
             model's size and the idle cores each time work arrives after an idle spell
             (`threads.decode_threads`); an int is used as given; None leaves torch's count alone.
     """
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
-                 batch_state=None, threads: int | str | None = "auto"):
+                 capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto"):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -206,8 +206,8 @@ class Drama3Engine:
         self.stats = EngineStats()
         self._waiting: list[RequestHandle] = []
         self._slots: list[_Slot] = []
-        self._batch_state = batch_state or SlotPool
-        self._batch = self._batch_state(max_batch)
+        self.capacity = capacity
+        self._reset_batch()
         self._lock = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -233,7 +233,8 @@ class Drama3Engine:
             self._thread = None
         for handle in [*self._waiting, *(slot.handle for slot in self._slots)]:
             self._finish(handle, "error", ErrorEvent("error", "the engine stopped"))
-        self._waiting, self._slots, self._batch = [], [], self._batch_state(self.max_batch)
+        self._waiting = []
+        self._reset_batch()
 
     def submit(self, job: SpeechJob) -> RequestHandle:
         """Queue a job; raises `QueueFull` when `max_queue` jobs already wait."""
@@ -285,7 +286,7 @@ class Drama3Engine:
         except Exception as error:  # a failed step fails the requests it ran, not the server
             for slot in self._slots:
                 self._finish(slot.handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-            self._slots, self._batch = [], self._batch_state(self.max_batch)
+            self._reset_batch()
 
     @property
     def idle(self) -> bool:
@@ -313,8 +314,7 @@ class Drama3Engine:
                 continue
             self.stats.prefills += 1
             self.stats.prefill_seconds += time.perf_counter() - started
-            self._batch.join(joining)
-            self._slots.append(slot)
+            self._join(joining, slot)
 
     def _drop_abandoned(self) -> None:
         with self._lock:
@@ -331,87 +331,161 @@ class Drama3Engine:
             self._waiting = kept + self._waiting
 
     def _new_slot(self, handle: RequestHandle) -> _Slot:
-        """The sampler, budgets and guards of a request, as `generate()` resolves them for a batch of one."""
+        """The budgets and sampling of a request, as `generate()` resolves them for a batch of one."""
         model, job = self.model, handle.job
         config = model.config
         ids = job.input_ids
         mask = torch.ones_like(ids)
         tokens = target_text_tokens(ids.cpu(), mask.cpu(), config.eos_token_id, model.is_semantic)
         seconds = expected_seconds_of_tokens(tokens, text_tokens_per_second(model))
-        device = ids.device
-        sampler = Drama3Sampler(
-            job.settings, model.speech_token_ids(device), prompt_window(ids, mask),
-            item_generators([handle.seed], 1, device),
-        )
         return _Slot(
             handle=handle,
-            sampler=sampler,
             budget=int(frame_budgets(seconds, config.frame_rate, job.max_new_tokens)[0]),
             guard_budget=int(frame_budgets(seconds, config.frame_rate)[0]),
             expected_frames=float(seconds[0] * config.frame_rate),
-            aligner=None if self.alignment is None else AlignmentTracker(
-                self.alignment, turn_token_ids(ids.cpu(), mask.cpu(), config.eos_token_id),
-                config.codebook_size, [float(seconds[0] * config.frame_rate)],
-            ),
+            settings=job.settings,
+            generator=item_generators([handle.seed], 1, ids.device)[0],
+            window=prompt_window(ids, mask),
         )
 
+    # ---- the running batch: items of one DecodeState over the pool --------------------------------
+
+    def _reset_batch(self) -> None:
+        self._slots: list[_Slot] = []
+        self._pool: DecodeCache | None = None
+        self._state: DecodeState | None = None
+        self._sampler: Drama3Sampler | None = None
+        self._view: DecodeCache | None = None
+
+    def _join(self, run: DecodeRun, slot: _Slot) -> None:
+        """Place a prefilled one-item run into the next free item of the pool."""
+        rows = run.cache.backbone_part.filled
+        if self._pool is None:
+            capacity = self.capacity
+            while capacity < rows + 1:
+                capacity *= 2
+            self._pool = DecodeCache.pool_like(run.cache, self.max_batch, capacity)
+        while self._pool.capacity < rows + 1:
+            self._grow()
+        item = len(self._slots)
+        self._pool.place(item, run.cache)
+        state = run.state
+        joining = DecodeState(
+            state.hidden, state.ids, state.codes,
+            torch.nn.functional.pad(state.key_mask, (0, self._pool.capacity - state.key_mask.shape[1])), state.position,
+            torch.ones_like(state.active), torch.zeros_like(state.produced),
+            torch.tensor([slot.budget], device=state.ids.device), torch.zeros_like(state.separators_left),
+            self._aligner(slot),
+        )
+        self._state = joining if self._state is None else self._state.joined(joining)
+        slot.rows = rows
+        self._slots.append(slot)
+        self._sampler = self._batch_sampler(self._sampler.window if item else None)
+        self._view = None
+
+    def _aligner(self, slot: _Slot) -> AlignmentTracker | None:
+        if self.alignment is None:
+            return None
+        config, ids = self.model.config, slot.handle.job.input_ids
+        token_ids = turn_token_ids(ids.cpu(), torch.ones_like(ids).cpu(), config.eos_token_id)
+        return AlignmentTracker(self.alignment, token_ids, config.codebook_size, [slot.expected_frames])
+
+    def _batch_sampler(self, running_window: torch.Tensor | None) -> Drama3Sampler:
+        """One sampler over the running items: each keeps its settings, generator and RAS window
+        (`running_window`: the windows of the items that were already running, in their order)."""
+        slots = self._slots
+        windows = [slot.window for slot in slots]
+        if running_window is not None:
+            windows[: running_window.shape[0]] = list(running_window.split(1))
+        return Drama3Sampler(
+            [slot.settings for slot in slots], self.model.speech_token_ids(self._state.ids.device), torch.cat(windows),
+            [slot.generator for slot in slots],
+        )
+
+    def _grow(self) -> None:
+        """Double every slot's columns (one copy); the key masks widen with them."""
+        self._pool.grow(2 * self._pool.capacity)
+        if self._state is not None:
+            missing = self._pool.capacity - self._state.key_mask.shape[1]
+            self._state = replace(self._state, key_mask=torch.nn.functional.pad(self._state.key_mask, (0, missing)))
+        self._view = None
+
+    def _keep(self, kept: list[int]) -> None:
+        """Keep the running items `kept` (ascending), moved up to the first items in that order."""
+        for target, source in enumerate(kept):
+            if source != target:
+                self._pool.move(source, target)
+        window = self._sampler.window[kept] if kept else None
+        self._slots = [self._slots[item] for item in kept]
+        if not kept:
+            self._reset_batch_keeping_pool()
+            return
+        self._state = self._state.select(kept)
+        self._sampler = self._batch_sampler(window)
+        self._view = None
+
+    def _reset_batch_keeping_pool(self) -> None:
+        pool = self._pool
+        self._reset_batch()
+        self._pool = pool
+
     def _step(self) -> None:
-        """One frame for every running request; then finished requests leave and the rest decode their row."""
-        model, batch, slots = self.model, self._batch, self._slots
+        """One frame for every running request (`draw`); finished requests leave, and the others
+        feed their row (`feed`)."""
+        model, slots = self.model, self._slots
         config = model.config
         self.stats.steps += 1
         self.stats.occupied += len(slots)
-        logits = model.speech_logits(batch.hidden)  # [batch, 1, codebook_size + 1]
-        main_ids = torch.cat([
-            slot.sampler.main_token(logits[row : row + 1] if slot.aligner is None else slot.aligner.main_logits(logits[row : row + 1]))
-            for row, slot in enumerate(slots)
-        ])
-        eos = main_ids[:, 0] == config.eos_token_id
-        speaking = ~eos
-        if bool(speaking.any()):
-            semantic = (main_ids - config.semantic_start_token_id).clamp(0, config.codebook_size - 1)
-            for row, slot in enumerate(slots):
-                if slot.aligner is not None:
-                    slot.aligner.observe(semantic[row], speaking[row : row + 1])
-
-            def sample(head_logits, codebook_index):
-                def one(row, slot):
-                    drawing = speaking[row : row + 1]
-                    return draw_within(slot.aligner, lambda head: slot.sampler.codebook(head, codebook_index, drawing),
-                                       head_logits[row : row + 1], codebook_index, drawing)
-
-                return torch.cat([one(row, slot) for row, slot in enumerate(slots)])
-
-            frames = slot_tower_step(
-                model, batch.hidden, batch.input_ids, batch.audio_codes, semantic, batch.mask, batch.cache.tower, sample
-            )
-        else:
-            frames = batch.audio_codes.new_zeros(len(slots), 1, config.num_codebooks)
-        produced = torch.tensor([slot.produced for slot in slots]) + speaking.long().cpu()
-        budgets = torch.tensor([slot.budget for slot in slots])
-        ended = eos.cpu() | (produced >= budgets)
-        step = FrameStep(self.stats.steps, main_ids[:, 0], frames[:, 0], speaking.cpu(), ended, eos.cpu() & ended)
+        if max(slot.rows for slot in slots) + 1 > self._pool.capacity:
+            self._grow()
+        if self._view is None:
+            self._view = self._pool.head(len(slots))
+        view, sampler = self._view, self._sampler
+        longest = max(slot.rows for slot in slots)
+        view.tower_part.filled, view.backbone_part.filled = longest - 1, longest
+        view.open_window(view.tower_part, 1)
+        view.open_window(view.backbone_part, 1)
+        noise = sampler.step_noise(len(slots), sampler.candidate_ids.shape[0], config.num_codebooks, self._state.ids.device)
+        output, state = decode_step.draw(model, view, sampler, self._state, noise, None)
+        sampler.rewind(noise, output.speaking, output.boundary)
+        step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
+                         output.eos.cpu(), output.boundary.cpu())
+        self._state = state
         kept = []
-        for row, slot in enumerate(slots):
-            self._advance(slot, step, row)
-            if bool(ended[row]):
-                self._end(slot, "eos" if bool(eos[row]) else "length")
+        for item, slot in enumerate(slots):
+            self._advance(slot, step, item)
+            if bool(step.ended[item]):
+                self._end(slot, "eos" if bool(step.eos[item]) else "length")
             elif slot.handle.cancelled.is_set():
                 self._finish(slot.handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
             elif self._timed_out(slot.handle):
                 self._finish(slot.handle, "timeout", ErrorEvent("timeout", "the request ran past its time limit"))
             else:
-                kept.append(row)
-        self._slots = [slots[row] for row in kept]
+                kept.append(item)
+        main_ids, frames = output.main_ids, output.frames
         if len(kept) < len(slots):
-            rows = torch.tensor(kept, dtype=torch.long, device=main_ids.device)
-            batch.keep(rows)
+            self._keep(kept)
             if not kept:
                 return
-            main_ids, frames = main_ids[rows], frames[rows]
-        batch.open_row()
-        hidden = model.decode_row(main_ids, frames, batch.mask, batch.cache)
-        batch.set_current(hidden, main_ids, frames)
+            index = torch.tensor(kept, device=main_ids.device)
+            main_ids, frames = main_ids[index], frames[index]
+            view = self._view = self._pool.head(len(kept))
+            longest = max(slot.rows for slot in self._slots)
+            view.tower_part.filled, view.backbone_part.filled = longest, longest
+            view.open_window(view.backbone_part, 1)
+        self._state = decode_step.feed(model, view, self._state, main_ids, frames)
+        for slot in self._slots:
+            slot.rows += 1
+
+    def state_of(self, handle: RequestHandle) -> tuple[DecodeState, list[torch.Tensor]] | None:
+        """What a running request's item holds, or None when it is not running: its decode state
+        (the open row's backbone output, masks, counters) and its cache (per attention layer, the
+        keys and values of its rows, backbone then tower; per Gated DeltaNet layer, its conv and
+        recurrent states): what a test compares with the request decoded alone."""
+        for item, slot in enumerate(self._slots):
+            if slot.handle is handle:
+                return self._state.select([item]), self._pool.item_tensors(item, slot.rows)
+        return None
 
     def _advance(self, slot: _Slot, step: FrameStep, row: int) -> None:
         """Send the frames this step made final for one request."""
@@ -444,9 +518,8 @@ class Drama3Engine:
 
 
 @torch.no_grad()
-def prefill_alone(model, job: SpeechJob) -> SlotBatch:
-    """Prefill one prompt on its own into a fresh cache: a `SlotBatch` of one row."""
-    cache = Drama3Cache.empty(model.config)
+def prefill_alone(model, job: SpeechJob) -> DecodeRun:
+    """Prefill one prompt on its own into a fresh cache: a one-item `DecodeRun` (no frames budgeted:
+    the engine's pool holds its frames)."""
     mask = torch.ones_like(job.input_ids)
-    hidden = model.prefill(job.input_ids, job.audio_codes, mask, cache)[:, -1:]
-    return SlotBatch(cache, hidden, job.input_ids[:, -1:], job.audio_codes[:, -1:], mask)
+    return DecodeRun.prefilled(model, job.input_ids, job.audio_codes, mask, None, torch.zeros(1, dtype=torch.long))

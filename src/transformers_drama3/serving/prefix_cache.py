@@ -21,20 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding import Drama3Cache
+from ..decoding.loop import DecodeRun
 from .engine import SpeechJob, prefill_alone
-from .slots import SlotBatch
 
 
 @dataclass
 class PrefixState:
-    """The state after the prefix rows input_ids [1, P] / audio_codes [1, P, C]: the caches (P backbone
-    keys, P - 1 tower keys) and the backbone output of row P - 1, `last_hidden` [1, 1, dim]."""
+    """The state after the prefix rows input_ids [1, P] / audio_codes [1, P, C]: a one-item
+    `DecodeRun` prefilled with them (P backbone rows, P - 1 tower rows, row P - 1 open)."""
 
     input_ids: torch.Tensor
     audio_codes: torch.Tensor
-    cache: Drama3Cache
-    last_hidden: torch.Tensor
+    run: DecodeRun
 
     @property
     def rows(self) -> int:
@@ -62,22 +60,18 @@ def prefix_rows(model, input_ids: torch.Tensor) -> int:
 @torch.no_grad()
 def prefill_prefix(model, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> PrefixState:
     """Prefill prefix rows [1, P] into a fresh cache."""
-    cache = Drama3Cache.empty(model.config)
-    hidden = model.prefill(input_ids, audio_codes, torch.ones_like(input_ids), cache)
-    return PrefixState(input_ids, audio_codes, cache, hidden[:, -1:])
+    run = DecodeRun.prefilled(model, input_ids, audio_codes, torch.ones_like(input_ids), None, torch.zeros(1, dtype=torch.long))
+    return PrefixState(input_ids, audio_codes, run)
 
 
 @torch.no_grad()
-def continue_prefill(model, prefix: PrefixState, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> SlotBatch:
-    """Prefill the rows after a prefix, input_ids [1, S] / audio_codes [1, S, C], from a copy of its
-    state: the same state `prefill_alone` leaves for the whole prompt (P + S backbone keys, P + S - 1
-    tower keys, the backbone output of the last row)."""
-    cache = copy.deepcopy(prefix.cache)
-    mask = torch.ones(1, prefix.rows + input_ids.shape[1], dtype=torch.long, device=input_ids.device)
-    hidden = model.extend(
-        prefix.last_hidden, prefix.input_ids[:, -1:], prefix.audio_codes[:, -1:], input_ids, audio_codes, mask, cache
-    )  # [1, S, dim]
-    return SlotBatch(cache, hidden[:, -1:], input_ids[:, -1:], audio_codes[:, -1:], mask)
+def continue_prefill(model, prefix: PrefixState, input_ids: torch.Tensor, audio_codes: torch.Tensor) -> DecodeRun:
+    """Prefill the rows after a prefix, input_ids [1, S] / audio_codes [1, S, C], into a copy of its
+    run: the state `prefill_alone` leaves for the whole prompt (P + S backbone rows, P + S - 1 tower
+    rows, the last row open), up to float rounding."""
+    run = copy.deepcopy(prefix.run)
+    run.extend(input_ids, audio_codes)
+    return run
 
 
 class PrefixCache:
@@ -92,7 +86,7 @@ class PrefixCache:
         self.hits = self.misses = 0
         self._lock = threading.Lock()
 
-    def prefill(self, model, job: SpeechJob) -> SlotBatch:
+    def prefill(self, model, job: SpeechJob) -> DecodeRun:
         key = job.prefix
         rows = prefix_rows(model, job.input_ids) if key is not None else 0
         if not rows:
