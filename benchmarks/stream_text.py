@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModel, AutoProcessor
 
 from transformers_drama3.codec.take_streaming import AudioChunk
-from transformers_drama3.decoding.state import Drama3Cache
+from transformers_drama3.decoding.loop import DecodeRun
 from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted
 from transformers_drama3.prompting import Reference, StreamingScript
 from transformers_drama3.tiny.shipped import TINY_MODEL_PATH, reference_voice
@@ -84,7 +84,8 @@ def rebuilt_prefill_seconds(model, processor, references, chunks, takes) -> list
         script = StreamingScript(chunks[: turn + 2], references, spoken=takes[:turn])
         rows = processor(script, return_labels=False)
         started = time.perf_counter()
-        model.prefill(rows["input_ids"], rows["audio_codes"], rows["attention_mask"], Drama3Cache.empty(model.config))
+        DecodeRun.prefilled(model, rows["input_ids"], rows["audio_codes"], rows["attention_mask"], None,
+                            torch.zeros(1, dtype=torch.long))
         seconds.append(time.perf_counter() - started)
     return seconds
 

@@ -7,7 +7,10 @@ teacher-forced tower, appending the candidate row and refilling it code by code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers.cache_utils import DynamicCache
 
 from codec_helpers import tiny_codec
 from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model, tokenizer_config
@@ -18,8 +21,21 @@ from transformers_drama3.tokenizer_build import build_drama3_tokenizer
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
     "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
-    "script_main_tokens", "tiny_speech_bundle", "RecordingStreamer", "load_bundled_tiny",
+    "script_main_tokens", "tiny_speech_bundle", "RecordingStreamer", "load_bundled_tiny", "GrowingCache",
 ]
+
+
+@dataclass
+class GrowingCache:
+    """The plain reference of the package's `DecodeCache`: transformers' growing `DynamicCache`s,
+    one for the backbone (hybrid) and one for the tower, which `model.prefill` / `model.extend` fill."""
+
+    backbone: DynamicCache
+    tower: DynamicCache
+
+    @classmethod
+    def empty(cls, config) -> "GrowingCache":
+        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
 
 IM_START = 3  # any text id stands in for <|im_start|> in these prompts
 SEPARATOR = 100  # a free text id of the tiny vocabulary stands in for <|audio_separator|>

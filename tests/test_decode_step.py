@@ -2,7 +2,7 @@
 writes into (`decoding.state.DecodeCache`), run by `decoding.loop.DecodeRun`.
 
 References: the codes the decode loop drew before the decoding package existed (golden, on the
-bundled model), the growing `Drama3Cache` a plain prefill fills (the cache's states), and the
+bundled model), the growing cache a plain prefill fills (the cache's states), and the
 compiled step against the eager one (float32 tolerance on states, the same codes)."""
 
 import copy
@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from generation_helpers import SEPARATOR, left_pad, line_model, line_prompt, prompt, tiny_model
+from generation_helpers import SEPARATOR, GrowingCache, left_pad, line_model, line_prompt, prompt, tiny_model
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, compiled_functions
 from transformers_drama3.decoding.sampler import SamplingSettings
-from transformers_drama3.decoding.state import MIN_COMPILED_CAPACITY, Drama3Cache, compiled_capacity
+from transformers_drama3.decoding.state import MIN_COMPILED_CAPACITY, compiled_capacity
 from transformers_drama3.generation_drama3 import _resolve_request, make_sampler, resolve_decoding
 from transformers_drama3.tiny.shipped import reference_voice
 
@@ -73,7 +73,7 @@ def test_the_prefill_writes_the_states_a_growing_cache_holds(model):
     ids, codes, mask = left_pad([prompt(1), prompt(2, audio_rows=1)])
     sampler = make_sampler(model, _resolve_request(model, SamplingSettings(), ids, mask, 8, 1.0), ids, mask, 0)
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor([8, 8]))
-    growing = Drama3Cache.empty(model.config)
+    growing = GrowingCache.empty(model.config)
     hidden = model.prefill(ids, codes, mask, growing)
     rows = ids.shape[1]
     torch.testing.assert_close(run.state.hidden, hidden[:, -1:], rtol=1e-6, atol=1e-6)
@@ -237,3 +237,35 @@ def test_on_cuda_the_static_cache_compiles_with_cuda_graphs_by_default_and_makes
         runs = [model.generate(ids, codes, mask, max_new_tokens=24, return_dict_in_generate=True,
                                cache_implementation=name, **options) for name in ("dynamic", "static")]
         assert_same_takes(*runs)
+
+
+# ---- one step in the package ----------------------------------------------------------------------------
+
+
+def test_the_package_feeds_a_decode_row_in_exactly_one_function():
+    """Every call that runs the backbone (`.backbone(`) in the package, by function: the decode step's
+    `feed` is the only one that runs one new row per item from a cache; the others are the model's
+    forward, its prefill/extend of prompt rows, the reward model and GRPO's teacher-forced scoring."""
+    import ast
+
+    import transformers_drama3
+
+    package = Path(transformers_drama3.__file__).parent
+    callers = set()
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backbone":
+                    callers.add(f"{path.relative_to(package).as_posix()}:{function.name}")
+    assert callers == {
+        "decoding/step.py:feed",  # THE decode row
+        "modeling_drama3.py:_cached_backbone",  # prefill / extend: prompt rows into a cache
+        "modeling_drama3.py:forward",  # training and scoring: every row at once, no cache
+        "modeling_drama3_reward.py:forward",
+        "training/grpo.py:policy_log_probs",
+    }
+    model_methods = {name for name in dir(transformers_drama3.Drama3ForSpeechGeneration) if not name.startswith("__")}
+    assert not {"decode_row", "tower_step"} & model_methods

@@ -6,7 +6,6 @@ import torch
 from generation_helpers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from transformers_drama3.decoding.state import Drama3Cache
 from transformers_drama3.kernels.fused_step import filtered_probabilities, top_k_filtered_probabilities
 from transformers_drama3.modeling_drama3 import tower_attention_mask
 
@@ -52,18 +51,22 @@ class CastCounter(TorchDispatchMode):
 
 
 def tower_step_casts(model) -> int:
-    """dtype casts (`_to_copy`) of one float32 tower step after a 4-row prefill."""
+    """dtype casts (`_to_copy`) of one float32 draw (main token + the tower) after a 4-row prefill."""
+    from transformers_drama3.decoding import step as decode_step
+    from transformers_drama3.decoding.loop import DecodeRun
+    from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, prompt_window
+
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(4, model.config.semantic_start_token_id, (1, 4), generator=generator)
     codes = torch.zeros(1, 4, model.config.num_codebooks, dtype=torch.long)
     mask = torch.ones_like(ids)
-    cache = Drama3Cache.empty(model.config)
+    sampler = Drama3Sampler(SamplingSettings(do_sample=False), model.speech_token_ids(), prompt_window(ids, mask))
     with torch.no_grad():
-        hidden = model.prefill(ids, codes, mask, cache)[:, -1:]
+        run = DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor([4]))
+        run.cache.open_window(run.cache.tower_part, 1)
         counter = CastCounter()
         with counter:
-            model.tower_step(hidden, ids[:, -1:], codes[:, -1:], ids[:, -1:] * 0, mask, cache,
-                             lambda logits, index: logits[:, -1].argmax(-1, keepdim=True))
+            decode_step.draw(model, run.cache, sampler, run.state, None, None)
     return counter.ops[torch.ops.aten._to_copy]
 
 

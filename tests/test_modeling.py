@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
 
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
-from transformers_drama3 import Drama3Cache, Drama3Config, Drama3ForSpeechGeneration
+from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.checkpoint.quantization import dequantize_block_fp8, quantize_saved_experts
 
 BLOCK_FP8 = {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -30,10 +30,6 @@ BLOCK_FP8 = {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weig
 def prompt_rows(seed=0, text=(5, 6, 7, 8), frames=4):
     generator = torch.Generator().manual_seed(seed)
     return make_rows(list(text), random_frames(frames, generator))
-
-
-def greedy(logits, codebook):
-    return logits.argmax(-1)
 
 
 def write_published_checkpoint(model, directory, fp8=False):
@@ -160,25 +156,44 @@ def test_save_load_gives_identical_outputs(tmp_path):
 
 @pytest.mark.parametrize("backbone_codebooks", [0, 1, 3])
 def test_cached_decode_equals_full_forward(backbone_codebooks):
-    """Prefill + one decode step per frame gives the logits of a full forward over all rows."""
+    """Prefill + one decode step per frame (`decoding.step.draw`, then `feed`) gives the logits of a
+    full forward over all rows."""
+    from transformers_drama3.decoding.loop import DecodeRun
+
     model = tiny_model(tower={"vq_backbone_codebooks": backbone_codebooks})
     input_ids, audio_codes = prompt_rows()
     mask = torch.ones_like(input_ids)
-    cache = Drama3Cache.empty(model.config)
     with torch.no_grad():
-        hidden = model.prefill(input_ids, audio_codes, mask, cache)[:, -1:]
-        for _ in range(5):
-            main = model.speech_token_ids()[model.speech_logits(hidden).argmax(-1)]
-            main = torch.where(main == EOS, SEMANTIC_START, main)  # keep speaking: test the audio path
-            semantic = main - SEMANTIC_START
-            frame = model.tower_step(hidden, input_ids[:, -1:], audio_codes[:, -1:], semantic, mask, cache, greedy)
+        run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, KeepSpeaking(model), torch.tensor([5]))
+        full = None
+        for index, step in enumerate(run.steps()):
+            if full is not None:  # the row drawn last step went through the backbone before this draw
+                torch.testing.assert_close(run.state.hidden, full.hidden_states[:, -1:], rtol=1e-4, atol=1e-5)
+            main, frame = step.main_ids[:, None], step.frames[:, None]
             input_ids, audio_codes = torch.cat((input_ids, main), 1), torch.cat((audio_codes, frame), 1)
             full = model(input_ids, audio_codes)
             # the frame drawn step by step is the argmax of the teacher-forced tower at that row
             assert torch.equal(full.codebook_logits[:, -2].argmax(-1), frame[:, 0, 1:])
-            mask = torch.ones_like(input_ids)
-            hidden = model.decode_row(main, frame, mask, cache)
-            torch.testing.assert_close(hidden, full.hidden_states[:, -1:], rtol=1e-4, atol=1e-5)
+        assert index == 4
+
+
+class KeepSpeaking:
+    """A greedy sampler that never draws eos (tests the audio path of every step)."""
+
+    def __init__(self, model):
+        self.candidate_ids = model.speech_token_ids()
+
+    def main_token(self, logits, noise=None, active=None):
+        return self.candidate_ids[logits[:, -1, :-1].argmax(-1)][:, None]  # eos is the last candidate
+
+    def codebook(self, logits, codebook_index, drawing=None, noise=None):
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    def step_noise(self, *shape):
+        return None
+
+    def rewind(self, *drawn):
+        pass
 
 
 def test_left_padded_batch_equals_one_by_one():
@@ -321,8 +336,10 @@ def test_codebook_loss_reaches_the_backbone():
 
 
 def test_a_one_row_prompt_is_refused():
+    from generation_helpers import GrowingCache
+
     model = tiny_model()
-    cache = Drama3Cache.empty(model.config)
+    cache = GrowingCache.empty(model.config)
     with pytest.raises(ValueError, match="at least 2 rows"):
         model.prefill(torch.tensor([[5]]), torch.zeros(1, 1, NUM_CODEBOOKS, dtype=torch.long), torch.ones(1, 1), cache)
 

@@ -11,10 +11,9 @@ import re
 import pytest
 import torch
 
-from generation_helpers import tiny_speech_bundle
+from generation_helpers import GrowingCache, tiny_speech_bundle
 from model_helpers import tiny_model
 from processor_helpers import random_codes
-from transformers_drama3 import Drama3Cache
 from transformers_drama3.codec.take_streaming import AudioChunk, decode_audio
 from transformers_drama3.decoding.sampler import SEED_STRIDE
 from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
@@ -105,9 +104,9 @@ def test_extending_a_cache_matches_prefilling_all_the_rows():
     ids = torch.where(is_audio, config.semantic_start_token_id + frames[..., 0], torch.randint(3, 60, (1, rows), generator=generator))
     codes = torch.where(is_audio[..., None], frames, torch.zeros_like(frames))
     with torch.no_grad():
-        whole = Drama3Cache.empty(config)
+        whole = GrowingCache.empty(config)
         expected = model.prefill(ids, codes, torch.ones_like(ids), whole)
-        cache = Drama3Cache.empty(config)
+        cache = GrowingCache.empty(config)
         hidden = [model.prefill(ids[:, :11], codes[:, :11], torch.ones(1, 11, dtype=torch.long), cache)]
         for start, end in ((11, 30), (30, 31), (31, rows)):
             hidden.append(model.extend(

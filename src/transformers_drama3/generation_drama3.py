@@ -640,7 +640,7 @@ def stream(
 class Drama3GenerationMixin(GenerationMixin):
     """`generate` and `stream` as methods of `Drama3ForSpeechGeneration`, which inherits them (as
     transformers' CSM model inherits its generation mixin): modeling imports generation, never the
-    reverse. The model provides `prefill`, `decode_row`, `tower_step`, `speech_logits`,
+    reverse. The model provides `prefill`, `extend`, `sample_acoustic_codes`, `speech_logits`,
     `speech_token_ids` and `is_semantic`."""
 
     def generate(self, input_ids=None, audio_codes=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):

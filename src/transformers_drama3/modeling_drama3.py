@@ -32,9 +32,8 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .checkpoint.files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
-# Drama3Cache lives beside the decode loop that fills it; it stays importable from here for users.
 from .decoding.sampler import drama3_generation_config
-from .decoding.state import Drama3Cache
+from .decoding.state import DecodeCache
 from .generation_drama3 import Drama3GenerationMixin
 from .generation_text_stream import Drama3TextStreamingMixin
 from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
@@ -73,7 +72,7 @@ class Drama3Output(ModelOutput):
     codebook_logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
-    cache: Drama3Cache | None = None
+    cache: DecodeCache | None = None
 
 
 # ----------------------------------------------------------------------------- tower modules
@@ -559,12 +558,12 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         input_ids: torch.Tensor,
         audio_codes: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: Drama3Cache,
+        cache: DecodeCache,
     ) -> torch.Tensor:
         """Fill `cache` with a prompt of at least 2 rows and return the backbone output [batch, rows, dim].
 
         The tower is teacher-forced over every row but the last, whose next frame is not known yet:
-        the first `tower_step` computes it.
+        the first decode step (`decoding.step.draw`) computes it.
         """
         rows = input_ids.shape[1]
         if rows < 2:
@@ -587,12 +586,12 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         input_ids: torch.Tensor,
         audio_codes: torch.Tensor,
         attention_mask: torch.Tensor,
-        cache: Drama3Cache,
+        cache: DecodeCache,
     ) -> torch.Tensor:
         """Append rows to a filled cache and return their backbone output [batch, new, dim].
 
         A filled cache ends with an *open row*: the last row fed, which the tower has not seen yet
-        because the row after it was not known (what `prefill` and `decode_row` leave). open_hidden
+        because the row after it was not known (what `prefill` and the decode step's `feed` leave). open_hidden
         [batch, 1, dim] is its backbone output, open_ids [batch, 1] / open_codes [batch, 1,
         num_codebooks] the row itself. input_ids [batch, new] / audio_codes [batch, new,
         num_codebooks] are the new rows; attention_mask [batch, past + new] covers all of them.
@@ -619,19 +618,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         )
         return hidden
 
-    def decode_row(
-        self,
-        input_ids: torch.Tensor,
-        audio_codes: torch.Tensor,
-        attention_mask: torch.Tensor,
-        cache: Drama3Cache,
-    ) -> torch.Tensor:
-        """Feed one new row per item through the backbone. input_ids: [batch, 1];
-        audio_codes: [batch, 1, num_codebooks]; attention_mask: [batch, past + 1]. Returns [batch, 1, dim]."""
-        positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-        return self._cached_backbone(input_ids, audio_codes, attention_mask, positions, cache)
-
-    def _cached_backbone(self, input_ids, audio_codes, attention_mask, positions, cache: Drama3Cache) -> torch.Tensor:
+    def _cached_backbone(self, input_ids, audio_codes, attention_mask, positions, cache: DecodeCache) -> torch.Tensor:
         """The backbone over new rows, reading and extending `cache.backbone`."""
         return self.backbone(
             inputs_embeds=self.embed_rows(input_ids, audio_codes),
@@ -640,35 +627,6 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
             cache=cache.backbone,
             use_cache=True,
         ).last_hidden_state
-
-    def tower_step(
-        self,
-        hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        audio_codes: torch.Tensor,
-        semantic_code: torch.Tensor,
-        attention_mask: torch.Tensor,
-        cache: Drama3Cache,
-        sample,
-        is_audio: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Draw codes 1..9 of the next frame at the current row, given its semantic code: the one
-        decode step of the tower.
-
-        hidden: [batch, 1, dim] backbone output of the current row (input_ids [batch, 1],
-        audio_codes [batch, 1, num_codebooks]); semantic_code: [batch, 1]; attention_mask:
-        [batch, rows so far] ending with the current row; is_audio: [batch] whether the next row
-        is a frame (default: all). Where it is False (a line boundary) no code is embedded, yet
-        the tower's layers still take the row into their cache, as the teacher-forced forward does
-        for a row whose next row is text: later frames attend to exactly what training showed
-        them (the codes drawn there are meaningless). Returns [batch, 1, num_codebooks].
-        """
-        positions = positions_from_mask(attention_mask, attention_mask.shape[1] - 1)
-        is_audio = torch.ones_like(semantic_code, dtype=torch.bool) if is_audio is None else is_audio[:, None]
-        return self.sample_acoustic_codes(
-            hidden, input_ids, audio_codes, semantic_code, is_audio, positions,
-            tower_attention_mask(attention_mask, 1), cache.tower, sample,
-        )
 
     # -- forward ---------------------------------------------------------------------------------
 

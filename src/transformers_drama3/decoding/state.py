@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 MIN_COMPILED_CAPACITY = 256
 """The smallest cache a compiled run gets; capacities round up to powers of two from here, so one
@@ -338,20 +338,3 @@ def empty_state(model, batch: int, capacity: int, device: torch.device) -> Decod
         separators_left=torch.zeros(batch, dtype=torch.long, device=device),
     )
 
-
-@dataclass
-class Drama3Cache:
-    """A growing cache: the backbone's hybrid `DynamicCache` and one for the tower's layers.
-
-    What the serving engine's slots and its voice-prefix cache still hold; `DecodeCache` is the
-    cache of every other decode run."""
-
-    backbone: DynamicCache
-    tower: DynamicCache
-
-    @classmethod
-    def empty(cls, config) -> Drama3Cache:
-        return cls(backbone=DynamicCache(config=config.text_config), tower=DynamicCache())
-
-    def get_seq_length(self) -> int:
-        return self.backbone.get_seq_length()
