@@ -629,15 +629,18 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
     def work():
         outcome = None
         try:
-            for item in service.text_stream(params, references, seed, text(), stop):
-                message = item
-                if isinstance(item, AudioChunk):
-                    audio = item.audio.detach().cpu().float().numpy()
-                    message = pcm16(audio) if audio.size else None
-                elif isinstance(item, (ChunkStarted, ChunkSpoken)):
-                    message = _event_message(item)
-                if message is not None:
-                    loop.call_soon_threadsafe(outbox.put_nowait, message)
+            # the whole stream, its codec's decodes included, at the service's codec thread count, as
+            # every take is decoded: this pool thread's own count would round the audio differently
+            with torch_threads(service.codec_threads):
+                for item in service.text_stream(params, references, seed, text(), stop):
+                    message = item
+                    if isinstance(item, AudioChunk):
+                        audio = item.audio.detach().cpu().float().numpy()
+                        message = pcm16(audio) if audio.size else None
+                    elif isinstance(item, (ChunkStarted, ChunkSpoken)):
+                        message = _event_message(item)
+                    if message is not None:
+                        loop.call_soon_threadsafe(outbox.put_nowait, message)
         except TextStreamCancelled:
             outcome = ApiError(504, "the text stream ran past its time limit", None, "timeout") if timed_out.is_set() else _CANCEL
         except ValueError as error:
