@@ -269,3 +269,22 @@ def test_the_package_feeds_a_decode_row_in_exactly_one_function():
     }
     model_methods = {name for name in dir(transformers_drama3.Drama3ForSpeechGeneration) if not name.startswith("__")}
     assert not {"decode_row", "tower_step"} & model_methods
+
+
+def test_only_prompting_reads_the_turn_to_speak_from_token_ids():
+    """Outside `prompting/` the turn to speak comes as metadata (`speak_span`, `boundaries_left`) or
+    from `prompting.bare_rows`: no module compares a prompt's ids with `<|im_end|>` (eos) to find it.
+    What may compare with eos: a drawn main token (the step), a separator id check, GRPO's labels."""
+    import re
+
+    import transformers_drama3
+
+    package = Path(transformers_drama3.__file__).parent
+    compared = re.compile(r"(\w+(?:\[[^\]]*\])?)\s*==\s*[\w.]*(?:eos_token_id|im_end\w*)\b")
+    found = set()
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] == "prompting":
+            continue
+        for match in compared.finditer(path.read_text()):
+            found.add(f"{path.relative_to(package).as_posix()}:{match.group(1)}")
+    assert found == {"decoding/step.py:main_ids[:, 0]", "generation_drama3.py:separator_id", "training/grpo.py:tokens"}

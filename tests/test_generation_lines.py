@@ -10,7 +10,7 @@ from generation_helpers import (
     reference_greedy_lines, script_main_tokens, tiny_model,
 )
 from transformers import GenerationConfig
-from transformers_drama3.decoding.budget import separators_left
+from transformers_drama3.prompting.bare_rows import boundaries_left_of_rows as separators_left
 from transformers_drama3.generation_drama3 import split_lines
 
 S = SEMANTIC_START

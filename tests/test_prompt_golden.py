@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from processor_helpers import expected_rows, only_item, random_codes, tiny_processor
-from transformers_drama3.decoding.budget import separators_left
+from transformers_drama3.prompting.bare_rows import boundaries_left_of_rows as separators_left
 from transformers_drama3.prompting import Clip, Infill, LineByLineScript, Reference, Script, StreamingScript, Take, speaker_turns
 
 TTS = "convert the provided text to speech"

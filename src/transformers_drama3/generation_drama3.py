@@ -48,7 +48,6 @@ from .decoding.budget import (
     expected_seconds_of_tokens,
     frame_budgets,
     overlong_factor,
-    separators_left,
     speak_span_tokens,
     target_text_tokens,
     text_tokens_per_second,
@@ -71,6 +70,7 @@ from .decoding.sampler import (
     resolve_settings,
 )
 from .decoding.threads import check_threads, resolve_threads, torch_threads
+from .prompting.bare_rows import boundaries_left_of_rows
 
 
 # ----------------------------------------------------------------------------- generate()
@@ -270,7 +270,7 @@ def line_separators(
     """The separator rule of a batch: None unless some prompt is a line-by-line prompt.
 
     `boundaries_left` [batch] is what the processor's layout says; rows given without it are read
-    by `separators_left`."""
+    by `prompting.bare_rows.boundaries_left_of_rows`."""
     if separator_id is None:
         return None
     vocabulary = model.get_output_embeddings().weight.shape[0]
@@ -284,7 +284,7 @@ def line_separators(
     if boundaries_left is not None:
         left = torch.as_tensor(boundaries_left, dtype=torch.long).flatten().to(input_ids.device)
     else:
-        left = separators_left(input_ids, attention_mask, config.eos_token_id, separator_id)
+        left = boundaries_left_of_rows(input_ids, attention_mask, config.eos_token_id, separator_id)
     return LineSeparators(separator_id, left) if bool(left.any()) else None
 
 

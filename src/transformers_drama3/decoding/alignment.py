@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..prompting.bare_rows import turn_spans
+
 CONFIG_KEY = "phoneme_alignment"
 
 
@@ -197,16 +199,8 @@ def resolve_alignment(model, sources) -> PhonemeAlignment | None:
 def turn_token_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, speak_span=None) -> list[list[int]]:
     """The text rows of the turn to speak, per prompt: `speak_span` [batch, 2] when the processor
     gave it, else the rows between the last two `<|im_end|>` (all rows when there are fewer)."""
-    rows = []
-    for item in range(input_ids.shape[0]):
-        ids = input_ids[item]
-        if speak_span is not None:
-            start, stop = (int(x) for x in torch.as_tensor(speak_span)[item])
-        else:
-            ends = ((ids == eos_token_id) & attention_mask[item].bool()).nonzero().flatten().tolist()
-            start, stop = (ends[-2] + 1, ends[-1]) if len(ends) >= 2 else (0, ids.shape[0])
-        rows.append(ids[start:stop].tolist())
-    return rows
+    spans = torch.as_tensor(speak_span) if speak_span is not None else turn_spans(input_ids, attention_mask, eos_token_id)[0]
+    return [input_ids[item, int(start) : int(stop)].tolist() for item, (start, stop) in enumerate(spans.tolist())]
 
 
 class AlignmentTracker:

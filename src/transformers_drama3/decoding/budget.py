@@ -2,8 +2,7 @@
 
 Every take gets a frame budget: 2.5x its expected duration, at most 4096 frames. The expected
 duration comes from the text of the turn to speak, which the processor's rows say
-(`speak_span`); `target_text_tokens` and `separators_left` are the one fallback for bare rows
-given without that metadata (they read the published layout's `<|im_end|>` tokens).
+(`speak_span`); rows given without it are read by `prompting.bare_rows`, the one fallback.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import math
 
 import torch
 
+from ..prompting.bare_rows import turn_spans
 from ..prompting.text import is_cjk
 
 # ----------------------------------------------------------------------------- guards (paper §7, §9)
@@ -68,23 +68,13 @@ def speech_shortfall(seconds: float, text: str, fraction: float = MIN_SPEECH_FRA
 
 
 def target_text_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, is_semantic) -> torch.Tensor:
-    """Text tokens of the turn to speak, per prompt `[batch]`.
-
-    In the published layout the prompt ends `... <|im_end|>\\n <|im_start|>user\\n lines <|im_end|>\\n
-    <|im_start|>assistant\\n<|voice|>`: the turn to speak lies between the last two `<|im_end|>`.
-    A prompt with fewer than two counts all its text rows. The few layout tokens of the turn are
-    counted too (a slight overestimate)."""
+    """Text tokens of the turn to speak, per prompt `[batch]`, for rows given without `speak_span`:
+    the real text rows of the span `prompting.bare_rows.turn_spans` reads (the few layout tokens
+    of the turn count too, a slight overestimate)."""
+    spans, _ = turn_spans(input_ids, attention_mask, eos_token_id)
     real = attention_mask.bool() & ~is_semantic(input_ids)
-    ends = (input_ids == eos_token_id) & attention_mask.bool()
-    counts = []
-    for item in range(input_ids.shape[0]):
-        positions = ends[item].nonzero().flatten().tolist()
-        if len(positions) >= 2:
-            start, stop = positions[-2] + 1, positions[-1]
-            counts.append(int(real[item, start:stop].sum()))
-        else:
-            counts.append(int(real[item].sum()))
-    return torch.tensor(counts, dtype=torch.long)
+    return torch.tensor([int(real[item, start:stop].sum()) for item, (start, stop) in enumerate(spans.tolist())],
+                        dtype=torch.long)
 
 
 def speak_span_tokens(speak_span: torch.Tensor) -> torch.Tensor:
@@ -190,26 +180,3 @@ def detect_anomalies(
         elif longest_silence_seconds(waveform, sampling_rate) > LONG_SILENCE_SECONDS:
             found.append("long_silence")
     return found
-
-
-
-def separators_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int, separator_id: int) -> torch.Tensor:
-    """Line boundaries each prompt still has to speak, `[batch]`.
-
-    A line-by-line prompt separates its k lines with k - 1 separators in the last user turn (between
-    its last two `<|im_end|>`); its voice turn (after the last `<|im_end|>`) already holds one
-    separator per line it continues from. Other layouts give 0: the published one has no
-    separator, infilling has one only in the voice turn."""
-    real = attention_mask.bool()
-    separators = (input_ids == separator_id) & real
-    ends = (input_ids == eos_token_id) & real
-    counts = []
-    for item in range(input_ids.shape[0]):
-        positions = ends[item].nonzero().flatten().tolist()
-        if len(positions) < 2:
-            counts.append(0)
-            continue
-        between = int(separators[item, positions[-2] + 1 : positions[-1]].sum())
-        after = int(separators[item, positions[-1] + 1 :].sum())
-        counts.append(max(0, between - after))
-    return torch.tensor(counts, dtype=torch.long, device=input_ids.device)

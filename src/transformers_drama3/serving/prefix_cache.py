@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decoding.loop import DecodeRun
+from ..prompting.bare_rows import system_turn_rows
 from .engine import SpeechJob, prefill_alone
 
 
@@ -48,13 +49,9 @@ class PrefixState:
 
 
 def prefix_rows(model, input_ids: torch.Tensor) -> int:
-    """Rows of the shareable prefix of a prompt [1, rows]: up to its first `<|im_end|>` (the end of
-    the system turn); 0 when it has none or it is too short to prefill (under 2 rows)."""
-    ends = (input_ids[0] == model.config.eos_token_id).nonzero().flatten()
-    if ends.numel() < 2:  # a prompt without a turn after the system turn has nothing to share
-        return 0
-    rows = int(ends[0])
-    return rows if rows >= 2 else 0
+    """Rows of the shareable prefix of a prompt [1, rows]: its system turn
+    (`prompting.bare_rows.system_turn_rows`); 0 when there is nothing to share."""
+    return system_turn_rows(input_ids, model.config.eos_token_id)
 
 
 @torch.no_grad()
