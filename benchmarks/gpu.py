@@ -184,7 +184,8 @@ def step_reports(model, seed: int = 0, draw: bool = True) -> list:
     """`capture_check` reports of one decode step of `model` on the CPU, `draw` (unless `draw` is
     False) then `feed`: batch 1, a 16-row prompt, the serving sampling defaults (top-p 0.9, RAS), seeded."""
     from transformers_drama3.decoding import step as decode_step
-    from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
+    from transformers_drama3.decoding.request import make_sampler
+    from transformers_drama3.decoding.request import resolve_request as _resolve_request
     from transformers_drama3.kernels.capture_check import capture_report
 
     config = model.config

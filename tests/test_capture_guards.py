@@ -14,7 +14,8 @@ from generation_helpers import SEPARATOR, line_model, line_prompt, prompt, tiny_
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun
 from transformers_drama3.decoding.sampler import SamplingSettings
-from transformers_drama3.generation_drama3 import _resolve_request, make_sampler
+from transformers_drama3.decoding.request import make_sampler
+from transformers_drama3.decoding.request import resolve_request as _resolve_request
 from transformers_drama3.kernels import fused_step
 from transformers_drama3.kernels.capture_check import NotCapturable, capture_report, check_capturable
 

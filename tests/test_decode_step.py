@@ -18,7 +18,8 @@ from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, compiled_functions
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.state import MIN_COMPILED_CAPACITY, compiled_capacity
-from transformers_drama3.generation_drama3 import _resolve_request, make_sampler, resolve_decoding
+from transformers_drama3.decoding.request import make_sampler, resolve_decoding
+from transformers_drama3.decoding.request import resolve_request as _resolve_request
 from transformers_drama3.tiny.shipped import reference_voice
 
 GOLDEN = Path(__file__).parent / "golden" / "drama3_tiny_takes.json"
@@ -287,4 +288,4 @@ def test_only_prompting_reads_the_turn_to_speak_from_token_ids():
             continue
         for match in compared.finditer(path.read_text()):
             found.add(f"{path.relative_to(package).as_posix()}:{match.group(1)}")
-    assert found == {"decoding/step.py:main_ids[:, 0]", "generation_drama3.py:separator_id", "training/grpo.py:tokens"}
+    assert found == {"decoding/step.py:main_ids[:, 0]", "decoding/request.py:separator_id", "training/grpo.py:tokens"}

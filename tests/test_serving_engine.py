@@ -289,7 +289,7 @@ def test_the_engine_steps_a_request_as_the_decode_run_of_generate_steps_it_alone
 
 
 def _budget_of(model, request: SpeechJob):
-    from transformers_drama3.generation_drama3 import _resolve_request
+    from transformers_drama3.decoding.request import resolve_request as _resolve_request
 
     resolved = _resolve_request(model, request.settings, request.input_ids, torch.ones_like(request.input_ids),
                                 request.max_new_tokens, None)

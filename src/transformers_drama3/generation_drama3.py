@@ -34,92 +34,23 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
-from transformers import CompileConfig, GenerationConfig, GenerationMixin
-from transformers.utils import ModelOutput
+from transformers import GenerationConfig, GenerationMixin
 
 from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer, decode_audio, put_chunk
 from .decoding.alignment import CONFIG_KEY as ALIGNMENT_KEY
 from .decoding.alignment import AlignmentTracker, resolve_alignment, turn_token_ids
-from .decoding.budget import (
-    detect_anomalies,
-    expected_seconds_of_tokens,
-    frame_budgets,
-    overlong_factor,
-    speak_span_tokens,
-    target_text_tokens,
-    text_tokens_per_second,
-)
-from .decoding.loop import (
-    DecodeRun,
-    FrameStep,
-    LineSeparators,
-    TakeCollector,
-    check_cache_implementation,
-    default_compile_config,
-)
-from .decoding.sampler import (
-    SEED_STRIDE,
-    Drama3Sampler,
-    SamplingSettings,
-    item_generators,
-    item_seeds,
-    prompt_window,
-    resolve_settings,
-)
+from .decoding.budget import detect_anomalies, overlong_factor
+from .decoding.loop import DecodeRun, FrameStep, TakeCollector
+from .decoding.request import DecodeRequest, make_sampler, resolve_decoding, resolve_request, resolve_separator_id
+from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_seeds, resolve_settings
+from .decoding.takes import Drama3GenerationOutput, split_lines  # noqa: F401  (split_lines: importable from here, as before)
 from .decoding.threads import check_threads, resolve_threads, torch_threads
-from .prompting.bare_rows import boundaries_left_of_rows
 
 
 # ----------------------------------------------------------------------------- generate()
-
-
-@dataclass
-class Drama3GenerationOutput(ModelOutput):
-    """What `generate(..., return_dict_in_generate=True)` returns.
-
-    Args:
-        audio_codes: [batch, frames, num_codebooks] the takes, 0 after each item's length.
-        sequences: the same tensor under the name `GenerationMixin` users (and the text-to-audio
-            pipeline, which decodes it with the processor) read.
-        lengths: [batch] frames of each take.
-        audio: per item a waveform [samples] (when a codec was given).
-        finish_reasons: per item "eos" or "length" (budget or max_new_tokens used up).
-        budgets: [batch] frames each take was allowed.
-        expected_frames: [batch] the expected duration of each take, in frames.
-        anomalies: per item the guard findings (see `detect_anomalies`).
-        regenerations: one record per regenerated item and attempt: {"item", "attempt",
-            "anomalies" (before), "new_anomalies", "kept"}.
-        ras_replacements: [batch] main tokens RAS replaced.
-        clicks_dropped: per item whether a `<|semantic:0|>` frame before eos was dropped.
-        time_to_first_audio: seconds from the call to the first streamed chunk (with a streamer).
-        line_boundaries: per item, the frame index where each new line starts (one per
-            `<|audio_separator|>` drawn, line-by-line prompts only): item b's line k is
-            `audio_codes[b, bounds[k - 1]:bounds[k]]` with bounds = [0, *line_boundaries[b],
-            lengths[b]] (see `split_lines`).
-    """
-
-    audio_codes: torch.LongTensor | None = None
-    sequences: torch.LongTensor | None = None
-    lengths: torch.LongTensor | None = None
-    audio: list[torch.Tensor] | None = None
-    finish_reasons: list[str] | None = None
-    budgets: torch.LongTensor | None = None
-    expected_frames: torch.Tensor | None = None
-    anomalies: list[list[str]] | None = None
-    regenerations: list[dict] | None = None
-    ras_replacements: torch.LongTensor | None = None
-    clicks_dropped: list[bool] | None = None
-    time_to_first_audio: float | None = None
-    line_boundaries: list[list[int]] | None = None
-
-
-def split_lines(take: torch.Tensor, line_boundaries: Sequence[int]) -> list[torch.Tensor]:
-    """One take's frames [frames, ...] -> one piece per line, cut at its line boundaries."""
-    bounds = [0, *line_boundaries, take.shape[0]]
-    return [take[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 _OWN_ARGUMENTS = (
@@ -191,156 +122,12 @@ def _split_kwargs(kwargs: dict) -> dict:
 
 
 @dataclass
-class _Request:
-    """Everything one run of the decode loop needs, resolved once per call."""
-
-    settings: SamplingSettings
-    budgets: torch.Tensor
-    guard_budgets: torch.Tensor
-    expected_frames: torch.Tensor
-    separators: LineSeparators | None = None
-    decoding: DecodeOptions = field(default_factory=lambda: DecodeOptions())
-    alignment: AlignmentTracker | None = None
-
-    def select(self, index: torch.Tensor) -> _Request:
-        """The request of the items `index` (a long tensor)."""
-        separators = self.separators
-        if separators is not None:
-            separators = LineSeparators(separators.token_id, separators.left[index.to(separators.left.device)])
-        index = index.cpu()
-        alignment = None if self.alignment is None else self.alignment.select(index.tolist())
-        return _Request(
-            self.settings, self.budgets[index], self.guard_budgets[index], self.expected_frames[index], separators,
-            self.decoding, alignment,
-        )
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How the decode run goes: `static` (`cache_implementation="static"`) asks for a cache of a
-    fixed length class, compiled with `compile_config` (None: the step runs eagerly)."""
-
-    static: bool = False
-    compile_config: CompileConfig | None = None
-
-
-def resolve_decoding(model, generation_config: GenerationConfig | None, overrides: dict) -> DecodeOptions:
-    """The decode options of a call, read as transformers reads them: `cache_implementation`
-    ("static" or "dynamic"), `compile_config` and `disable_compile`, from the model's generation
-    config, then the call's, then keyword arguments. A static cache is compiled when a
-    `compile_config` is given, or by default on CUDA (`default_compile_config`: one graph per step
-    with CUDA graphs), unless `disable_compile`."""
-    values: dict = {}
-    for source in (getattr(model, "generation_config", None), generation_config, overrides):
-        if source is None:
-            continue
-        for name in ("cache_implementation", "compile_config", "disable_compile"):
-            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
-            if value is not None:
-                values[name] = value
-    implementation = values.get("cache_implementation")
-    check_cache_implementation(implementation)
-    if implementation != "static":
-        return DecodeOptions()
-    compile_config = values.get("compile_config")
-    if compile_config is not None and not isinstance(compile_config, CompileConfig):
-        raise ValueError(f"compile_config={compile_config!r}; expected a transformers CompileConfig")
-    if values.get("disable_compile"):
-        return DecodeOptions(static=True)
-    if compile_config is None and model.device.type == "cuda":
-        compile_config = default_compile_config()
-    return DecodeOptions(static=True, compile_config=compile_config)
-
-
-def resolve_separator_id(model, generation_config: GenerationConfig | None, explicit: int | None) -> int | None:
-    """The id of `<|audio_separator|>`: the argument, else `audio_separator_token_id` of the call's
-    generation config, of the model's generation config, or of the model's config; else None."""
-    if explicit is not None:
-        return int(explicit)
-    for source in (generation_config, getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "audio_separator_token_id", None)
-        if value is not None:
-            return int(value)
-    return None
-
-
-def line_separators(
-    model, input_ids, attention_mask, separator_id: int | None, boundaries_left: torch.Tensor | None = None
-) -> LineSeparators | None:
-    """The separator rule of a batch: None unless some prompt is a line-by-line prompt.
-
-    `boundaries_left` [batch] is what the processor's layout says; rows given without it are read
-    by `prompting.bare_rows.boundaries_left_of_rows`."""
-    if separator_id is None:
-        return None
-    vocabulary = model.get_output_embeddings().weight.shape[0]
-    config = model.config
-    if not 0 <= separator_id < vocabulary or separator_id == config.eos_token_id or bool(model.is_semantic(torch.tensor(separator_id))):
-        raise ValueError(
-            f"audio_separator_token_id={separator_id} is not a text token of this model (vocabulary "
-            f"{vocabulary}, eos {config.eos_token_id}, semantic band {config.semantic_start_token_id}.."
-            f"{config.semantic_end_token_id})"
-        )
-    if boundaries_left is not None:
-        left = torch.as_tensor(boundaries_left, dtype=torch.long).flatten().to(input_ids.device)
-    else:
-        left = boundaries_left_of_rows(input_ids, attention_mask, config.eos_token_id, separator_id)
-    return LineSeparators(separator_id, left) if bool(left.any()) else None
-
-
-def make_sampler(model, request: _Request, input_ids, attention_mask, seed) -> Drama3Sampler:
-    """The sampler of one run; with line separators the separator is the last candidate, and only
-    the items that may draw it draw a random number for it."""
-    device = input_ids.device
-    candidates = model.speech_token_ids(device)
-    codebook_size = candidates.shape[0] - 1
-    widths = None
-    if request.separators is not None:
-        candidates = torch.cat((candidates, torch.tensor([request.separators.token_id], device=device)))
-        widths = codebook_size + 1 + (request.separators.left > 0).long()
-    return Drama3Sampler(
-        request.settings, candidates, prompt_window(input_ids, attention_mask),
-        item_generators(seed, input_ids.shape[0], device), codebook_size, widths,
-    )
-
-
-def _resolve_request(
-    model, settings, input_ids, attention_mask, max_new_tokens, expected_seconds, separator_id=None, layout=None
-) -> _Request:
-    """`layout`: the processor's `speak_span` / `boundaries_left` when the rows came with them."""
-    config = model.config
-    layout = layout or {}
-    overlong_factor(model)  # a bad value is refused before any work, not after the takes
-    if expected_seconds is None and layout.get("speak_span") is not None:
-        seconds = expected_seconds_of_tokens(
-            speak_span_tokens(torch.as_tensor(layout["speak_span"])), text_tokens_per_second(model)
-        )
-    elif expected_seconds is None:
-        tokens = target_text_tokens(input_ids.cpu(), attention_mask.cpu(), config.eos_token_id, model.is_semantic)
-        seconds = expected_seconds_of_tokens(tokens, text_tokens_per_second(model))
-    else:
-        seconds = torch.as_tensor(expected_seconds, dtype=torch.float32).flatten().cpu()
-        if seconds.numel() == 1:
-            seconds = seconds.expand(input_ids.shape[0])
-        if seconds.numel() != input_ids.shape[0] or not bool((seconds > 0).all() and seconds.isfinite().all()):
-            raise ValueError(f"expected_seconds={expected_seconds!r}; expected one positive value or one per item")
-    frame_rate = config.frame_rate
-    return _Request(
-        settings=settings,
-        budgets=frame_budgets(seconds, frame_rate, max_new_tokens),
-        guard_budgets=frame_budgets(seconds, frame_rate),
-        expected_frames=seconds * frame_rate,
-        separators=line_separators(model, input_ids, attention_mask, separator_id, layout.get("boundaries_left")),
-    )
-
-
-@dataclass
 class _Call:
     """One generate() or stream() call, checked and resolved: the prompt (input_ids, audio_codes,
     attention_mask), its request, and whether the caller asked for a `Drama3GenerationOutput`."""
 
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    request: _Request
+    request: DecodeRequest
     return_dict: bool
 
 
@@ -360,7 +147,7 @@ def _set_up(
     if streaming is not None and prompt[0].shape[0] != 1:
         raise ValueError(f"{streaming}: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
     separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    request = _resolve_request(
+    request = resolve_request(
         model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
     )
     request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
@@ -389,7 +176,7 @@ def check_codec_matches(config, codec, location: str = "codec") -> None:
         )
 
 
-def _start(model, input_ids, audio_codes, attention_mask, request: _Request, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
+def _start(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
     """The sampler of one decode run and its steps (not started until iterated)."""
     sampler = make_sampler(model, request, input_ids, attention_mask, seed)
     # a fresh tracker per run: every run starts at the beginning of its text
@@ -405,7 +192,7 @@ def _start(model, input_ids, audio_codes, attention_mask, request: _Request, see
     return sampler, steps()
 
 
-def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed, codec, streamer=None):
+def _run(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, seed, codec, streamer=None):
     """One decode run over a batch: the takes, their waveforms and what the guards found."""
     started = time.perf_counter()
     sampler, steps = _start(model, input_ids, audio_codes, attention_mask, request, seed)
@@ -455,7 +242,7 @@ def _run(model, input_ids, audio_codes, attention_mask, request: _Request, seed,
     )
 
 
-def _regenerate(model, prompt, request: _Request, seed, codec, output: Drama3GenerationOutput, attempts: int):
+def _regenerate(model, prompt, request: DecodeRequest, seed, codec, output: Drama3GenerationOutput, attempts: int):
     """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
     one when it has no more anomalies. Every attempt is recorded in `output.regenerations`."""
     input_ids, audio_codes, attention_mask = prompt
