@@ -294,3 +294,35 @@ def _budget_of(model, request: SpeechJob):
     resolved = _resolve_request(model, request.settings, request.input_ids, torch.ones_like(request.input_ids),
                                 request.max_new_tokens, None)
     return resolved, int(resolved.budgets[0]), float(resolved.expected_frames[0])
+
+
+# ---- the compiled step in batch-size buckets -----------------------------------------------------------
+
+
+def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it_has_alone(model):
+    """`compile_config` steps the running requests in batch-size buckets (3 running: 4 items, the
+    fourth holding no request) through `torch.compile(fullgraph=True)` (dynamo's graph, run by its
+    eager backend: a graph break fails the step) and gives each request the codes `generate()`
+    gives it alone, as requests join and leave. float64, with the batched-matmul experts (the
+    per-expert loop of the eager experts reads which experts were chosen: no graph holds it)."""
+    from transformers import CompileConfig
+
+    traced = tiny_model(seed=0)
+    traced.set_experts_implementation("batched_mm")
+    traced = traced.double()
+    requests = [job(seed=40 + i, prompt_seed=60 + i, audio_rows=1 + i) for i in range(5)]
+    torch._dynamo.reset()
+    engine = Drama3Engine(traced, max_batch=4, compile_config=CompileConfig(fullgraph=True, dynamic=False,
+                                                                             backend="eager", mode=None))
+    stepped = []
+    original = engine._compiled
+    engine._compiled = lambda function, *args: stepped.append((function, args[1].backbone_part.next_column.shape[0])) or original(
+        function, *args)
+    handles = drive(engine, {0: requests[:3], 2: requests[3:4], 5: requests[4:]})
+    assert {items for _, items in stepped} >= {2, 4}  # buckets, not the running count
+    assert {function for function, _ in stepped} == {engine._draw, engine._feed}
+    assert engine._draw is not Drama3Engine(model)._draw  # the compiled functions, not the plain ones
+    for request, handle in zip(requests, handles):
+        result = handle.result(timeout=1)
+        assert isinstance(result, DoneEvent), result
+        assert torch.equal(result.codes, generate_alone(model, request)[0]), f"seed {request.seed}"

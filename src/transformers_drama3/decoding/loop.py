@@ -259,16 +259,18 @@ class DecodeRun:
             return value
         self.sampler.window = self.sampler.window.clone()
         self.sampler.ras_replacements = self.sampler.ras_replacements.clone()
-        return _cloned(value)
+        return owned(value)
 
 
-def _cloned(value):
+def owned(value):
+    """`value` (a tensor, a tuple, a dataclass of tensors) with every tensor cloned: what a compiled
+    step returns lives in CUDA-graph memory the next replay overwrites."""
     if torch.is_tensor(value):
         return value.clone()
     if isinstance(value, tuple):
-        return tuple(_cloned(item) for item in value)
+        return tuple(owned(item) for item in value)
     if hasattr(value, "__dataclass_fields__"):
-        return replace(value, **{name: _cloned(getattr(value, name)) for name in value.__dataclass_fields__
+        return replace(value, **{name: owned(getattr(value, name)) for name in value.__dataclass_fields__
                                  if torch.is_tensor(getattr(value, name))})
     return value
 

@@ -222,7 +222,15 @@ class DecodeCache:
 
         view.backbone = Cache(layers=[layer_view(layer, view.backbone_part) for layer in self.backbone.layers])
         view.tower = Cache(layers=[layer_view(layer, view.tower_part) for layer in self.tower.layers])
+        if self.compiled:
+            view.mark_static()
         return view
+
+    def clear_items(self, first: int) -> None:
+        """Items from `first` on hold no request: their next rows go to column 0 (a compiled step
+        still steps them, with the running ones, in a batch-size bucket)."""
+        for part in self.parts:
+            part.next_column[first:] = 0
 
     def get_seq_length(self) -> int:
         """Rows the backbone holds."""
@@ -268,6 +276,9 @@ class DecodeCache:
             if isinstance(layer, ColumnKeysLayer) and layer.is_initialized:
                 torch._dynamo.mark_static_address(layer.keys)
                 torch._dynamo.mark_static_address(layer.values)
+            elif isinstance(layer, LinearAttentionLayer) and layer.is_conv_states_initialized[0]:
+                torch._dynamo.mark_static_address(layer.conv_states[0])
+                torch._dynamo.mark_static_address(layer.recurrent_states[0])
 
 
 @dataclass

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding import step as decode_step
-from ..decoding.loop import DecodeRun, FrameStep
+from ..decoding.loop import DecodeRun, FrameStep, compiled_functions, owned
+from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
 from ..decoding.threads import check_threads, resolve_threads
 from .decoding import (
@@ -185,13 +185,19 @@ class Drama3Engine:
             "cancelled", "timeout", "error"): the metrics hook.
         capacity: columns (rows) each slot holds at first; the pool doubles when a request
             outgrows it.
+        compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed`, one
+            graph each) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
+            `max_batch`; the items past the running ones hold no request), so one graph serves each
+            bucket and capacity (CUDA graphs replay them with `mode="reduce-overhead"`). None
+            (default) steps exactly the running requests eagerly. Phoneme alignment runs eagerly
+            only.
         threads: CPU threads the scheduler decodes with: "auto" (default) chooses them from the
             model's size and the idle cores each time work arrives after an idle spell
             (`threads.decode_threads`); an int is used as given; None leaves torch's count alone.
     """
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
-                 capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto"):
+                 capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -200,6 +206,11 @@ class Drama3Engine:
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
         self.alignment = resolve_alignment(model, [])  # the model's phoneme alignment, checked once
+        if compile_config is not None and self.alignment is not None:
+            raise ValueError("phoneme_alignment runs eagerly: serve this model without compile_config")
+        self.compile_config = compile_config
+        self._draw, self._feed = compiled_functions(compile_config)
+        self._free_generator = torch.Generator(device=model.device).manual_seed(0)  # items without a request draw from it
         self.threads = threads
         self.prefill = prefill or prefill_alone
         self.on_finish = on_finish
@@ -365,6 +376,8 @@ class Drama3Engine:
             while capacity < rows + 1:
                 capacity *= 2
             self._pool = DecodeCache.pool_like(run.cache, self.max_batch, capacity)
+            if self.compile_config is not None:
+                self._pool.mark_static()
         while self._pool.capacity < rows + 1:
             self._grow()
         item = len(self._slots)
@@ -377,11 +390,11 @@ class Drama3Engine:
             torch.tensor([slot.budget], device=state.ids.device), torch.zeros_like(state.separators_left),
             self._aligner(slot),
         )
-        self._state = joining if self._state is None else self._state.joined(joining)
+        self._keep_windows()
+        running = None if self._state is None else self._state.select(list(range(item)))
         slot.rows = rows
         self._slots.append(slot)
-        self._sampler = self._batch_sampler(self._sampler.window if item else None)
-        self._view = None
+        self._arrange(joining if running is None else running.joined(joining))
 
     def _aligner(self, slot: _Slot) -> AlignmentTracker | None:
         if self.alignment is None:
@@ -390,21 +403,60 @@ class Drama3Engine:
         token_ids = turn_token_ids(ids.cpu(), torch.ones_like(ids).cpu(), config.eos_token_id)
         return AlignmentTracker(self.alignment, token_ids, config.codebook_size, [slot.expected_frames])
 
-    def _batch_sampler(self, running_window: torch.Tensor | None) -> Drama3Sampler:
-        """One sampler over the running items: each keeps its settings, generator and RAS window
-        (`running_window`: the windows of the items that were already running, in their order)."""
+    def _items(self) -> int:
+        """Items a step runs: the running requests, or their batch-size bucket when compiled."""
+        running = len(self._slots)
+        if self.compile_config is None:
+            return running
+        return min(self.max_batch, 1 << max(0, (running - 1).bit_length()))
+
+    def _arrange(self, running: DecodeState) -> None:
+        """The state, sampler and view of the running items, padded with items that hold no request
+        up to the step's item count."""
+        free = self._items() - running.batch
+        if free:
+            running = running.joined(self._free_state(free, running))
+        self._state = running
+        self._pool.clear_items(len(self._slots))
+        self._sampler = self._batch_sampler(free)
+        self._view = None
+
+    def _free_state(self, count: int, like: DecodeState) -> DecodeState:
+        """Items that hold no request: inactive, one key (column 0) so no attention row is empty."""
+        key_mask = torch.zeros(count, like.key_mask.shape[1], dtype=torch.bool, device=like.key_mask.device)
+        key_mask[:, 0] = True
+        zeros = torch.zeros(count, dtype=torch.long, device=like.ids.device)
+        return DecodeState(
+            like.hidden.new_zeros(count, *like.hidden.shape[1:]), like.ids.new_zeros(count, 1),
+            like.codes.new_zeros(count, *like.codes.shape[1:]), key_mask, like.position.new_zeros(count, 1),
+            torch.zeros(count, dtype=torch.bool, device=like.ids.device), zeros, zeros.clone(), zeros.clone(),
+            None if like.alignment is None else like.alignment.take([]),
+        )
+
+    def _keep_windows(self) -> None:
+        """Each running request keeps its RAS window when the batch's sampler is made anew."""
+        if self._sampler is not None:
+            for item, slot in enumerate(self._slots):
+                slot.window = self._sampler.window[item : item + 1].clone()
+
+    def _batch_sampler(self, free: int) -> Drama3Sampler:
+        """One sampler over the step's items: each running request with its settings, generator and
+        RAS window; `free` items that hold no request after them."""
         slots = self._slots
+        device = self._state.ids.device
         windows = [slot.window for slot in slots]
-        if running_window is not None:
-            windows[: running_window.shape[0]] = list(running_window.split(1))
+        if free:
+            windows.append(torch.full((free, windows[0].shape[1]), EMPTY_WINDOW_SLOT, dtype=torch.long, device=device))
         return Drama3Sampler(
-            [slot.settings for slot in slots], self.model.speech_token_ids(self._state.ids.device), torch.cat(windows),
-            [slot.generator for slot in slots],
+            [slot.settings for slot in slots] + [slots[0].settings] * free, self.model.speech_token_ids(device),
+            torch.cat(windows), [slot.generator for slot in slots] + [self._free_generator] * free,
         )
 
     def _grow(self) -> None:
         """Double every slot's columns (one copy); the key masks widen with them."""
         self._pool.grow(2 * self._pool.capacity)
+        if self.compile_config is not None:
+            self._pool.mark_static()
         if self._state is not None:
             missing = self._pool.capacity - self._state.key_mask.shape[1]
             self._state = replace(self._state, key_mask=torch.nn.functional.pad(self._state.key_mask, (0, missing)))
@@ -415,19 +467,38 @@ class Drama3Engine:
         for target, source in enumerate(kept):
             if source != target:
                 self._pool.move(source, target)
-        window = self._sampler.window[kept] if kept else None
+        self._keep_windows()
         self._slots = [self._slots[item] for item in kept]
         if not kept:
             self._reset_batch_keeping_pool()
             return
-        self._state = self._state.select(kept)
-        self._sampler = self._batch_sampler(window)
-        self._view = None
+        self._arrange(self._state.select(kept))
 
     def _reset_batch_keeping_pool(self) -> None:
         pool = self._pool
         self._reset_batch()
         self._pool = pool
+
+    def _open_view(self, backbone_rows: int, tower_rows: int) -> DecodeCache:
+        if self._pool.capacity < backbone_rows + 1:
+            self._grow()
+        if self._view is None:
+            self._view = self._pool.head(self._state.batch)
+        view = self._view
+        view.backbone_part.filled, view.tower_part.filled = backbone_rows, tower_rows
+        view.open_window(view.tower_part, 1)
+        view.open_window(view.backbone_part, 1)
+        return view
+
+    def _compiled(self, function, *args):
+        """`function(*args)`; compiled, its outputs copied out of CUDA-graph memory."""
+        if self.compile_config is None:
+            return function(*args)
+        torch.compiler.cudagraph_mark_step_begin()
+        sampler = self._sampler
+        result = owned(function(*args))
+        sampler.window, sampler.ras_replacements = sampler.window.clone(), sampler.ras_replacements.clone()
+        return result
 
     def _step(self) -> None:
         """One frame for every running request (`draw`); finished requests leave, and the others
@@ -436,17 +507,11 @@ class Drama3Engine:
         config = model.config
         self.stats.steps += 1
         self.stats.occupied += len(slots)
-        if max(slot.rows for slot in slots) + 1 > self._pool.capacity:
-            self._grow()
-        if self._view is None:
-            self._view = self._pool.head(len(slots))
-        view, sampler = self._view, self._sampler
         longest = max(slot.rows for slot in slots)
-        view.tower_part.filled, view.backbone_part.filled = longest - 1, longest
-        view.open_window(view.tower_part, 1)
-        view.open_window(view.backbone_part, 1)
-        noise = sampler.step_noise(len(slots), sampler.candidate_ids.shape[0], config.num_codebooks, self._state.ids.device)
-        output, state = decode_step.draw(model, view, sampler, self._state, noise, None)
+        view, sampler = self._open_view(longest, longest - 1), self._sampler
+        items, device = self._state.batch, self._state.ids.device
+        noise = sampler.step_noise(items, sampler.candidate_ids.shape[0], config.num_codebooks, device)
+        output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, None)
         sampler.rewind(noise, output.speaking, output.boundary)
         step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
                          output.eos.cpu(), output.boundary.cpu())
@@ -467,13 +532,12 @@ class Drama3Engine:
             self._keep(kept)
             if not kept:
                 return
-            index = torch.tensor(kept, device=main_ids.device)
+            index = kept + [0] * (self._state.batch - len(kept))  # items without a request feed anything
+            index = torch.tensor(index, device=main_ids.device)
             main_ids, frames = main_ids[index], frames[index]
-            view = self._view = self._pool.head(len(kept))
             longest = max(slot.rows for slot in self._slots)
-            view.tower_part.filled, view.backbone_part.filled = longest, longest
-            view.open_window(view.backbone_part, 1)
-        self._state = decode_step.feed(model, view, self._state, main_ids, frames)
+        view = self._open_view(longest, longest)
+        self._state = self._compiled(self._feed, model, view, self._state, main_ids, frames)
         for slot in self._slots:
             slot.rows += 1
 
