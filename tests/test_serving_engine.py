@@ -326,3 +326,11 @@ def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it
         result = handle.result(timeout=1)
         assert isinstance(result, DoneEvent), result
         assert torch.equal(result.codes, generate_alone(model, request)[0]), f"seed {request.seed}"
+
+
+def test_a_compiled_engine_is_refused_for_a_model_that_decodes_phoneme_aligned(tmp_path):
+    """drama3-tiny's alignment lives on the host: `drama3 serve --compile` refuses it at load, by name."""
+    from transformers_drama3.serving.app import SpeechService
+
+    with pytest.raises(ValueError, match="phoneme_alignment runs eagerly"):
+        SpeechService.load(None, str(tmp_path / "voices"), compile=True, start_engine=False)

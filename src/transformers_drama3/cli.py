@@ -283,7 +283,7 @@ def run_serve(args) -> int:
     device = resolve_device(args.device)
     get_service, _ = serve_in_background(
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
-        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
+        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
     )
     for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout)):
         if not value > 0:

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..codec.take_streaming import AudioChunk, WaveformStreamer
+from ..decoding.loop import default_compile_config
 from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..loading import load_model_and_processor
@@ -146,12 +147,14 @@ class SpeechService:
     @classmethod
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
-             start_engine: bool = True, threads: int | str | None = "auto"):
+             start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False):
         """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
         steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
-        that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`)."""
+        that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`).
+        `compile`: the engine steps the compiled decode step (`decoding.loop.default_compile_config`:
+        inductor, CUDA graphs on a GPU), one graph per batch-size bucket."""
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
         model, processor = load_model_and_processor(source, device, "auto")
@@ -165,7 +168,8 @@ class SpeechService:
         cache = PrefixCache() if prefix_cache else None
         metrics.prefix_cache = cache
         engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
-                              on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads)
+                              on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads,
+                              compile_config=default_compile_config() if compile else None)
         if start_engine:
             engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
