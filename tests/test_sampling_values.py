@@ -59,3 +59,20 @@ def test_the_demo_refuses_what_the_check_refuses():
         director.settings("serving", 1, 10.5, None, None, None)
     with pytest.raises(gradio.Error, match="Top-p: top_p=1.5"):
         director.settings("serving", 1, None, 1.5, None, None)
+
+
+@pytest.mark.parametrize("values, name", [case for case in REFUSED if case[1] in ("temperature", "top_p", "top_k")], ids=str)
+def test_the_http_protocol_refuses_what_the_check_refuses_naming_the_field(values, name):
+    pytest.importorskip("fastapi")
+    from transformers_drama3.serving.protocol import ApiError, _sampling
+
+    with pytest.raises(ApiError) as refused:
+        _sampling(values)
+    assert refused.value.param == name and str(refused.value).startswith(f"{name}=")
+
+
+def test_the_http_protocol_takes_what_the_check_takes():
+    pytest.importorskip("fastapi")
+    from transformers_drama3.serving.protocol import _sampling
+
+    assert _sampling({"temperature": 10, "top_p": 1.0, "top_k": 0}) == {"temperature": 10, "top_p": 1.0, "top_k": 0}

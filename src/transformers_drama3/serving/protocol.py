@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..decoding.sampler import check_sampling_values
 from .audio_formats import STREAMABLE, supported_formats
 from .voices import VoiceReference, read_audio_bytes
 
@@ -273,14 +274,20 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
 
 
 def _sampling(body: dict) -> dict:
-    """The sampling fields given: temperature, top_p, top_k."""
+    """The sampling fields given: temperature, top_p, top_k, checked by the one check of sampling
+    values `generate()`, the CLI and the demo run (`decoding.sampler.check_sampling_values`)."""
     sampling = {}
-    for name, low, high, integer, low_open in (
-        ("temperature", 0.0, 10.0, False, False), ("top_p", 0.0, 1.0, False, True), ("top_k", 0, 1_000_000, True, False),
-    ):
-        value = _number(body, name, low, high, integer, low_open)
-        if value is not None:
-            sampling[name] = value
+    for name in ("temperature", "top_p", "top_k"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, LongNumber):
+            raise ApiError(400, f"{name}: {value!r} is not a sampling value", name)
+        try:
+            check_sampling_values({name: value})
+        except ValueError as error:
+            raise ApiError(400, str(error), name) from None
+        sampling[name] = value
     return sampling
 
 
