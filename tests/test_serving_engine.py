@@ -334,3 +334,19 @@ def test_a_compiled_engine_is_refused_for_a_model_that_decodes_phoneme_aligned(t
 
     with pytest.raises(ValueError, match="phoneme_alignment runs eagerly"):
         SpeechService.load(None, str(tmp_path / "voices"), compile=True, start_engine=False)
+
+
+def test_a_prefill_continued_from_a_prefix_copies_its_cache_not_its_model(model):
+    """Each request continues from its own copy of the prefix's cache (the prefix stays as it was for
+    the next request) and shares the model (copying it made a cached prefix slower than no cache)."""
+    from transformers_drama3.serving.prefix_cache import continue_prefill, prefill_prefix
+
+    request = job(seed=1, prompt_seed=93, audio_rows=6)
+    prefix = prefill_prefix(model, request.input_ids[:, :7], request.audio_codes[:, :7])
+    before = [tensor.clone() for tensor in prefix.run.cache.item_tensors(0, 7)]
+    first = continue_prefill(model, prefix, request.input_ids[:, 7:], request.audio_codes[:, 7:])
+    second = continue_prefill(model, prefix, request.input_ids[:, 7:], request.audio_codes[:, 7:])
+    assert first.model is model and second.model is model and first.cache is not second.cache
+    assert all(torch.equal(a, b) for a, b in zip(before, prefix.run.cache.item_tensors(0, 7)))
+    assert prefix.run.cache.backbone_part.filled == 7
+    torch.testing.assert_close(first.state.hidden, second.state.hidden, rtol=0, atol=0)

@@ -14,6 +14,7 @@ continues a run turn by turn (`extend`, `feed_last_frame`, `next_turn`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -194,6 +195,15 @@ class DecodeRun:
             self.state, hidden=hidden[:, -1:], ids=input_ids[:, -1:], codes=audio_codes[:, -1:], key_mask=key_mask,
             position=position,
         )
+
+    def copy(self) -> DecodeRun:
+        """A run that continues from where this one stands, on its own copy of the cache and state
+        (the model and the sampler are shared): the voice-prefix cache hands one to each request."""
+        twin = copy.copy(self)
+        twin.cache = copy.deepcopy(self.cache)
+        twin.state = replace(self.state, alignment=None if self.state.alignment is None else self.state.alignment.take(
+            range(self.state.batch)))
+        return twin
 
     def feed_last_frame(self, step: FrameStep) -> None:
         """A take that used its budget ended without its last frame fed (the loop feeds a row only

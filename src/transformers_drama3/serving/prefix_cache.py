@@ -14,7 +14,6 @@ used alike in both.
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -66,7 +65,7 @@ def continue_prefill(model, prefix: PrefixState, input_ids: torch.Tensor, audio_
     """Prefill the rows after a prefix, input_ids [1, S] / audio_codes [1, S, C], into a copy of its
     run: the state `prefill_alone` leaves for the whole prompt (P + S backbone rows, P + S - 1 tower
     rows, the last row open), up to float rounding."""
-    run = copy.deepcopy(prefix.run)
+    run = prefix.run.copy()
     run.extend(input_ids, audio_codes)
     return run
 
