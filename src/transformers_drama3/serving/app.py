@@ -1,4 +1,5 @@
 """The OpenAI-compatible speech server (FastAPI): `/v1/audio/speech`, voices, models, health, metrics.
+The service behind the routes (model, processor, engine, voices, metrics) is `serving.service`.
 
     service = SpeechService.load(TINY_MODEL_PATH, voices_dir="voices")
     app = create_app(lambda: service, ServerSettings(api_key=None))
@@ -15,48 +16,36 @@ cancels its request, which frees its slot at the engine's next step.
 client sends `start` (the speech fields, no input), `text` pieces and `done`; the server speaks
 each streaming chunk as soon as its look-ahead is known (`model.stream_text`) and sends binary
 audio and JSON events per chunk. Each text stream runs in its own thread beside the batch engine
-(its cache is extended turn by turn, which the slot pool does not do), at most
+(its cache is extended turn by turn, which an engine slot does not do), at most
 `ServerSettings.max_text_streams` at once.
 """
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import base64
-import dataclasses
 import hmac
 import ipaddress
 import json
 import logging
-import os
 import queue
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..codec.take_streaming import AudioChunk, WaveformStreamer
-from ..decoding.loop import default_compile_config
 from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
-from ..loading import load_model_and_processor
-from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
+from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
-from ..tiny import shipped
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
-from .decoding import decode_audio
-from .engine import DoneEvent, Drama3Engine, EngineStopped, ErrorEvent, FramesEvent, QueueFull, SpeechJob
-from .metrics import ServerMetrics
-from .prefix_cache import PrefixCache
+from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .protocol import (
     ApiError,
     Limits,
@@ -69,14 +58,11 @@ from .protocol import (
     parse_text_message,
     parse_voice_upload,
 )
+from .service import SpeechService, TextStreamSlots, chunk_samples, driven_events, serve_in_background  # noqa: F401
 from .voices import (
-    DamagedVoice,
     VoiceBusy,
     VoiceExists,
     VoiceReference,
-    VoiceStore,
-    reference_file_voice,
-    register_bundled_voices,
 )
 
 POLL_SECONDS = 0.25
@@ -109,171 +95,6 @@ class ServerSettings:
     max_text_streams: int = 4
     stream_idle_timeout: float = 30.0
     """Seconds a text stream waits for its `start`, and then for each next message (then close code 4408)."""
-
-
-class TextStreamSlots:
-    """How many text streams may run at once, and how many do."""
-
-    def __init__(self, limit: int):
-        self.limit, self.active = limit, 0
-        self._lock = threading.Lock()
-
-    def acquire(self) -> bool:
-        with self._lock:
-            if self.active >= self.limit:
-                return False
-            self.active += 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            self.active -= 1
-
-
-class SpeechService:
-    """The model, processor, engine, voices and metrics behind the API."""
-
-    def __init__(self, model, processor, voices: VoiceStore, model_name: str, engine: Drama3Engine,
-                 metrics: ServerMetrics, default_voice: str | None, codec_threads: int | None = None):
-        self.model, self.processor, self.voices = model, processor, voices
-        self.model_name, self.engine, self.metrics = model_name, engine, metrics
-        self.default_voice = default_voice
-        # Every codec decode runs at one thread count (by default the creating thread's): torch keeps
-        # the count per thread, the worker threads the decodes land on differ, and a float rounding
-        # that differs with the count grows through Griffin-Lim's iterations to tens of LSB, so the
-        # same codes (the same seed) would not always give the same samples.
-        self.codec_threads = torch.get_num_threads() if codec_threads is None else codec_threads
-
-    @classmethod
-    def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
-             max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
-             start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False):
-        """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
-
-        `start_engine=False` leaves the engine without its scheduler thread, for a caller that
-        steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
-        that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`).
-        `compile`: the engine steps the compiled decode step (`decoding.loop.default_compile_config`:
-        inductor, CUDA graphs on a GPU), one graph per batch-size bucket."""
-        bundled = source is None
-        source = shipped.TINY_MODEL_PATH if bundled else source
-        model, processor = load_model_and_processor(source, device, "auto")
-        voices = VoiceStore(voices_dir, processor)
-        if bundled:
-            register_bundled_voices(voices)
-        for spec in voice_specs:
-            name, references = reference_file_voice(spec)
-            voices.add(name, references, replace=True)
-        metrics = ServerMetrics()
-        cache = PrefixCache() if prefix_cache else None
-        metrics.prefix_cache = cache
-        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
-                              on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads,
-                              compile_config=default_compile_config() if compile else None)
-        if start_engine:
-            engine.start()
-        name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
-        default_voice = shipped.DEFAULT_VOICE if bundled else None
-        return cls(model, processor, voices, name, engine, metrics, default_voice)
-
-    # ---- request -> job -----------------------------------------------------------------------
-
-    def references_of(self, params: SpeechParams):
-        """The references a request clones: its voice's, then its inline ones."""
-        references = []
-        voice = params.voice
-        if voice is None and not params.references:
-            voice = self.default_voice
-        if voice is not None:
-            if voice not in self.voices:
-                raise ApiError(404, f"voice: no voice {voice!r}; registered: {self.voices.ids()}", "voice", "voice_not_found")
-            references += self.stored_references(voice, "voice")
-        for index, item in enumerate(params.references):
-            if isinstance(item, tuple):
-                _, voice_id, speaker = item
-                stored = self.stored_references(voice_id, f"references[{index}].audio")
-                references += [Reference(r.transcript, r.audio, speaker) for r in stored]
-                continue
-            try:
-                references.append(self.voices.encode(item, f"references[{index}]"))
-            except ValueError as error:
-                raise ApiError(400, str(error), f"references[{index}].audio") from None
-        return references
-
-    def stored_references(self, voice_id: str, param: str):
-        """A stored voice's encoded references; ApiError 404 when it is gone, 500 when its folder is damaged."""
-        try:
-            return self.voices.references(voice_id)
-        except KeyError:
-            raise ApiError(404, f"{param}: no voice {voice_id!r}", param, "voice_not_found") from None
-        except DamagedVoice as error:
-            raise ApiError(500, f"{param}: {error}; delete it and create it again", param, "voice_damaged") from None
-
-    def job(self, params: SpeechParams, timeout: float) -> SpeechJob:
-        """Prompt rows, sampling settings and budget of a request (raises ApiError on bad input)."""
-        references = self.references_of(params)
-        try:
-            lines = parse_text(params.input, "input")
-            _check_speakers_have_voices(lines, references)
-            if params.instructions:
-                lines = tuple(line if line.note else dataclasses.replace(line, note=params.instructions) for line in lines)
-                lines = tuple(line.checked("instructions") for line in lines)
-            script = Script(lines=lines, references=tuple(references))
-            rows = self.processor(script)
-        except ValueError as error:
-            param = "instructions" if "instructions" in str(error) else "input"
-            raise ApiError(400, str(error), param) from None
-        prefix = (params.voice or self.default_voice) if not params.references else None
-        return self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
-
-    def job_of_rows(self, rows, timeout: float | None, sampling: dict, seed: int | None = None,
-                    max_new_tokens: int | None = None, preset: str | None = None, prefix=None) -> SpeechJob:
-        """The engine job of one request's prompt rows (the processor's output for a `Script`):
-        sampling as the model's generation config says, then `preset`, then `sampling`
-        (temperature, top_p, top_k); `prefix` keys the voice-prefix cache (any hashable, or None)."""
-        settings, max_new_tokens, _ = resolve_settings(
-            getattr(self.model, "generation_config", None), preset, None, {**sampling, "max_new_tokens": max_new_tokens},
-        )
-        device = self.model.device
-        return SpeechJob(
-            rows["input_ids"].to(device), rows["audio_codes"].to(device), settings,
-            seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
-        )
-
-    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None):
-        """`model.stream_text` for a checked `start` message: its items (audio chunks, events);
-        sampling as the model's generation config says, then `preset`, then the message's fields."""
-        return self.model.stream_text(
-            pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
-            preset=preset,
-            max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
-            **params.sampling,
-        )
-
-    def waveform(self, codes: torch.Tensor) -> np.ndarray:
-        """A take's codes [frames, num_codebooks] -> its waveform (offline decode)."""
-        codec = self.processor.codec
-        if codes.shape[0] == 0:
-            return np.zeros(0, dtype=np.float32)
-        audio = self.codec_work(decode_audio, codec, codes[None].to(codec.device), torch.tensor([codes.shape[0]]))[0]
-        return audio.detach().cpu().float().numpy()
-
-    def codec_work(self, work, *args):
-        """`work(*args)` at the service's codec thread count (`codec_threads`)."""
-        with torch_threads(self.codec_threads):
-            return work(*args)
-
-
-def _check_speakers_have_voices(lines, references) -> None:
-    """Every speaker of the input needs a voice; the error says how to give one over HTTP."""
-    known = sorted({reference.speaker for reference in references})
-    for index, line in enumerate(lines):
-        if known and line.speaker not in known:
-            raise ApiError(
-                400, f"input: line {index} is spoken by speaker {line.speaker}, who has no voice (the request's voices "
-                f"are speakers {known}); add one: \"references\": [{{\"audio\": a voice id or base64 audio, "
-                f"\"text\": its transcript, \"speaker\": {line.speaker}}}]", "input",
-            )
 
 
 class ErrorResponse(JSONResponse):
@@ -765,39 +586,5 @@ async def _stream(service, handle, request, params: SpeechParams):
         handle.cancel()  # a no-op once the request has ended; frees the slot when the client left
 
 
-def chunk_samples(chunks) -> list[np.ndarray]:
-    """The waveforms [samples] of streamed `AudioChunk`s as float32 arrays, empty ones left out."""
-    samples = (chunk.audio.detach().cpu().float().numpy() for chunk in chunks)
-    return [audio for audio in samples if audio.size]
-
-
-def driven_events(engine: Drama3Engine, handle):
-    """A request's events (as `handle.events()`), the caller stepping an engine that has no
-    scheduler thread until the request ends."""
-    while True:
-        while handle.queue.empty():
-            engine.step()
-        event = handle.queue.get()
-        yield event
-        if not isinstance(event, FramesEvent):
-            return
-
-
-def serve_in_background(source, voices_dir, **load_kwargs):
-    """(get_service, thread): the service loads in a thread; `get_service()` is None until it is
-    ready. A failed load is printed and stops the server (the main thread is interrupted)."""
-    holder: dict = {}
-
-    def load():
-        try:
-            holder["service"] = SpeechService.load(source, voices_dir, **load_kwargs)
-        except Exception as error:  # the server cannot serve without its model: say why and stop
-            print(f"drama3 serve: could not load the model: {error}", file=sys.stderr)
-            _thread.interrupt_main()
-
-    thread = threading.Thread(target=load, name="drama3-load", daemon=True)
-    thread.start()
-    return (lambda: holder.get("service")), thread
-
-
-__all__ = ["ServerSettings", "SpeechService", "TextStreamSlots", "create_app", "serve_in_background", "VoiceReference"]
+__all__ = ["ServerSettings", "SpeechService", "TextStreamSlots", "create_app", "serve_in_background", "VoiceReference",
+           "chunk_samples", "driven_events"]
