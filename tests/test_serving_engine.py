@@ -350,3 +350,18 @@ def test_a_prefill_continued_from_a_prefix_copies_its_cache_not_its_model(model)
     assert all(torch.equal(a, b) for a, b in zip(before, prefix.run.cache.item_tensors(0, 7)))
     assert prefix.run.cache.backbone_part.filled == 7
     torch.testing.assert_close(first.state.hidden, second.state.hidden, rtol=0, atol=0)
+
+
+def test_a_voice_changed_under_a_cached_key_is_a_cache_miss(model):
+    """Two prompts under one voice key whose system turns differ (the voice's clip changed): the
+    second is prefilled from its own rows, not from the first's cached prefix."""
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+
+    first, changed = job(seed=1, prompt_seed=94), job(seed=1, prompt_seed=95)
+    first.prefix = changed.prefix = "voice"
+    cache = PrefixCache()
+    cache.prefill(model, first)
+    run = cache.prefill(model, changed)
+    assert cache.misses == 2 and cache.hits == 0
+    alone = prefill_alone(model, changed)
+    torch.testing.assert_close(run.state.hidden, alone.state.hidden, **FLOAT32)

@@ -312,3 +312,18 @@ def test_a_voice_clip_far_too_short_for_its_transcript_is_refused_when_registere
     assert refused.status_code == 400
     assert refused.json()["error"]["message"].startswith("references[0].audio:")
     assert "cut" not in [voice["id"] for voice in httpx.get(base + "/v1/audio/voices", headers=headers).json()["voices"]]
+
+
+@pytest.mark.parametrize("rate", [22050, 44100])
+def test_a_streamed_wav_reads_back_at_its_headers_rate(rate):
+    """The streamed WAV's header (sizes unknown, PCM after it): a reader finds the sampling rate and
+    the samples that follow, so rate and byte rate cannot be swapped unnoticed."""
+    from transformers_drama3.serving.audio_formats import pcm16, streaming_wav_header
+
+    samples = (np.sin(np.arange(rate // 10) / 7.0) * 0.5).astype(np.float32)
+    data = streaming_wav_header(rate) + pcm16(samples)
+    header = np.frombuffer(data[24:32], dtype="<u4")
+    assert header.tolist() == [rate, 2 * rate]  # sample rate, then byte rate of 16-bit mono
+    read, read_rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert read_rate == rate and read.shape == samples.shape
+    np.testing.assert_allclose(read, samples, atol=1 / 32767)

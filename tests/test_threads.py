@@ -143,3 +143,15 @@ def test_the_command_line_refuses_a_bad_thread_count(bad, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["say", "hi", "-o", "x.wav", "--threads", bad])
     assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size, cores, busy, expected", [
+    (64, 8, 0, 8), (64, 8, 3, 5), (64, 2, 5, 1), (3, 16, 0, 3), (1, 16, 0, 1),
+])
+def test_decode_threads_follows_the_model_size_and_the_cores_others_keep_busy(model, monkeypatch, size, cores, busy, expected):
+    """`decode_threads` itself (not only `threads_for`), with the load and the model's size faked:
+    it reads both, so a version that ignored busy cores or the size would choose otherwise."""
+    monkeypatch.setattr(threads, "weight_bytes_per_frame", lambda _: size * threads.BYTES_PER_THREAD)
+    monkeypatch.setattr(threads, "available_cores", lambda: cores)
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda *args, **kwargs: busy)
+    assert threads.decode_threads(model) == expected
