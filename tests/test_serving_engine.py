@@ -365,3 +365,33 @@ def test_a_voice_changed_under_a_cached_key_is_a_cache_miss(model):
     assert cache.misses == 2 and cache.hits == 0
     alone = prefill_alone(model, changed)
     torch.testing.assert_close(run.state.hidden, alone.state.hidden, **FLOAT32)
+
+
+def test_line_by_line_prompts_draw_their_boundaries_in_the_engine_as_generate_draws_them():
+    """An engine given `<|audio_separator|>` speaks line-by-line prompts as `generate()` does (the
+    same codes and line boundaries, greedy and seeded), beside a prompt of the published layout,
+    whose codes stay those of `generate()` without separators."""
+    from generation_helpers import SEPARATOR, line_model, line_prompt
+
+    lines = line_model(seed=0)
+    lines.set_experts_implementation("eager")
+    lines = lines.double()
+    jobs = [SpeechJob(*(tensor[None] for tensor in line_prompt(2)), SamplingSettings(do_sample=False), seed=1, max_new_tokens=12),
+            SpeechJob(*(tensor[None] for tensor in line_prompt(3, lines=2)), SamplingSettings(temperature=1.5, top_p=1.0),
+                      seed=2, max_new_tokens=12),
+            job(seed=3, prompt_seed=4)]
+    handles = drive(Drama3Engine(lines, max_batch=4, audio_separator_token_id=SEPARATOR), {0: jobs[:2], 1: jobs[2:]})
+    results = [handle.result(timeout=1) for handle in handles]
+    for request, result in zip(jobs, results):
+        settings = request.settings
+        alone = lines.generate(request.input_ids, request.audio_codes, seed=request.seed, max_new_tokens=12,
+                               do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
+                               audio_separator_token_id=SEPARATOR, return_dict_in_generate=True)
+        assert torch.equal(result.codes, alone.audio_codes[0, : int(alone.lengths[0])])
+        assert result.line_boundaries == alone.line_boundaries[0]
+    assert results[0].line_boundaries == [2, 7] and results[2].line_boundaries == []
+
+
+def test_an_engine_refuses_a_separator_that_is_not_a_text_token(model):
+    with pytest.raises(ValueError, match="audio_separator_token_id=2 is not a text token"):
+        Drama3Engine(model, audio_separator_token_id=model.config.eos_token_id)

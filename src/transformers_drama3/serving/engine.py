@@ -37,6 +37,8 @@ from ..decoding.loop import DecodeRun, FrameStep, compiled_functions, owned
 from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
 from ..decoding.threads import check_threads, resolve_threads
+from ..decoding.request import line_separators
+from ..prompting.bare_rows import boundaries_left_of_rows
 from .decoding import (
     AlignmentTracker,
     ClickFilter,
@@ -75,6 +77,9 @@ class SpeechJob:
     max_new_tokens: frame cap (the budget is also capped at 2.5x the expected duration);
     timeout: seconds the request may take from submission, None for no limit.
     prefix: an optional `PrefixState` holding the prefilled state of the prompt's first rows.
+    boundaries_left: line boundaries a line-by-line prompt still has to speak (the processor's
+    `boundaries_left`); None reads them from the rows (`prompting.bare_rows`). Only an engine given
+    an `audio_separator_token_id` speaks line by line.
     """
 
     input_ids: torch.Tensor
@@ -84,6 +89,7 @@ class SpeechJob:
     max_new_tokens: int | None = None
     timeout: float | None = None
     prefix: object | None = None
+    boundaries_left: int | None = None
 
 
 @dataclass
@@ -96,13 +102,16 @@ class FramesEvent:
 @dataclass
 class DoneEvent:
     """The request ended: finish_reason "eos" or "length"; codes [frames, num_codebooks] the whole
-    take; anomalies: the guard findings on the codes (`detect_anomalies` without a waveform)."""
+    take; anomalies: the guard findings on the codes (`detect_anomalies` without a waveform);
+    line_boundaries: the frame index where each new line starts (line-by-line prompts), as
+    `generate()` reports them."""
 
     finish_reason: str
     codes: torch.Tensor
     anomalies: list[str]
     budget: int
     expected_frames: float
+    line_boundaries: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -146,8 +155,9 @@ class RequestHandle:
 
 @dataclass
 class _Slot:
-    """A running request: its handle, budgets, sampling, click filter, frames so far, and the rows
-    its item holds (the backbone's; the tower holds one fewer between steps)."""
+    """A running request: its handle, budgets, sampling, click filter, frames so far, the rows its
+    item holds (the backbone's; the tower holds one fewer between steps), the line boundaries its
+    prompt had left when it joined and those it drew."""
 
     handle: RequestHandle
     budget: int
@@ -157,6 +167,8 @@ class _Slot:
     generator: torch.Generator
     window: torch.Tensor
     rows: int = 0
+    boundaries_left: int = 0
+    line_boundaries: list[int] = field(default_factory=list)
     clicks: ClickFilter = field(default_factory=ClickFilter)
     frames: list[torch.Tensor] = field(default_factory=list)
     produced: int = 0
@@ -191,13 +203,17 @@ class Drama3Engine:
             bucket and capacity (CUDA graphs replay them with `mode="reduce-overhead"`). None
             (default) steps exactly the running requests eagerly. Phoneme alignment runs eagerly
             only.
+        audio_separator_token_id: the id of `<|audio_separator|>`: line-by-line prompts then draw
+            it between their lines, as `generate(audio_separator_token_id=...)` does (None: no
+            prompt speaks line by line).
         threads: CPU threads the scheduler decodes with: "auto" (default) chooses them from the
             model's size and the idle cores each time work arrives after an idle spell
             (`threads.decode_threads`); an int is used as given; None leaves torch's count alone.
     """
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
-                 capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None):
+                 capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None,
+                 audio_separator_token_id: int | None = None):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -209,6 +225,10 @@ class Drama3Engine:
         if compile_config is not None and self.alignment is not None:
             raise ValueError("phoneme_alignment runs eagerly: serve this model without compile_config")
         self.compile_config = compile_config
+        self.separator_id = audio_separator_token_id
+        if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
+            probe = torch.zeros(1, 2, dtype=torch.long)
+            line_separators(model, probe, torch.ones_like(probe), audio_separator_token_id, torch.zeros(1))
         self._draw, self._feed = compiled_functions(compile_config)
         self._free_generator = torch.Generator(device=model.device).manual_seed(0)  # items without a request draw from it
         self.threads = threads
@@ -357,7 +377,15 @@ class Drama3Engine:
             settings=job.settings,
             generator=item_generators([handle.seed], 1, ids.device)[0],
             window=prompt_window(ids, mask),
+            boundaries_left=self._boundaries_left(job, mask),
         )
+
+    def _boundaries_left(self, job: SpeechJob, mask: torch.Tensor) -> int:
+        if self.separator_id is None:
+            return 0
+        if job.boundaries_left is not None:
+            return int(job.boundaries_left)
+        return int(boundaries_left_of_rows(job.input_ids, mask, self.model.config.eos_token_id, self.separator_id)[0])
 
     # ---- the running batch: items of one DecodeState over the pool --------------------------------
 
@@ -387,7 +415,7 @@ class Drama3Engine:
             state.hidden, state.ids, state.codes,
             torch.nn.functional.pad(state.key_mask, (0, self._pool.capacity - state.key_mask.shape[1])), state.position,
             torch.ones_like(state.active), torch.zeros_like(state.produced),
-            torch.tensor([slot.budget], device=state.ids.device), torch.zeros_like(state.separators_left),
+            torch.tensor([slot.budget], device=state.ids.device), torch.full_like(state.separators_left, slot.boundaries_left),
             self._aligner(slot),
         )
         self._keep_windows()
@@ -447,9 +475,17 @@ class Drama3Engine:
         windows = [slot.window for slot in slots]
         if free:
             windows.append(torch.full((free, windows[0].shape[1]), EMPTY_WINDOW_SLOT, dtype=torch.long, device=device))
+        candidates = self.model.speech_token_ids(device)
+        codebook_size, widths = candidates.shape[0] - 1, None
+        if self.separator_id is not None:
+            # the separator is the last candidate; a request draws a number for it only when its prompt
+            # had lines left when it joined, as generate() draws for it
+            candidates = torch.cat((candidates, torch.tensor([self.separator_id], device=device)))
+            widths = torch.tensor([codebook_size + 1 + (slot.boundaries_left > 0) for slot in slots] + [codebook_size + 1] * free,
+                                  device=device)
         return Drama3Sampler(
-            [slot.settings for slot in slots] + [slots[0].settings] * free, self.model.speech_token_ids(device),
-            torch.cat(windows), [slot.generator for slot in slots] + [self._free_generator] * free,
+            [slot.settings for slot in slots] + [slots[0].settings] * free, candidates, torch.cat(windows),
+            [slot.generator for slot in slots] + [self._free_generator] * free, codebook_size, widths,
         )
 
     def _grow(self) -> None:
@@ -511,7 +547,7 @@ class Drama3Engine:
         view, sampler = self._open_view(longest, longest - 1), self._sampler
         items, device = self._state.batch, self._state.ids.device
         noise = sampler.step_noise(items, sampler.candidate_ids.shape[0], config.num_codebooks, device)
-        output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, None)
+        output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, self.separator_id)
         sampler.rewind(noise, output.speaking, output.boundary)
         step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
                          output.eos.cpu(), output.boundary.cpu())
@@ -552,8 +588,10 @@ class Drama3Engine:
         return None
 
     def _advance(self, slot: _Slot, step: FrameStep, row: int) -> None:
-        """Send the frames this step made final for one request."""
+        """Send the frames this step made final for one request; note its line boundary."""
         slot.produced += int(step.produced[row])
+        if bool(step.boundary[row]):
+            slot.line_boundaries.append(slot.produced)
         released = slot.clicks.release(step, row)
         if released:
             frames = torch.stack(released).cpu()
@@ -568,7 +606,8 @@ class Drama3Engine:
         codes = torch.stack(slot.frames) if slot.frames else torch.zeros(0, self.model.config.num_codebooks, dtype=torch.long)
         anomalies = detect_anomalies(codes.shape[0], reason, slot.expected_frames, slot.guard_budget,
                                      overlong=self.overlong)
-        self._finish(slot.handle, reason, DoneEvent(reason, codes, anomalies, slot.budget, slot.expected_frames))
+        self._finish(slot.handle, reason, DoneEvent(reason, codes, anomalies, slot.budget, slot.expected_frames,
+                                                    slot.line_boundaries))
 
     def _timed_out(self, handle: RequestHandle) -> bool:
         timeout = handle.job.timeout
