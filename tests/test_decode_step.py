@@ -160,12 +160,16 @@ def test_an_unknown_cache_implementation_is_refused_before_any_work(model):
         model.generate(ids[None], codes[None], cache_implementation="static", compile_config={"fullgraph": True})
 
 
-def test_phoneme_alignment_is_refused_with_a_compiled_step_before_any_work(bundled_tiny):
+def test_the_bundled_model_aligns_through_a_compiled_step_as_it_aligns_eagerly(bundled_tiny):
+    """drama3-tiny's phoneme alignment runs inside the compiled step (dynamo's whole graph, run by
+    its eager backend): the same seeded codes as the eager step, which are the golden ones."""
     model, processor = bundled_tiny
     audio, words = reference_voice("B")
-    inputs = processor("Hello.", reference_audio=[audio], reference_text=[words])
-    with pytest.raises(ValueError, match="phoneme_alignment runs eagerly"):
-        model.generate(**inputs, cache_implementation="static", compile_config=CompileConfig(fullgraph=True))
+    inputs = processor("Good morning to you.", reference_audio=[audio], reference_text=[words])
+    torch._dynamo.reset()
+    compiled = model.generate(**inputs, seed=0, max_new_tokens=60, threads=1, cache_implementation="static",
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    assert compiled.tolist() == json.loads(GOLDEN.read_text())["aligned"]
 
 
 # ---- each half of the step is one graph ------------------------------------------------------------------

@@ -150,29 +150,73 @@ def test_a_batch_aligns_each_item_to_its_own_text_and_a_regeneration_starts_over
         replay(model, ids, alone.audio_codes[0, : int(alone.lengths[0])], alone.finish_reasons[0])
 
 
-def test_alignment_runs_on_a_static_cache_eagerly_and_is_refused_with_a_compiled_step():
-    """Its state lives on the host: the eager step on a static capacity aligns as the default run
-    does; a compiled step is refused before any work."""
+def test_alignment_runs_on_a_static_cache_and_through_a_compiled_step_as_it_runs_eagerly():
+    """The alignment is masks on fixed shapes: a static cache and a compiled step (dynamo's whole
+    graph, run by its eager backend) align as the default run does."""
     ids, codes = prompt(seed=1, tail_rows=6)
     model = aligned_model(ids)
-    with pytest.raises(ValueError, match="phoneme_alignment=False"):
-        model.generate(ids[None], codes[None], max_new_tokens=4, cache_implementation="static",
-                       compile_config=CompileConfig(fullgraph=True))
     default = model.generate(ids[None], codes[None], max_new_tokens=12, seed=3)
     static = model.generate(ids[None], codes[None], max_new_tokens=12, seed=3, cache_implementation="static",
                             disable_compile=True)
-    assert default.shape[1] > 0 and torch.equal(default, static)
+    torch._dynamo.reset()
+    compiled = model.generate(ids[None], codes[None], max_new_tokens=12, seed=3, cache_implementation="static",
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    assert default.shape[1] > 0 and torch.equal(default, static) and torch.equal(default, compiled)
 
 
-def test_the_engine_aligns_a_request_as_generate_does():
+@pytest.mark.parametrize("options", [
+    dict(skip=1), dict(skip=0, end_slack=0), dict(skip=2, max_silence=3, short_silence=2, quiet_tokens=[4]),
+    dict(resume_after_pause=False, max_stay=3), dict(release=1.2, max_stay=4),
+], ids=["default", "no-skip", "short-silences", "no-resume", "release"])
+def test_the_masks_follow_the_tracker_they_restate(options):
+    """`AlignmentMasks` (tensors, what the step runs) against `AlignmentTracker` (item by item, the
+    reference): the same allowed codes, the same ends, the same positions after every observed
+    code, over random texts and random codes (an empty text, a repeated phoneme and silences
+    included), items drawing or not."""
+    from transformers_drama3.decoding.alignment import AlignmentMasks
+
+    generator = torch.Generator().manual_seed(7)
+    size = 12
+    table = {str(token): sorted({int(c) for c in torch.randint(1, size, (3,), generator=generator)}) for token in range(20, 30)}
+    alignment = PhonemeAlignment.from_value({"tokens": table, "codebooks": [0, 2], **options}, size, NUM_CODEBOOKS)
+    texts = [[], [20, 4, 21, 5, 22, 22, 23], [25, 26, 27, 28, 29, 24, 23, 22], [21, 4, 4, 20]]
+    expected = [6.0, 5.0, 8.0, 3.0]
+    reference = AlignmentTracker(alignment, texts, size, expected)
+    masks = AlignmentMasks(alignment, texts, size, expected)
+    for step in range(160):
+        assert torch.equal(masks.allowed(), reference.allowed()), step
+        assert masks.may_end_mask().tolist() == [reference.may_end(item) for item in range(len(texts))], step
+        # draw mostly what is allowed (as a sampler would), sometimes anything
+        allowed = reference.allowed()
+        choice = torch.rand(len(texts), size, generator=generator) + allowed.float() * (torch.rand(()) < 0.9)
+        codes = choice.argmax(dim=-1)
+        drawing = torch.rand(len(texts), generator=generator) < 0.85
+        reference.observe(codes, drawing)
+        masks.observe(codes, drawing)
+        assert masks.position.tolist() == reference.state, step
+        assert masks.stay.tolist() == reference.stay and masks.silent_run.tolist() == reference.silent_run, step
+    assert max(reference.state) >= 3  # the walk got somewhere
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_engine_aligns_a_request_as_generate_does(compiled):
+    """Eagerly, and through the compiled step in batch-size buckets (dynamo's whole graph, run by
+    its eager backend; float64 with the batched-matmul experts, which a graph holds)."""
     ids, codes = prompt(seed=2, tail_rows=6)
     model = aligned_model(ids, float64=True)
+    options = {}
+    if compiled:
+        model.set_experts_implementation("batched_mm")
+        torch._dynamo.reset()
+        options["compile_config"] = CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None)
     job = SpeechJob(ids[None], codes[None], SamplingSettings(temperature=1.5, top_p=1.0), seed=9, max_new_tokens=60)
-    engine = Drama3Engine(model, max_batch=2)
-    handle = engine.submit(job)
+    other = SpeechJob(*(t[None] for t in prompt(seed=3, tail_rows=4)), SamplingSettings(), seed=4, max_new_tokens=20)
+    engine = Drama3Engine(model, max_batch=4, **options)
+    handle, _ = engine.submit(job), engine.submit(other)
     while not engine.idle:
         engine.step()
     result = handle.result(timeout=1)
+    model.set_experts_implementation("eager")
     alone = model.generate(ids[None], codes[None], seed=9, temperature=1.5, top_p=1.0, max_new_tokens=60,
                            return_dict_in_generate=True)
     assert torch.equal(result.codes, alone.audio_codes[0, : int(alone.lengths[0])])

@@ -328,14 +328,6 @@ def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it
         assert torch.equal(result.codes, generate_alone(model, request)[0]), f"seed {request.seed}"
 
 
-def test_a_compiled_engine_is_refused_for_a_model_that_decodes_phoneme_aligned(tmp_path):
-    """drama3-tiny's alignment lives on the host: `drama3 serve --compile` refuses it at load, by name."""
-    from transformers_drama3.serving.app import SpeechService
-
-    with pytest.raises(ValueError, match="phoneme_alignment runs eagerly"):
-        SpeechService.load(None, str(tmp_path / "voices"), compile=True, start_engine=False)
-
-
 def test_a_prefill_continued_from_a_prefix_copies_its_cache_not_its_model(model):
     """Each request continues from its own copy of the prefix's cache (the prefix stays as it was for
     the next request) and shares the model (copying it made a cached prefix slower than no cache)."""

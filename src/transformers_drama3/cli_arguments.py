@@ -147,8 +147,7 @@ def add_serve(subparsers) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument(
         "--compile", action="store_true",
-        help="compile the decode step (torch.compile, one graph per batch-size bucket; CUDA graphs on a GPU); "
-             "not for a model that decodes phoneme-aligned",
+        help="compile the decode step (torch.compile, one graph per batch-size bucket; CUDA graphs on a GPU)",
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)

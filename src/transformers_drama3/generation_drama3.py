@@ -41,7 +41,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer, decode_audio, put_chunk
 from .decoding.alignment import CONFIG_KEY as ALIGNMENT_KEY
-from .decoding.alignment import AlignmentTracker, resolve_alignment, turn_token_ids
+from .decoding.alignment import AlignmentMasks, resolve_alignment, turn_token_ids
 from .decoding.budget import detect_anomalies, overlong_factor
 from .decoding.loop import DecodeRun, FrameStep, TakeCollector
 from .decoding.request import DecodeRequest, make_sampler, resolve_decoding, resolve_request, resolve_separator_id
@@ -153,13 +153,8 @@ def _set_up(
     request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
     alignment = resolve_alignment(model, [generation_config, overrides])
     if alignment is not None:
-        if request.decoding.compile_config is not None:
-            raise ValueError(
-                f"{ALIGNMENT_KEY} runs eagerly (its state lives on the host): pass {ALIGNMENT_KEY}=False with a compiled "
-                f"decode step (cache_implementation='static' with a compile_config, the default on CUDA), or disable_compile=True"
-            )
         rows = turn_token_ids(prompt[0].cpu(), prompt[2].cpu(), model.config.eos_token_id, layout.get("speak_span"))
-        tracker = AlignmentTracker(alignment, rows, model.config.codebook_size, request.expected_frames.tolist())
+        tracker = AlignmentMasks(alignment, rows, model.config.codebook_size, request.expected_frames.tolist(), prompt[0].device)
         request = replace(request, alignment=tracker)
     return _Call(prompt, request, return_dict)
 

@@ -37,7 +37,8 @@ speaks the current phoneme). A code shared by two neighbouring phonemes thus mov
 starts, so a loop cannot hide in it. eos is allowed once the item stands within `end_slack`
 phonemes of the last.
 
-`generate()`, `stream()` (dynamic cache; the static cache refuses it) and the serving engine apply
+`generate()`, `stream()` (eager or compiled: `AlignmentMasks` states the rules on tensors, with
+`AlignmentTracker` as its item-by-item reference) and the serving engine apply
 the model's table; `phoneme_alignment=False` turns it off for a call. Streaming text input
 (`stream_text`) draws freely: its turns hold the next chunk as look-ahead, which is not yet to be
 spoken.
@@ -45,6 +46,8 @@ spoken.
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -347,3 +350,179 @@ def draw_within(aligner: AlignmentTracker | None, draw, logits: torch.Tensor, co
     """`draw(logits)` -> codes [batch, 1] of one head: as drawn without an aligner, else within its
     alignment (`AlignmentTracker.draw_code`)."""
     return draw(logits) if aligner is None else aligner.draw_code(draw, logits, codebook_index, drawing)
+
+
+class AlignmentMasks:
+    """`AlignmentTracker`'s rules on tensors of fixed shape: the alignment the decode step runs.
+
+    Every item's phonemes are one row of `table` [batch, phonemes, codebook_size] (the codes that
+    speak each phoneme), and where it stands (`position`, -1 before the first phoneme), how long it
+    has been silent, its last code, how long it has stood on its phoneme and how many sub-frames it
+    has drawn are tensors [batch]. `allowed()` and `observe()` compute what the tracker computes
+    item by item, with masks and gathers: no branch reads a tensor, so a compiled step holds the
+    alignment in its graph. `AlignmentTracker` stays its reference (tests/test_phoneme_alignment.py)."""
+
+    def __init__(self, alignment: PhonemeAlignment, token_ids: list[list[int]], codebook_size: int,
+                 expected_frames=None, device=None):
+        self.alignment, self.codebook_size = alignment, codebook_size
+        self.token_ids = [list(ids) for ids in token_ids]
+        self.expected_frames = None if expected_frames is None else [float(frames) for frames in expected_frames]
+        rows = [alignment.rows(ids) for ids in self.token_ids]
+        pauses = [alignment.pause_points(ids) for ids in self.token_ids]
+        batch, width = len(rows), max([1, *(len(phonemes) for phonemes in rows)])
+        self.table = torch.zeros(batch, width, codebook_size, dtype=torch.bool)
+        self.pauses = torch.zeros(batch, width, dtype=torch.bool)
+        for item, (phonemes, points) in enumerate(zip(rows, pauses)):
+            for position, codes in enumerate(phonemes):
+                self.table[item, position, sorted(codes)] = True
+            self.pauses[item, : len(points)] = torch.tensor(points, dtype=torch.bool)
+        self.lengths = torch.tensor([len(phonemes) for phonemes in rows], dtype=torch.long)
+        limits = [math.inf] * batch
+        if alignment.release is not None and self.expected_frames is not None:
+            limits = [alignment.release * frames * len(alignment.codebooks) for frames in self.expected_frames]
+        self.limits = torch.tensor(limits, dtype=torch.float64)
+        self.position = torch.full((batch,), -1, dtype=torch.long)
+        self.silent_run = torch.zeros(batch, dtype=torch.long)
+        self.last_code = torch.full((batch,), -1, dtype=torch.long)  # -1: none yet (never a code)
+        self.stay = torch.zeros(batch, dtype=torch.long)
+        self.sub_frames = torch.zeros(batch, dtype=torch.long)
+        if device is not None:
+            self._map(lambda tensor: tensor.to(device))
+
+    _TENSORS = ("table", "pauses", "lengths", "limits", "position", "silent_run", "last_code", "stay", "sub_frames")
+    _STATE = ("position", "silent_run", "last_code", "stay", "sub_frames")
+
+    def _map(self, function, names=_TENSORS) -> None:
+        for name in names:
+            setattr(self, name, function(getattr(self, name)))
+
+    # -- items: fresh runs, the engine's batch ------------------------------------------------------
+
+    def select(self, index) -> AlignmentMasks:
+        """A fresh alignment for the items `index` (a regeneration of some of them)."""
+        index = [int(item) for item in index]
+        expected = None if self.expected_frames is None else [self.expected_frames[item] for item in index]
+        return AlignmentMasks(self.alignment, [self.token_ids[item] for item in index], self.codebook_size, expected,
+                              self.table.device)
+
+    def take(self, items) -> AlignmentMasks:
+        """The items `items` (in that order) where they stand."""
+        items = [int(item) for item in items]
+        taken = copy.copy(self)
+        taken.token_ids = [self.token_ids[item] for item in items]
+        taken.expected_frames = None if self.expected_frames is None else [self.expected_frames[item] for item in items]
+        index = torch.tensor(items, dtype=torch.long, device=self.table.device)
+        taken._map(lambda tensor: tensor.index_select(0, index))
+        return taken
+
+    def joined(self, other: AlignmentMasks | None) -> AlignmentMasks:
+        """These items, then `other`'s, where each stands."""
+        if other is None:
+            raise ValueError("a request without phoneme alignment cannot join aligned ones")
+        if (self.expected_frames is None) != (other.expected_frames is None):
+            raise ValueError("joined alignments must both know their expected frames, or neither")
+        joined = copy.copy(self)
+        joined.token_ids = self.token_ids + other.token_ids
+        joined.expected_frames = None if self.expected_frames is None else self.expected_frames + other.expected_frames
+        width = max(self.table.shape[1], other.table.shape[1])
+        for name in self._TENSORS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name in ("table", "pauses"):
+                mine, theirs = (torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[1]) if t.dim() == 3 else (0, width - t.shape[1]))
+                                for t in (mine, theirs))
+            setattr(joined, name, torch.cat((mine, theirs)))
+        return joined
+
+    def blank(self, count: int) -> AlignmentMasks:
+        """`count` items without a text (never constrained): the engine's items that hold no request."""
+        expected = None if self.expected_frames is None else [1.0] * count
+        return AlignmentMasks(self.alignment, [[] for _ in range(count)], self.codebook_size, expected, self.table.device)
+
+    def owned(self) -> None:
+        """Copy the state out of a compiled graph's memory (the next replay reuses it)."""
+        self._map(torch.clone, self._STATE)
+
+    # -- the rules ----------------------------------------------------------------------------------
+
+    def _window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [batch, skip + 2] of the window each item may draw from, which of them are in it)."""
+        start = self.position.clamp(min=0)
+        positions = start[:, None] + torch.arange(self.alignment.skip + 2, device=start.device)
+        end = torch.minimum(self.position + 1 + self.alignment.skip, self.lengths - 1)
+        return positions.clamp(max=self.table.shape[1] - 1), positions <= end[:, None]
+
+    def _released(self) -> torch.Tensor:
+        return self.sub_frames.double() >= self.limits
+
+    def may_end_mask(self) -> torch.Tensor:
+        return (self.lengths == 0) | self._released() | (self.position >= self.lengths - 1 - self.alignment.end_slack)
+
+    def _pushed(self) -> torch.Tensor:
+        return ~self.may_end_mask() & (self.stay >= self.alignment.max_stay) & (self.position < self.lengths - 1)
+
+    def _silence_cap(self) -> torch.Tensor:
+        alignment = self.alignment
+        if alignment.short_silence is None:
+            return torch.full_like(self.position, alignment.max_silence)
+        at_pause = self.pauses.gather(1, self.position.clamp(min=0)[:, None])[:, 0]
+        return torch.where((self.position < 0) | at_pause, alignment.max_silence, alignment.short_silence)
+
+    def allowed(self) -> torch.Tensor:
+        """[batch, codebook_size] the codes each item may draw next."""
+        alignment = self.alignment
+        positions, valid = self._window()
+        pushed = self._pushed()
+        paused = (self.silent_run > 0) & (self.position >= 0) & (self.position < self.lengths - 1)
+        if alignment.resume_after_pause:
+            paused = torch.zeros_like(paused)
+        current = positions == self.position.clamp(min=0)[:, None]
+        use = valid & ~((pushed | paused)[:, None] & current)
+        window = self.table.gather(1, positions[:, :, None].expand(-1, -1, self.codebook_size))
+        allowed = (window & use[:, :, None]).any(dim=1)
+        silence = self.may_end_mask() | ((self.silent_run < self._silence_cap()) & ~pushed)
+        codes = torch.arange(self.codebook_size, device=allowed.device)
+        allowed = allowed | ((codes == alignment.silence)[None] & silence[:, None])
+        return allowed | ((self.lengths == 0) | self._released())[:, None]
+
+    def main_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Restricted main logits [batch, 1, codebook_size + 1 (+ separator)]: codes not allowed and
+        eos before the end get -inf (the separator column is left as it is)."""
+        size = self.codebook_size
+        keep = torch.cat((self.allowed(), self.may_end_mask()[:, None]), dim=-1)
+        keep = torch.nn.functional.pad(keep, (0, logits.shape[-1] - size - 1), value=True)
+        return logits.masked_fill(~keep[:, None, :], float("-inf"))
+
+    def codebook_logits(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
+        """Head logits [batch, 1, codebook_size], restricted when the codebook names a phoneme."""
+        if codebook_index not in self.alignment.codebooks[1:]:
+            return logits
+        return logits.masked_fill(~self.allowed()[:, None, :], float("-inf"))
+
+    def draw_code(self, draw, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor) -> torch.Tensor:
+        """`draw(logits)` -> codes [batch, 1] of one head, drawn within the alignment, which then
+        follows the drawn codes of a phoneme codebook (`drawing` [batch]: the items that draw)."""
+        codes = draw(self.codebook_logits(logits, codebook_index))
+        if codebook_index in self.alignment.codebooks:
+            self.observe(codes[:, 0], drawing)
+        return codes
+
+    def observe(self, codes: torch.Tensor, drawing: torch.Tensor) -> None:
+        """Move each drawing item ([batch] bool) along its text by its drawn code ([batch])."""
+        alignment = self.alignment
+        acting = drawing & (self.lengths > 0)
+        self.sub_frames = self.sub_frames + acting.long()
+        pushed = self._pushed()
+        self.stay = self.stay + acting.long()
+        silent = codes == alignment.silence
+        sounding = acting & ~silent
+        paused = (self.silent_run > 0) & torch.tensor(not alignment.resume_after_pause, device=codes.device)
+        self.silent_run = torch.where(acting & silent, self.silent_run + 1, torch.where(sounding, 0, self.silent_run))
+        positions, valid = self._window()
+        speaks = self.table.gather(1, positions[:, :, None].expand(-1, -1, self.codebook_size))
+        speaks = speaks.gather(2, codes.clamp(0, self.codebook_size - 1)[:, None, None].expand(-1, positions.shape[1], 1))[..., 0]
+        ahead = valid & (positions > self.position[:, None]) & speaks
+        first = positions.gather(1, ahead.long().argmax(dim=1, keepdim=True))[:, 0]
+        moved = sounding & (pushed | paused | (codes != self.last_code)) & ahead.any(dim=1)
+        self.position = torch.where(moved, first, self.position)
+        self.stay = torch.where(moved, 0, self.stay)
+        self.last_code = torch.where(sounding, codes, self.last_code)

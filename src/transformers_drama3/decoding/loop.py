@@ -126,13 +126,10 @@ class DecodeRun:
 
     separator_id: the id of `<|audio_separator|>` when some item may draw it (the state's
     `separators_left` says how many), else None. compile_config: None runs the step eagerly; a
-    `CompileConfig` compiles `draw` and `feed` (a run with phoneme alignment is refused: the
-    alignment's state lives on the host)."""
+    `CompileConfig` compiles `draw` and `feed`."""
 
     def __init__(self, model, sampler, cache: DecodeCache, state: DecodeState, separator_id: int | None = None,
                  compile_config: CompileConfig | None = None):
-        if compile_config is not None and state.alignment is not None:
-            raise ValueError("phoneme_alignment runs eagerly: pass phoneme_alignment=False to compile the decode step")
         self.model, self.sampler, self.cache, self.state = model, sampler, cache, state
         self.separator_id = separator_id
         self.compiled = compile_config is not None
@@ -269,6 +266,8 @@ class DecodeRun:
             return value
         self.sampler.window = self.sampler.window.clone()
         self.sampler.ras_replacements = self.sampler.ras_replacements.clone()
+        if self.state.alignment is not None:
+            self.state.alignment.owned()
         return owned(value)
 
 

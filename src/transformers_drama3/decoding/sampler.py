@@ -261,7 +261,7 @@ class Drama3Sampler:
         self.generators = generators
         self.main_widths = main_widths
         self.ras_replacements = torch.zeros(batch, dtype=torch.long, device=window.device)
-        self._grouped = None
+        self._grouped = self._group(window.device)  # here, not inside a compiled step: no constant in its graph
 
     @property
     def settings(self) -> SamplingSettings:
@@ -273,17 +273,14 @@ class Drama3Sampler:
 
     def groups(self) -> list[tuple[SamplingSettings, torch.Tensor | None]]:
         """(settings, the items that draw with them as a long tensor; None: every item)."""
-        if self._grouped is None:
-            distinct = list(dict.fromkeys(self.row_settings))
-            if len(distinct) <= 1:
-                self._grouped = [(distinct[0] if distinct else SamplingSettings(), None)]
-            else:
-                device = self.window.device
-                self._grouped = [
-                    (each, torch.tensor([i for i, row in enumerate(self.row_settings) if row == each], device=device))
-                    for each in distinct
-                ]
-        return self._grouped
+        return [(settings, rows) for settings, rows, _ in self._grouped]
+
+    def _group(self, device) -> list[tuple[SamplingSettings, torch.Tensor | None, list[int] | None]]:
+        distinct = list(dict.fromkeys(self.row_settings))
+        if len(distinct) <= 1:
+            return [(distinct[0] if distinct else SamplingSettings(), None, None)]
+        members = [[i for i, row in enumerate(self.row_settings) if row == each] for each in distinct]
+        return [(each, torch.tensor(items, device=device), items) for each, items in zip(distinct, members)]
 
     def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None, generators=None):
         # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
@@ -296,20 +293,23 @@ class Drama3Sampler:
         return exponential_race(probabilities, generators, widths, drawing)
 
     def _per_group(self, batch_values: torch.Tensor, draw) -> torch.Tensor:
-        """`draw(settings, pick, rows)` for each group of items (`pick` selects a tensor's rows of
-        the group, None stays None; `rows` None: every item), put back in item order."""
-        groups = self.groups()
-        if len(groups) == 1:
-            return draw(groups[0][0], lambda tensor: tensor, None)
+        """`draw(settings, pick, items)` for each group of items (`pick` selects a tensor's rows of
+        the group, None stays None; `items` the group's item indices, None: every item), put back in
+        item order."""
+        if len(self._grouped) == 1:
+            return draw(self._grouped[0][0], lambda tensor: tensor, None)
         out = torch.empty_like(batch_values)
-        for settings, rows in groups:
-            out[rows] = draw(settings, lambda tensor, rows=rows: None if tensor is None else tensor[rows], rows)
+        for settings, rows, items in self._grouped:
+            out[rows] = draw(settings, lambda tensor, rows=rows: None if tensor is None else tensor[rows], items)
         return out
 
-    def _generators(self, rows: torch.Tensor | None) -> list[torch.Generator] | None:
-        if self.generators is None or rows is None:
+    def _generators(self, items: list[int] | None) -> list[torch.Generator] | None:
+        if self.generators is None or items is None:
             return self.generators
-        return [self.generators[item] for item in rows.tolist()]
+        return [self.generators[item] for item in items]
+
+    def _rows_of(self, items: list[int]) -> torch.Tensor:
+        return next(rows for _, rows, members in self._grouped if members is items)
 
     def main_token(
         self, logits: torch.Tensor, noise: StepNoise | None = None, active: torch.Tensor | None = None
@@ -323,12 +323,12 @@ class Drama3Sampler:
         first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
         counted = torch.zeros_like(self.ras_replacements)
 
-        def draw(settings: SamplingSettings, pick, rows) -> torch.Tensor:
+        def draw(settings: SamplingSettings, pick, items) -> torch.Tensor:
             nonlocal counted
             group_logits = pick(logits)
             if not settings.do_sample:
                 return group_logits.argmax(dim=-1)
-            widths, generators = pick(self.main_widths), self._generators(rows)
+            widths, generators = pick(self.main_widths), self._generators(items)
             choice = self._draw(group_logits, settings.temperature, settings.top_k, settings.top_p, True, widths,
                                 noise=pick(first_noise), generators=generators)
             if not settings.repetition_aware:
@@ -338,7 +338,7 @@ class Drama3Sampler:
             first_ids = self.candidate_ids[choice]
             repeats = (pick(self.window) == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
             replaced = repeats if active is None else repeats & pick(active)
-            counted = counted + replaced.long() if rows is None else counted.index_put((rows,), replaced.long())
+            counted = counted + replaced.long() if items is None else counted.index_put((self._rows_of(items),), replaced.long())
             return torch.where(repeats, second, choice)
 
         choice = self._per_group(logits[:, 0].long(), draw)
@@ -358,11 +358,11 @@ class Drama3Sampler:
         logits = logits[:, -1]
         given_all = None if noise is None else noise.codebooks[:, codebook_index - 1]
 
-        def draw(settings: SamplingSettings, pick, rows) -> torch.Tensor:
+        def draw(settings: SamplingSettings, pick, items) -> torch.Tensor:
             head = pick(logits)
             if not settings.do_sample:
                 return head.argmax(dim=-1)
-            given, generators = pick(given_all), self._generators(rows)
+            given, generators = pick(given_all), self._generators(items)
             if fused_step.use_kernel(head):
                 # one fused kernel for the filtered draw, over the noise the reference would divide by
                 if given is None:

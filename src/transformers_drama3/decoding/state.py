@@ -291,7 +291,7 @@ class DecodeState:
     [batch, 1]: the open row's position (padding skipped); active [batch]: still speaking;
     produced [batch]: frames made; budgets [batch]: frames each item may make; separators_left
     [batch]: line boundaries each item may still draw (zeros for a layout without lines);
-    alignment: the phoneme-alignment tracker of the run, or None (host-side state: eager only)."""
+    alignment: the run's phoneme alignment (`alignment.AlignmentMasks`, tensors), or None."""
 
     hidden: torch.Tensor
     ids: torch.Tensor

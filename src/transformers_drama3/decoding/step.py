@@ -16,9 +16,9 @@ Random numbers come in with the step (`Drama3Sampler.step_noise`, drawn ahead in
 draws consume them; `rewind` takes back what an item that made no frame would not have drawn): a
 seeded item draws the same numbers whatever else is in the batch, eagerly or compiled.
 
-Phoneme alignment (`alignment.AlignmentTracker`) restricts the main token and the phoneme
-codebooks and follows every drawn phoneme code; its state lives on the host, so a step with it runs
-eagerly (the compiled loop refuses it).
+Phoneme alignment (`alignment.AlignmentMasks`) restricts the main token and the phoneme
+codebooks and follows every drawn phoneme code, in masks and gathers on fixed shapes: a compiled
+step holds it in its graph.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ reorganised, this module is the only one that names where those things live.
 from __future__ import annotations
 
 from ..codec.take_streaming import ClickFilter, decode_audio  # noqa: F401  (re-exported for the engine)
-from ..decoding.alignment import AlignmentTracker, draw_within, resolve_alignment, turn_token_ids  # noqa: F401
+from ..decoding.alignment import AlignmentMasks, draw_within, resolve_alignment, turn_token_ids  # noqa: F401
 from ..decoding.budget import (  # noqa: F401  (re-exported for the engine)
     BUDGET_FACTOR,
     detect_anomalies,

@@ -40,7 +40,7 @@ from ..decoding.threads import check_threads, resolve_threads
 from ..decoding.request import line_separators
 from ..prompting.bare_rows import boundaries_left_of_rows
 from .decoding import (
-    AlignmentTracker,
+    AlignmentMasks,
     ClickFilter,
     Drama3Sampler,
     SamplingSettings,
@@ -201,8 +201,7 @@ class Drama3Engine:
             graph each) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
             `max_batch`; the items past the running ones hold no request), so one graph serves each
             bucket and capacity (CUDA graphs replay them with `mode="reduce-overhead"`). None
-            (default) steps exactly the running requests eagerly. Phoneme alignment runs eagerly
-            only.
+            (default) steps exactly the running requests eagerly. Phoneme alignment runs on both.
         audio_separator_token_id: the id of `<|audio_separator|>`: line-by-line prompts then draw
             it between their lines, as `generate(audio_separator_token_id=...)` does (None: no
             prompt speaks line by line).
@@ -222,8 +221,6 @@ class Drama3Engine:
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
         self.alignment = resolve_alignment(model, [])  # the model's phoneme alignment, checked once
-        if compile_config is not None and self.alignment is not None:
-            raise ValueError("phoneme_alignment runs eagerly: serve this model without compile_config")
         self.compile_config = compile_config
         self.separator_id = audio_separator_token_id
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
@@ -424,12 +421,12 @@ class Drama3Engine:
         self._slots.append(slot)
         self._arrange(joining if running is None else running.joined(joining))
 
-    def _aligner(self, slot: _Slot) -> AlignmentTracker | None:
+    def _aligner(self, slot: _Slot) -> AlignmentMasks | None:
         if self.alignment is None:
             return None
         config, ids = self.model.config, slot.handle.job.input_ids
         token_ids = turn_token_ids(ids.cpu(), torch.ones_like(ids).cpu(), config.eos_token_id)
-        return AlignmentTracker(self.alignment, token_ids, config.codebook_size, [slot.expected_frames])
+        return AlignmentMasks(self.alignment, token_ids, config.codebook_size, [slot.expected_frames], ids.device)
 
     def _items(self) -> int:
         """Items a step runs: the running requests, or their batch-size bucket when compiled."""
@@ -458,7 +455,7 @@ class Drama3Engine:
             like.hidden.new_zeros(count, *like.hidden.shape[1:]), like.ids.new_zeros(count, 1),
             like.codes.new_zeros(count, *like.codes.shape[1:]), key_mask, like.position.new_zeros(count, 1),
             torch.zeros(count, dtype=torch.bool, device=like.ids.device), zeros, zeros.clone(), zeros.clone(),
-            None if like.alignment is None else like.alignment.take([]),
+            None if like.alignment is None else like.alignment.blank(count),
         )
 
     def _keep_windows(self) -> None:
@@ -534,6 +531,8 @@ class Drama3Engine:
         sampler = self._sampler
         result = owned(function(*args))
         sampler.window, sampler.ras_replacements = sampler.window.clone(), sampler.ras_replacements.clone()
+        if self._state.alignment is not None:
+            self._state.alignment.owned()
         return result
 
     def _step(self) -> None:
