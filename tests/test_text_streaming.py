@@ -316,3 +316,17 @@ def test_a_piece_that_is_not_text_stops_the_stream_naming_it(bundle):
     model, processor = bundle
     with pytest.raises(ValueError, match=r"text\[2\]: a text piece must be a str; got bytes"):
         list(model.stream_text(["Hello ", "there ", b"friend"], processor=processor, do_sample=False, max_new_tokens=2))
+
+
+def test_a_compiled_text_stream_speaks_the_takes_of_the_eager_one(bundle, reference, word_by_word):
+    """`stream_text` through the compiled step (dynamo's whole graph, run by its eager backend), its
+    cache growing from one length class to the next between turns: the takes of the eager stream."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    compiled = stream(bundle, reference, word_pieces(TEXT), cache_implementation="static",
+                      compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    eager = spoken(word_by_word)
+    assert len(spoken(compiled)) == len(eager) == 5
+    for mine, theirs in zip(spoken(compiled), eager):
+        assert torch.equal(mine.take, theirs.take) and mine.finish_reason == theirs.finish_reason

@@ -49,6 +49,7 @@ from .decoding.sampler import (
     prompt_window,
     resolve_settings,
 )
+from .decoding.request import resolve_decoding
 from .generation_drama3 import _split_kwargs, check_codec_matches
 from .prompting import (
     CHUNK_BYTES,
@@ -173,7 +174,9 @@ def stream_text(
         codec: decodes frames to audio (usually `processor.codec`); without it each `AudioChunk`
             holds one frame's codes and no audio.
         seed, preset, generation_config, **kwargs: sampling as in `generate()` (`do_sample=False`
-            is greedy); `max_new_tokens` caps each turn.
+            is greedy); `max_new_tokens` caps each turn; `cache_implementation="static"` /
+            `compile_config` compile the decode step as in `generate()` (the cache grows from one
+            length class to the next between turns).
         max_bytes, max_speakers: chunk limits (default the published ~300 bytes, 3 speakers);
             smaller chunks start speaking sooner.
         strict_speakers: with references, refuse a chunk whose speaker has none.
@@ -187,15 +190,16 @@ def stream_text(
     at the end.
     """
     check_codec_matches(model.config, codec)
-    settings, max_new_tokens, _ = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, _split_kwargs(kwargs)
-    )
+    overrides = _split_kwargs(kwargs)
+    settings, max_new_tokens, _ = resolve_settings(getattr(model, "generation_config", None), preset, generation_config, overrides)
+    compile_config = resolve_decoding(model, generation_config, overrides).compile_config
     references = tuple(as_reference(reference, f"references[{index}]") for index, reference in enumerate(references))
     device = model.device
     system = processor.rows(StreamingSystemTurn(references))
     ids = system.input_ids[None].to(device)
     run = DecodeRun.prefilled(
-        model, ids, system.audio_codes[None].to(device), torch.ones_like(ids), None, torch.zeros(1, dtype=torch.long)
+        model, ids, system.audio_codes[None].to(device), torch.ones_like(ids), None, torch.zeros(1, dtype=torch.long),
+        compile_config=compile_config,
     )
     recent = ids[:, -RAS_WINDOW:]  # the last main ids of the rows: the RAS window of the next turn
     stream = _Stream(TextStreamChunker(max_bytes, max_speakers), iter(text_pieces))

@@ -225,8 +225,7 @@ class DecodeRun:
         batch, device = self.state.batch, self.state.key_mask.device
         candidates, num_codebooks = sampler.candidate_ids.shape[0], model.config.num_codebooks
         backbone, tower = cache.parts
-        if not self.compiled:
-            self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
+        self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
         index = 0
         while True:
             cache.open_window(tower, 1)
@@ -250,6 +249,11 @@ class DecodeRun:
             index += 1
 
     def _reserve(self, rows: int) -> None:
+        """Room for `rows` more rows; a compiled run grows to its next length class (one graph each)."""
+        needed = self.cache.backbone_part.filled + rows
+        if self.compiled and needed > self.cache.capacity:
+            self.cache.grow(compiled_capacity(needed))
+            self.cache.mark_static()
         self.cache.reserve(rows)
         missing = self.cache.capacity - self.state.key_mask.shape[1]
         if missing > 0:
