@@ -387,3 +387,41 @@ def test_line_by_line_prompts_draw_their_boundaries_in_the_engine_as_generate_dr
 def test_an_engine_refuses_a_separator_that_is_not_a_text_token(model):
     with pytest.raises(ValueError, match="audio_separator_token_id=2 is not a text token"):
         Drama3Engine(model, audio_separator_token_id=model.config.eos_token_id)
+
+
+# ---- chunked prefill: a long prompt never stalls the running requests for longer than one chunk ----------
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_keeps_drawing(model):
+    """With `prefill_chunk=6` a prompt of ~40 rows is prefilled over several steps; every step in
+    between draws one frame of the running request (the stall is bounded by frames: one per
+    chunk), and both get the codes they get alone, with or without the prefix cache."""
+    from transformers_drama3.serving.prefix_cache import PrefixCache
+
+    for prefill in (None, PrefixCache().prefill):
+        running = job(seed=1, prompt_seed=70, text_rows=12)  # draws 30 frames: it outlasts the prefill
+        running.max_new_tokens = 40
+        ids, codes = prompt(seed=71, tail_rows=30)  # a long turn to speak after a short system turn
+        long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=2, max_new_tokens=MAX_FRAMES, prefix="voice")
+        turn = 30
+        engine = Drama3Engine(model, max_batch=2, prefill_chunk=6, **({} if prefill is None else {"prefill": prefill}))
+        first = engine.submit(running)
+        while engine.state_of(first) is None:  # its own prompt is prefilled a chunk per step too
+            engine.step()
+        second = engine.submit(long)
+        produced, prefill_steps = [], 0
+        while engine.state_of(second) is None and not engine.idle:
+            engine.step()
+            prefill_steps += 1
+            produced.append(int(engine.state_of(first)[0].produced[0]))
+        assert prefill_steps >= turn // 6  # the turn's rows take a step per chunk
+        assert produced == list(range(produced[0], produced[0] + len(produced)))  # a frame every step
+        while not engine.idle:
+            engine.step()
+        for request, handle in ((running, first), (long, second)):
+            assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
+def test_a_prefill_chunk_under_two_rows_is_refused(model):
+    with pytest.raises(ValueError, match="prefill_chunk=1; expected at least 2"):
+        Drama3Engine(model, prefill_chunk=1)

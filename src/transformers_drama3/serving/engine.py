@@ -197,6 +197,9 @@ class Drama3Engine:
             "cancelled", "timeout", "error"): the metrics hook.
         capacity: columns (rows) each slot holds at first; the pool doubles when a request
             outgrows it.
+        prefill_chunk: rows of prompt prefilled per scheduler step (chunked prefill): a long prompt
+            is prefilled a chunk at a time, each chunk followed by one frame of every running
+            request, so it never stalls them longer than one chunk's prefill.
         compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed`, one
             graph each) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
             `max_batch`; the items past the running ones hold no request), so one graph serves each
@@ -212,7 +215,7 @@ class Drama3Engine:
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
                  capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None,
-                 audio_separator_token_id: int | None = None):
+                 audio_separator_token_id: int | None = None, prefill_chunk: int = 512):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -222,6 +225,10 @@ class Drama3Engine:
         self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
         self.alignment = resolve_alignment(model, [])  # the model's phoneme alignment, checked once
         self.compile_config = compile_config
+        if prefill_chunk < 2:
+            raise ValueError(f"prefill_chunk={prefill_chunk}; expected at least 2 rows")
+        self.prefill_chunk = prefill_chunk
+        self._prefilling = None  # (handle, DecodeRun) of a prompt being prefilled chunk by chunk
         self.separator_id = audio_separator_token_id
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
             probe = torch.zeros(1, 2, dtype=torch.long)
@@ -259,7 +266,9 @@ class Drama3Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        for handle in [*self._waiting, *(slot.handle for slot in self._slots)]:
+        prefilling = [] if self._prefilling is None else [self._prefilling[0]]
+        self._prefilling = None
+        for handle in [*self._waiting, *prefilling, *(slot.handle for slot in self._slots)]:
             self._finish(handle, "error", ErrorEvent("error", "the engine stopped"))
         self._waiting = []
         self._reset_batch()
@@ -291,7 +300,7 @@ class Drama3Engine:
         while True:
             with self._lock:
                 was_idle = self.idle
-                while self._running and not self._waiting and not self._slots:
+                while self._running and self.idle:
                     self._lock.wait()
                 if not self._running:
                     return
@@ -319,30 +328,62 @@ class Drama3Engine:
     @property
     def idle(self) -> bool:
         """No request waits or runs."""
-        return not self._waiting and not self._slots
+        return not self._waiting and not self._slots and self._prefilling is None
 
     def _admit(self) -> None:
         """Drop waiting requests that were cancelled or ran out of time, then prefill waiting
-        requests (one at a time) into free slots."""
+        requests (one at a time) into free slots: at most `prefill_chunk` rows of prompt per
+        scheduler step, so a long prompt is prefilled over several steps, each followed by a frame
+        of every running request."""
         self._drop_abandoned()
-        while len(self._slots) < self.max_batch:
-            with self._lock:
-                if not self._waiting:
-                    return
-                handle = self._waiting.pop(0)
-            if handle.cancelled.is_set():
-                self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
-                continue
-            started = time.perf_counter()
+        budget = self.prefill_chunk
+        while len(self._slots) < self.max_batch and budget > 0:
+            if self._prefilling is None:
+                with self._lock:
+                    if not self._waiting:
+                        return
+                    handle = self._waiting.pop(0)
+                if handle.cancelled.is_set():
+                    self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
+                    continue
+                started = time.perf_counter()
+                try:
+                    run = self.prefill(self.model, handle.job, budget)
+                    self._prefilling = (handle, run)
+                except Exception as error:
+                    self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+                    continue
+                self.stats.prefill_seconds += time.perf_counter() - started
+                budget -= run.cache.backbone_part.filled
+            else:
+                handle, run = self._prefilling
+                if handle.cancelled.is_set() or self._timed_out(handle):
+                    self._prefilling = None
+                    kind = "cancelled" if handle.cancelled.is_set() else "timeout"
+                    self._finish(handle, kind, ErrorEvent(kind, f"the request was {'cancelled' if kind == 'cancelled' else 'past its time limit'}"))
+                    continue
+                done = run.cache.backbone_part.filled
+                started = time.perf_counter()
+                try:
+                    end = min(handle.job.input_ids.shape[1], done + budget)
+                    run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
+                except Exception as error:
+                    self._prefilling = None
+                    self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+                    continue
+                self.stats.prefill_seconds += time.perf_counter() - started
+                budget -= end - done
+            handle, run = self._prefilling
+            if run.cache.backbone_part.filled < handle.job.input_ids.shape[1]:
+                return  # the rest of this prompt after the next decode step
+            self._prefilling = None
             try:
-                joining = self.prefill(self.model, handle.job)
                 slot = self._new_slot(handle)
             except Exception as error:
                 self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
                 continue
             self.stats.prefills += 1
-            self.stats.prefill_seconds += time.perf_counter() - started
-            self._join(joining, slot)
+            self._join(run, slot)
 
     def _drop_abandoned(self) -> None:
         with self._lock:
@@ -620,8 +661,10 @@ class Drama3Engine:
 
 
 @torch.no_grad()
-def prefill_alone(model, job: SpeechJob) -> DecodeRun:
+def prefill_alone(model, job: SpeechJob, rows: int | None = None) -> DecodeRun:
     """Prefill one prompt on its own into a fresh cache: a one-item `DecodeRun` (no frames budgeted:
-    the engine's pool holds its frames)."""
-    mask = torch.ones_like(job.input_ids)
-    return DecodeRun.prefilled(model, job.input_ids, job.audio_codes, mask, None, torch.zeros(1, dtype=torch.long))
+    the engine's pool holds its frames). `rows`: prefill only the first rows (at least 2) now; the
+    engine extends the run with the others, a chunk per step."""
+    end = job.input_ids.shape[1] if rows is None else max(2, rows)
+    ids, codes = job.input_ids[:, :end], job.audio_codes[:, :end]
+    return DecodeRun.prefilled(model, ids, codes, torch.ones_like(ids), None, torch.zeros(1, dtype=torch.long))

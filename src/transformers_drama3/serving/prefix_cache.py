@@ -82,25 +82,28 @@ class PrefixCache:
         self.hits = self.misses = 0
         self._lock = threading.Lock()
 
-    def prefill(self, model, job: SpeechJob) -> DecodeRun:
+    def prefill(self, model, job: SpeechJob, rows: int | None = None) -> DecodeRun:
+        """The job's prompt prefilled from its voice's cached prefix (its own rows up to `rows` of
+        the prompt, at least one past the prefix; None: all of them)."""
         key = job.prefix
-        rows = prefix_rows(model, job.input_ids) if key is not None else 0
-        if not rows:
-            return prefill_alone(model, job)
+        shared = prefix_rows(model, job.input_ids) if key is not None else 0
+        if not shared:
+            return prefill_alone(model, job, rows)
         with self._lock:
             state = self.entries.get(key)
             if state is not None:
                 self.entries.move_to_end(key)
         if state is None or not state.matches(job):
             self.misses += 1
-            state = prefill_prefix(model, job.input_ids[:, :rows], job.audio_codes[:, :rows])
+            state = prefill_prefix(model, job.input_ids[:, :shared], job.audio_codes[:, :shared])
             with self._lock:
                 self.entries[key] = state
                 while len(self.entries) > self.capacity:
                     self.entries.popitem(last=False)
         else:
             self.hits += 1
-        return continue_prefill(model, state, job.input_ids[:, state.rows :], job.audio_codes[:, state.rows :])
+        end = job.input_ids.shape[1] if rows is None else max(rows, state.rows + 1)
+        return continue_prefill(model, state, job.input_ids[:, state.rows : end], job.audio_codes[:, state.rows : end])
 
     def forget(self, key) -> None:
         with self._lock:
