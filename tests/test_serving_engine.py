@@ -201,8 +201,11 @@ def test_a_request_cancelled_while_waiting_leaves_the_queue_without_taking_a_slo
 def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
     requests = [job(seed=20 + i, prompt_seed=40 + i, text_rows=3 + 4 * i) for i in range(3)]
     engine = Drama3Engine(model, capacity=8)
+    capacities = []
+    original = engine._grow
+    engine._grow = lambda: original() or capacities.append(engine._pool.capacity)
     handles = drive(engine, {0: requests[:1], 2: requests[1:]})
-    assert engine._pool.capacity > 8
+    assert capacities and capacities[-1] > 8  # grown while the requests ran
     for request, handle in zip(requests, handles):
         assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
 
@@ -425,3 +428,22 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_k
 def test_a_prefill_chunk_under_two_rows_is_refused(model):
     with pytest.raises(ValueError, match="prefill_chunk=1; expected at least 2"):
         Drama3Engine(model, prefill_chunk=1)
+
+
+def test_the_pool_a_long_prompt_grew_is_given_back_when_no_request_runs(model):
+    """A prompt longer than the pool's capacity grows every slot's columns; once no request runs the
+    grown pool is dropped (its memory returned) and the next request gets the starting capacity."""
+    ids, codes = prompt(seed=72, tail_rows=40)
+    engine = Drama3Engine(model, max_batch=2, capacity=32)
+    long = engine.submit(SpeechJob(ids[None], codes[None], SamplingSettings(), seed=1, max_new_tokens=MAX_FRAMES))
+    engine.step()
+    assert engine._pool.capacity > 32
+    while not engine.idle:
+        engine.step()
+    assert engine._pool is None and isinstance(long.result(timeout=1), DoneEvent)
+    short = engine.submit(job(seed=2, prompt_seed=73))
+    engine.step()
+    assert engine._pool.capacity == 32
+    while not engine.idle:
+        engine.step()
+    assert isinstance(short.result(timeout=1), DoneEvent)

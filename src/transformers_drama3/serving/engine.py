@@ -549,9 +549,12 @@ class Drama3Engine:
         self._arrange(self._state.select(kept))
 
     def _reset_batch_keeping_pool(self) -> None:
+        """No request runs: keep the pool for the next one, unless a long prompt grew it past the
+        capacity the engine starts with (its memory goes back; the next request allocates anew)."""
         pool = self._pool
         self._reset_batch()
-        self._pool = pool
+        if pool is not None and pool.capacity <= self.capacity:
+            self._pool = pool
 
     def _open_view(self, backbone_rows: int, tower_rows: int) -> DecodeCache:
         if self._pool.capacity < backbone_rows + 1:
