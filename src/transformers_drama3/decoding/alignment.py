@@ -206,7 +206,26 @@ def turn_token_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_to
     return [input_ids[item, int(start) : int(stop)].tolist() for item, (start, stop) in enumerate(spans.tolist())]
 
 
-class AlignmentTracker:
+class _HeadDraws:
+    """What both forms of the alignment do with a codebook head: restrict it where the codebook
+    names a phoneme, and follow the codes drawn there (`allowed` and `observe` are each form's)."""
+
+    def codebook_logits(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
+        """Head logits [batch, 1, codebook_size], restricted when the codebook names a phoneme."""
+        if codebook_index not in self.alignment.codebooks[1:]:
+            return logits
+        return logits.masked_fill(~self.allowed()[:, None, :].to(logits.device), float("-inf"))
+
+    def draw_code(self, draw, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor) -> torch.Tensor:
+        """`draw(logits)` -> codes [batch, 1] of one head, drawn within the alignment, which then
+        follows the drawn codes of a phoneme codebook (`drawing` [batch]: the items that draw)."""
+        codes = draw(self.codebook_logits(logits, codebook_index))
+        if codebook_index in self.alignment.codebooks:
+            self.observe(codes[:, 0], drawing)
+        return codes
+
+
+class AlignmentTracker(_HeadDraws):
     """Where each item of a decode run stands in its text, and which codes it may draw there.
 
     alignment: the table; token_ids: per item the text rows of its turn to speak (its phonemes are
@@ -309,20 +328,6 @@ class AlignmentTracker:
         keep[:, self.codebook_size] = torch.tensor([self.may_end(item) for item in range(len(self.rows))])
         return logits.masked_fill(~keep[:, None, :].to(logits.device), float("-inf"))
 
-    def codebook_logits(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
-        """Head logits [batch, 1, codebook_size], restricted when the codebook names a phoneme."""
-        if codebook_index not in self.alignment.codebooks[1:]:
-            return logits
-        return logits.masked_fill(~self.allowed()[:, None, :].to(logits.device), float("-inf"))
-
-    def draw_code(self, draw, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor) -> torch.Tensor:
-        """`draw(logits)` -> codes [batch, 1] of one head, drawn within the alignment, which then
-        follows the drawn codes of a phoneme codebook (`drawing` [batch]: the items that draw)."""
-        codes = draw(self.codebook_logits(logits, codebook_index))
-        if codebook_index in self.alignment.codebooks:
-            self.observe(codes[:, 0], drawing)
-        return codes
-
     def observe(self, codes: torch.Tensor, drawing: torch.Tensor) -> None:
         """Move each drawing item ([batch] bool) along its text by its drawn code ([batch])."""
         for item, (code, draws) in enumerate(zip(codes.tolist(), drawing.tolist())):
@@ -352,7 +357,7 @@ def draw_within(aligner: AlignmentTracker | None, draw, logits: torch.Tensor, co
     return draw(logits) if aligner is None else aligner.draw_code(draw, logits, codebook_index, drawing)
 
 
-class AlignmentMasks:
+class AlignmentMasks(_HeadDraws):
     """`AlignmentTracker`'s rules on tensors of fixed shape: the alignment the decode step runs.
 
     Every item's phonemes are one row of `table` [batch, phonemes, codebook_size] (the codes that
@@ -491,20 +496,6 @@ class AlignmentMasks:
         keep = torch.cat((self.allowed(), self.may_end_mask()[:, None]), dim=-1)
         keep = torch.nn.functional.pad(keep, (0, logits.shape[-1] - size - 1), value=True)
         return logits.masked_fill(~keep[:, None, :], float("-inf"))
-
-    def codebook_logits(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
-        """Head logits [batch, 1, codebook_size], restricted when the codebook names a phoneme."""
-        if codebook_index not in self.alignment.codebooks[1:]:
-            return logits
-        return logits.masked_fill(~self.allowed()[:, None, :], float("-inf"))
-
-    def draw_code(self, draw, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor) -> torch.Tensor:
-        """`draw(logits)` -> codes [batch, 1] of one head, drawn within the alignment, which then
-        follows the drawn codes of a phoneme codebook (`drawing` [batch]: the items that draw)."""
-        codes = draw(self.codebook_logits(logits, codebook_index))
-        if codebook_index in self.alignment.codebooks:
-            self.observe(codes[:, 0], drawing)
-        return codes
 
     def observe(self, codes: torch.Tensor, drawing: torch.Tensor) -> None:
         """Move each drawing item ([batch] bool) along its text by its drawn code ([batch])."""
