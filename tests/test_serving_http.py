@@ -100,15 +100,21 @@ def test_streamed_chunks_join_to_the_whole_take_of_the_same_seeded_request(clien
     np.testing.assert_allclose(streamed, whole, atol=2 * LSB, rtol=0)  # one codec, two decoders
 
 
-def test_sse_events_carry_the_audio_then_a_done_event(client):
+def test_sse_events_carry_the_audio_then_a_done_event(client, server):
     whole = pcm_samples(speech(client, seed=3, response_format="pcm").content)
     with client.audio.speech.with_streaming_response.create(
         model="drama3-tiny", voice="A", input="Hello there, how are you?", response_format="pcm",
         extra_body={"seed": 3, "max_new_tokens": FRAMES, "stream_format": "sse"},
     ) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [set(event) for event in events[:-1]] == [{"type", "audio"}] * (len(events) - 1)
     assert [event["type"] for event in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
-    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["seed"] == 3
+    done = events[-1]  # OpenAI's speech.audio.done exactly: its usage holds input, output and total tokens
+    assert set(done) == {"type", "usage"} and done["type"] == "speech.audio.done"
+    assert set(done["usage"]) == {"input_tokens", "output_tokens", "total_tokens"}
+    assert done["usage"]["output_tokens"] * server[1].processor.codec.hop_length == whole.size  # a token per frame
+    assert done["usage"]["input_tokens"] > 0
+    assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
     streamed = pcm_samples(b"".join(base64.b64decode(event["audio"]) for event in events[:-1]))
     np.testing.assert_allclose(streamed, whole, atol=2 * LSB, rtol=0)
 
@@ -171,7 +177,7 @@ def test_a_missing_or_wrong_key_is_refused(server):
 
 
 def test_models_health_and_metrics(client, server):
-    assert [model.id for model in client.models.list()] == ["drama3-tiny"]
+    assert [model.id for model in client.models.list()][0] == "drama3-tiny"  # then OpenAI's names, aliases of it
     assert httpx.get(server[0] + "/health").json()["status"] == "ok"
     speech(client)
     assert metric(server[0], 'drama3_requests_total{outcome="length"}') + metric(

@@ -267,6 +267,9 @@ def run_serve(args) -> int:
         import uvicorn
 
         from .serving.app import ServerSettings, create_app, is_loopback, serve_in_background
+        from .serving.connections import header_timeout_protocol
+        from .serving.keys import resolve_api_key
+        from .serving.openai_names import VoiceAliases
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
@@ -280,22 +283,29 @@ def run_serve(args) -> int:
             reference_file_voice(spec)
         except ValueError as error:
             raise CommandError(str(error)) from None
+    for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout),
+                        ("--header-timeout", args.header_timeout)):
+        if not value > 0:
+            raise CommandError(f"{name} {value}: expected a positive number of seconds")
+    try:
+        api_key = resolve_api_key(args.api_key, args.api_key_file)
+        aliases = VoiceAliases.from_specs(args.voice_alias)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
     device = resolve_device(args.device)
     get_service, _ = serve_in_background(
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
     )
-    for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout)):
-        if not value > 0:
-            raise CommandError(f"{name} {value}: expected a positive number of seconds")
-    settings = ServerSettings(api_key=args.api_key, open_listings=args.open_listings, request_timeout=args.timeout,
-                              body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout)
+    settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
+                              body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,
+                              voice_aliases=aliases)
     app = create_app(get_service, settings)
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
-    if args.api_key is None and not is_loopback(args.host):
+    if api_key is None and not is_loopback(args.host):
         print(f"drama3 serve: warning: --host {args.host} serves every route, voice create and delete included, to "
-              "anyone who can reach it, without a key; set DRAMA3_API_KEY (or --api-key)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+              "anyone who can reach it, without a key; set DRAMA3_API_KEY (or --api-key-file)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=header_timeout_protocol(args.header_timeout))
     return 0
 
 

@@ -23,7 +23,6 @@ function `add_<name>(subparsers)` that adds its parser; its work is `cli.HANDLER
 from __future__ import annotations
 
 import argparse
-import os
 
 DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2
@@ -130,9 +129,16 @@ def add_serve(subparsers) -> None:
     )
     parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
     parser.add_argument(
-        "--api-key", default=os.environ.get("DRAMA3_API_KEY"),
-        help="require Authorization: Bearer KEY on every route but /health (default: $DRAMA3_API_KEY, which "
-             "keeps the key out of the process list)",
+        "--api-key", default=None,
+        help="require Authorization: Bearer KEY on every route but /health (default: --api-key-file's, else "
+             "$DRAMA3_API_KEY; both keep the key out of the process list)",
+    )
+    parser.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
+    parser.add_argument(
+        "--voice-alias", action="append", default=[], metavar="ALIAS=VOICE",
+        help="let requests name a stored voice by another name, e.g. alloy=A (repeatable). OpenAI's preset "
+             "voices (alloy, ash, ballad, coral, echo, fable, nova, onyx, sage, shimmer, verse, marin, cedar) "
+             "not aliased speak with the server's default voice",
     )
     parser.add_argument(
         "--open-listings", action="store_true",
@@ -144,6 +150,8 @@ def add_serve(subparsers) -> None:
                         help="seconds a request body may take to arrive whole (then 408)")
     parser.add_argument("--stream-idle-timeout", type=float, default=30.0,
                         help="seconds a text stream waits for its start and each next message (then close code 4408)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a request's headers may take to arrive whole (then 408 and the connection closes)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument(
         "--compile", action="store_true",

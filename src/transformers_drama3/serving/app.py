@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -46,6 +47,7 @@ from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
 from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
+from .openai_names import VoiceAliases, model_listing
 from .protocol import (
     ApiError,
     Limits,
@@ -95,6 +97,8 @@ class ServerSettings:
     max_text_streams: int = 4
     stream_idle_timeout: float = 30.0
     """Seconds a text stream waits for its `start`, and then for each next message (then close code 4408)."""
+    voice_aliases: VoiceAliases = field(default_factory=VoiceAliases)
+    """Names a request may give for a stored voice (OpenAI's presets; `--voice-alias`)."""
 
 
 class ErrorResponse(JSONResponse):
@@ -273,17 +277,17 @@ def create_app(get_service, settings: ServerSettings | None = None):
     @app.get("/v1/models")
     async def models():
         service = service_or_503()
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "drama3"}]}
+        return {"object": "list", "data": model_listing(service.model_name)}
 
     @app.get("/v1/audio/models")
     async def audio_models():  # Open WebUI asks here first, then falls back to /v1/models
         service = service_or_503()
-        return {"models": [{"id": service.model_name}]}
+        return {"models": [{"id": model["id"]} for model in model_listing(service.model_name)]}
 
     @app.get("/v1/audio/voices")
     async def list_voices():
         service = service_or_503()
-        return {"voices": await asyncio.to_thread(service.voices.listing)}
+        return {"voices": await asyncio.to_thread(service.voices.listing), "aliases": settings.voice_aliases.listing()}
 
     @app.post("/v1/audio/voices")
     async def create_voice(request: Request):
@@ -320,6 +324,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
     async def speech(request: Request):
         service = service_or_503()
         params = parse_speech(await json_body(request), settings.limits, lambda voice_id: voice_id in service.voices)
+        params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.voices.__contains__))
         job = await asyncio.to_thread(service.job, params, settings.request_timeout)
         try:
             handle = service.engine.submit(job)
@@ -368,6 +373,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
             service = service_or_503()
             start = parse_message(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
             params = parse_stream_start(start, settings.limits, lambda voice_id: voice_id in service.voices, 4 * CHUNK_BYTES)
+            params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.voices.__contains__))
             references = await asyncio.to_thread(service.references_of, params)
             try:
                 resolve_settings(getattr(service.model, "generation_config", None), None, None,
@@ -405,12 +411,19 @@ async def _receive(websocket: WebSocket):
 
 
 async def _close_with_error(websocket: WebSocket, error: ApiError) -> None:
-    """Send the error in OpenAI's shape, then close with code 4000 + its HTTP status."""
+    """Send the error in OpenAI's shape, then close with code 4000 + its HTTP status and the
+    message as the close frame's reason (cut to the 123 bytes a close frame holds)."""
     try:
         await websocket.send_json({"type": "error", **error.body()})
-        await websocket.close(code=4000 + error.status)
+        await websocket.close(code=4000 + error.status, reason=close_reason(error.message))
     except (WebSocketDisconnect, RuntimeError):
         pass  # the client has gone already
+
+
+def close_reason(message: str, limit: int = 123) -> str:
+    """`message` cut to at most `limit` UTF-8 bytes (a WebSocket close frame's reason), whole characters kept."""
+    data = message.encode("utf-8", "replace")  # a lone surrogate the message quotes becomes "?"
+    return data.decode("utf-8") if len(data) <= limit else data[: limit - 3].decode("utf-8", "ignore") + "..."
 
 
 def _event_message(item) -> dict:
@@ -545,6 +558,13 @@ def _observe(service, handle, first_audio: float, samples: int) -> None:
         service.metrics.observe_real_time_factor((time.perf_counter() - handle.submitted) / seconds)
 
 
+def _usage(job, event: DoneEvent) -> dict:
+    """OpenAI's usage of a take: input tokens are its prompt rows, output tokens its frames (one
+    backbone step each)."""
+    prompt, frames = int(job.input_ids.shape[-1]), int(event.codes.shape[0])
+    return {"input_tokens": prompt, "output_tokens": frames, "total_tokens": prompt + frames}
+
+
 async def _stream(service, handle, request, params: SpeechParams):
     """The bytes (or SSE events) of a streamed take; cancels the request if the client goes away."""
     streamer = WaveformStreamer(service.processor.codec, handle.submitted)
@@ -578,8 +598,7 @@ async def _stream(service, handle, request, params: SpeechParams):
                 if first is not None:
                     _observe(service, handle, first, samples)
                 if sse:
-                    done = {"type": "speech.audio.done", "usage": {"frames": int(event.codes.shape[0]),
-                            "finish_reason": event.finish_reason, "seed": handle.seed}}
+                    done = {"type": "speech.audio.done", "usage": _usage(handle.job, event)}
                     yield f"data: {json.dumps(done)}\n\n".encode()
                 return
     finally:
