@@ -21,6 +21,7 @@ from transformers.masking_utils import (
     create_recurrent_attention_mask,
     packed_sequence_mask_function,
 )
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeRMSNorm,
@@ -40,6 +41,7 @@ from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record
 # The label of an unsupervised row: defined once, by the rows that carry it.
 from .prompting import IGNORE_INDEX
 from .checkpoint.quantization import dequantize_state_dict, fuse_expert_weights
+from .checkpoint.quantization import experts as routed_experts, quantized_loading
 from .integrations import PreTrainedModelWithLoadedFiles
 from .kernels import fused_step
 from .checkpoint.saving import save_model
@@ -336,7 +338,22 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
         check_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)) and os.path.isdir(pretrained_model_name_or_path):
             check_weight_files(pretrained_model_name_or_path)
+        quantization_config = kwargs.get("quantization_config")
+        if not args and quantized_loading.weight_quantizer(quantization_config) is not None:
+            # torchao / bitsandbytes: routed experts per expert, so that the quantiser reaches them
+            # (checkpoint/quantization/quantized_loading.py).
+            kwargs.pop("quantization_config")
+            return quantized_loading.from_pretrained_quantized(
+                cls, super().from_pretrained, pretrained_model_name_or_path, quantization_config, kwargs
+            )
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        return quantized_loading.load_pretrained_weights(
+            PreTrainedModelWithLoadedFiles._load_pretrained_model, PreTrainedModel._load_pretrained_model,
+            model, state_dict, checkpoint_files, load_config, *args, **kwargs,
+        )
 
     def _init_weights(self, module):
         # The tower is built from the same kinds of modules as the backbone (linears, embeddings,
@@ -359,6 +376,8 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         super().__init__(config)
         tower = config.audio_decoder_config
         self.model = Drama3Model(config)
+        if routed_experts.routed_experts_split_requested():
+            routed_experts.split_routed_experts(self.model.language_model)
         self.lm_head = nn.Linear(config.hidden_size, config.text_config.vocab_size, bias=False)
         self.audio_decoder = Drama3CodebookEmbeddings(tower)
         self.audio_decoder_mtp_shared = Drama3SharedTower(tower)

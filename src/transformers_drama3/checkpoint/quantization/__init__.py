@@ -1,4 +1,10 @@
-"""Quantised weight formats of the published checkpoint."""
+"""Quantised weights: the published checkpoint's block-FP8 experts (`block_fp8`, `checkpoint`,
+`transformers_fp8`), and the model through transformers' weight quantisers, torchao and
+bitsandbytes, routed experts included (`quantized_loading`, `experts`).
+
+The bytes a weight takes under each option, for memory plans: `weights.quantized_bytes(shape,
+option, device, dtype, group_size)`; what a loaded model holds: `weights.held_bytes(model)`.
+"""
 
 from .block_fp8 import (
     DEFAULT_BLOCK,
@@ -22,6 +28,16 @@ from .block_fp8 import (
     weight_block_size,
 )
 from .checkpoint import quantize_saved_experts
+from .experts import Drama3RoutedExperts, routed_experts_from_fused, split_routed_experts
+from .quantized_loading import (
+    DEFAULT_MODULES_TO_NOT_CONVERT,
+    WEIGHT_OPTIONS,
+    QuantizationRefused,
+    check_weight_quantization,
+    quantization_config_for,
+    quantized_lora_config,
+)
+from .weights import held_bytes, quantized_bytes
 from .transformers_fp8 import (
     NON_EXPERT_MODULES,
     fp8_quantization_config_for_cuda,
@@ -31,6 +47,17 @@ from .transformers_fp8 import (
 
 __all__ = [
     "DEFAULT_BLOCK",
+    "DEFAULT_MODULES_TO_NOT_CONVERT",
+    "Drama3RoutedExperts",
+    "QuantizationRefused",
+    "WEIGHT_OPTIONS",
+    "check_weight_quantization",
+    "held_bytes",
+    "quantization_config_for",
+    "quantized_bytes",
+    "quantized_lora_config",
+    "routed_experts_from_fused",
+    "split_routed_experts",
     "FP8_DTYPE",
     "FP8_MAX",
     "NON_EXPERT_MODULES",
