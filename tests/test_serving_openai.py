@@ -2,6 +2,8 @@
 alias, else the default voice) and unknown names are still refused; the model listings name what
 is accepted; every response format decodes back (with PyAV) to the take."""
 
+import base64
+import io
 import json
 
 import httpx
@@ -114,3 +116,93 @@ def test_the_listings_name_the_served_model_and_openai_s_names_as_its_aliases(ba
 def test_a_malformed_or_repeated_alias_is_refused_naming_it(spec):
     with pytest.raises(ValueError, match="--voice-alias"):
         VoiceAliases.from_specs(spec.split(","))
+
+
+# ---- every response format, written by PyAV, decodes back to the take ---------------------------------
+
+av = pytest.importorskip("av")
+FORMAT_FRAMES = 40  # ~1.9 s of drama3-tiny audio: long enough for the coders' frames and padding
+PADDING_SECONDS = 0.11
+"""What a lossy coder may add to a take's length: two mp3 frames of 1,152 samples at 22,050 Hz (a
+streamed mp3 has no Xing header to say what to trim), more than aac's 1,024-sample priming."""
+
+
+def take_bytes(base: str, response_format: str, delivery: str = "whole") -> bytes:
+    body = {"input": "Hello there, how are you today?", "voice": "A", "response_format": response_format, "seed": 9,
+            "max_new_tokens": FORMAT_FRAMES}
+    if delivery != "whole":
+        body["stream_format"] = delivery
+    response = httpx.post(base + "/v1/audio/speech", json=body, headers=HEADERS, timeout=WAIT)
+    assert response.status_code == 200, response.text
+    if delivery != "sse":
+        return response.content
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    return b"".join(base64.b64decode(event["audio"]) for event in events if event["type"] == "speech.audio.delta")
+
+
+def decoded(data: bytes, rate: int | None = None) -> tuple[np.ndarray, int, str]:
+    """(samples [n] as float32, or int16 for a 16-bit stream when `rate` is None; the coded rate; codec name)."""
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        coded_rate, codec = stream.codec_context.sample_rate, stream.codec_context.name
+        if rate is None:
+            frames = [frame.to_ndarray().reshape(-1) for frame in container.decode(stream)]
+        else:
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            frames = [out.to_ndarray().reshape(-1) for frame in container.decode(stream) for out in resampler.resample(frame)]
+            frames += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    return np.concatenate(frames), coded_rate, codec
+
+
+def aligned_correlation(reference: np.ndarray, coded: np.ndarray, max_lag: int = 4096) -> float:
+    """The largest normalised correlation of `coded` with `reference` over lags of up to `max_lag`
+    samples (coders delay the audio by their priming)."""
+    best = -1.0
+    for lag in range(0, max_lag + 1):
+        a, b = reference, coded[lag:]
+        n = min(a.size, b.size)
+        if n < reference.size // 2:
+            break
+        a, b = a[:n] - a[:n].mean(), b[:n] - b[:n].mean()
+        best = max(best, float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12)))
+    return best
+
+
+@pytest.fixture(scope="module")
+def take(base, service):
+    """The take as 16-bit samples (pcm) and its rate."""
+    samples = np.frombuffer(take_bytes(base, "pcm"), dtype="<i2")
+    assert samples.size > service.processor.sampling_rate  # over a second of audio
+    return samples, service.processor.sampling_rate
+
+
+def test_flac_is_the_takes_16_bit_samples_exactly_whole_and_streamed(base, take):
+    samples, rate = take
+    for delivery in ("whole", "audio"):
+        audio, coded_rate, codec = decoded(take_bytes(base, "flac", delivery))
+        assert codec == "flac" and coded_rate == rate and audio.dtype == np.int16
+        np.testing.assert_array_equal(audio, samples)
+
+
+@pytest.mark.parametrize("delivery", ["whole", "audio", "sse"])
+@pytest.mark.parametrize("response_format, codec", [("mp3", "mp3"), ("opus", "opus"), ("aac", "aac")])
+def test_a_lossy_format_decodes_to_the_take_at_its_rate_and_length(base, take, response_format, codec, delivery):
+    samples, rate = take
+    reference = samples.astype(np.float32) / 32767
+    data = take_bytes(base, response_format, delivery)
+    audio, coded_rate, coded_codec = decoded(data, rate)
+    assert coded_codec.startswith(codec)
+    assert coded_rate == (48000 if response_format == "opus" else rate)
+    assert -0.01 <= (audio.size - reference.size) / rate <= PADDING_SECONDS
+    assert aligned_correlation(reference, audio) > 0.9
+
+
+def test_a_streamed_format_sends_audio_before_the_take_ends(base):
+    """mp3 in a stream comes in several pieces as frames are made, not one piece at the end."""
+    body = {"input": "Hello there, how are you today?", "voice": "A", "response_format": "mp3", "seed": 9,
+            "max_new_tokens": FORMAT_FRAMES, "stream": True}
+    with httpx.stream("POST", base + "/v1/audio/speech", json=body, headers=HEADERS, timeout=WAIT) as response:
+        assert response.headers["content-type"] == "audio/mpeg"
+        pieces = [piece for piece in response.iter_raw() if piece]
+    assert len(pieces) >= 3
+    assert decoded(b"".join(pieces), 22050)[0].size > 0

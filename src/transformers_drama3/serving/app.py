@@ -45,7 +45,7 @@ from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
-from .audio_formats import MEDIA_TYPES, encode, pcm16, streaming_wav_header
+from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming_wav_header
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
 from .protocol import (
@@ -578,9 +578,10 @@ async def _stream(service, handle, request, params: SpeechParams):
         event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
         return f"data: {json.dumps(event)}\n\n".encode()
 
+    encoder = stream_encoder(params.response_format, rate)
     try:
-        if params.response_format == "wav":
-            yield wrap(streaming_wav_header(rate))
+        if encoder.head():
+            yield wrap(encoder.head())
         while True:
             event = await _next_event(handle, request)
             if event is None or isinstance(event, ErrorEvent):
@@ -593,8 +594,13 @@ async def _stream(service, handle, request, params: SpeechParams):
                 if first is None:
                     first = time.perf_counter() - handle.submitted
                 samples += audio.size
-                yield wrap(pcm16(audio))
+                data = await asyncio.to_thread(encoder.push, audio)
+                if data:
+                    yield wrap(data)
             if isinstance(event, DoneEvent):
+                data = await asyncio.to_thread(encoder.finish)
+                if data:
+                    yield wrap(data)
                 if first is not None:
                     _observe(service, handle, first, samples)
                 if sse:
@@ -602,6 +608,7 @@ async def _stream(service, handle, request, params: SpeechParams):
                     yield f"data: {json.dumps(done)}\n\n".encode()
                 return
     finally:
+        encoder.close()
         handle.cancel()  # a no-op once the request has ended; frees the slot when the client left
 
 

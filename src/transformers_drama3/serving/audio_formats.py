@@ -1,8 +1,12 @@
-"""Waveforms -> the bytes of OpenAI's `response_format`s, written with libsndfile (soundfile).
+"""Waveforms -> the bytes of OpenAI's `response_format`s, whole or while the audio is being made.
 
-wav, flac: 16-bit PCM at the model's rate; pcm: raw 16-bit little-endian mono samples (no header:
-the rate is sent in the `X-Sample-Rate` header); mp3 and opus only where this machine's libsndfile
-writes them (opus at 48 kHz, the rates Opus allows being 8/12/16/24/48 kHz). aac is never written.
+wav: 16-bit PCM at the model's rate (written by libsndfile whole; streamed as a header whose sizes
+say "unknown", then PCM); pcm: raw 16-bit little-endian mono samples (no header: the rate is sent
+in the `X-Sample-Rate` header). mp3, opus, aac and flac are encoded with PyAV (the `av` package,
+FFmpeg inside its wheel, so they do not depend on the machine's libraries): mp3 (LAME) and aac
+(ADTS, FFmpeg's encoder) at the model's rate, opus in Ogg at 48 kHz (the rates Opus allows are
+8/12/16/24/48 kHz), flac lossless from the same 16-bit samples as wav and pcm. Every format
+streams: an encoder takes samples as they come and gives back the bytes that are ready.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import struct
 import numpy as np
 import soundfile
 
-from ..feature_extraction_drama3 import resample
+try:
+    import av
+except ImportError:  # the [serve] extra brings PyAV; without it only wav and pcm are written
+    av = None
 
 MEDIA_TYPES = {
     "wav": "audio/wav",
@@ -23,28 +30,23 @@ MEDIA_TYPES = {
     "opus": "audio/ogg",
     "aac": "audio/aac",
 }
+ENCODED = {"mp3": ("mp3", "libmp3lame"), "aac": ("adts", "aac"), "opus": ("ogg", "libopus"), "flac": ("flac", "flac")}
+"""The formats PyAV writes: response format -> (FFmpeg muxer, encoder)."""
 OPUS_RATE = 48000
-STREAMABLE = ("pcm", "wav")
-"""Formats that can be sent while the audio is being made."""
-
-
-def _libsndfile_writes(format_name: str, subtype: str) -> bool:
-    return format_name in soundfile.available_formats() and subtype in soundfile.available_subtypes(format_name)
+OGG_PAGE_MICROSECONDS = 100_000
+"""How much Opus audio an Ogg page holds at most (FFmpeg's default, a second, delays a stream)."""
+STREAMABLE = ("pcm", "wav", "mp3", "opus", "aac", "flac")
+"""Formats that can be sent while the audio is being made (those this server writes)."""
 
 
 def supported_formats() -> list[str]:
-    """The response formats this server can write."""
-    formats = ["wav", "pcm", "flac"]
-    if _libsndfile_writes("MP3", "MPEG_LAYER_III"):
-        formats.append("mp3")
-    if _libsndfile_writes("OGG", "OPUS"):
-        formats.append("opus")
-    return formats
+    """The response formats this server can write: wav and pcm, and PyAV's where it is installed."""
+    return ["wav", "pcm", *(["flac", "mp3", "opus", "aac"] if av is not None else [])]
 
 
 def int16_samples(samples: np.ndarray) -> np.ndarray:
-    """float samples in [-1, 1] -> int16 (clipped, rounded): the one conversion every 16-bit format
-    uses, so wav, flac and pcm carry the same samples."""
+    """float samples in [-1, 1] -> int16 (clipped, rounded): the one conversion every format starts
+    from, so wav, flac and pcm carry the same samples and the lossy coders are fed them."""
     clipped = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
     return np.round(clipped * 32767.0).astype("<i2")
 
@@ -64,20 +66,120 @@ def streaming_wav_header(sampling_rate: int) -> bytes:
     )
 
 
+class _Drained:
+    """A write-only, unseekable file for a muxer: what was written since the last `drain()`."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def drain(self) -> bytes:
+        data, self.parts = b"".join(self.parts), []
+        return data
+
+
+def encoded_rate(response_format: str, sampling_rate: int) -> int:
+    """The rate `response_format` is written at: the model's, or Opus's 48 kHz."""
+    return OPUS_RATE if response_format == "opus" else sampling_rate
+
+
+class PyAVEncoder:
+    """Samples in, the bytes of an FFmpeg-encoded format out as they are ready (`push`, `finish`).
+
+    `output`: a seekable file (io.BytesIO) for a whole file, whose muxer may go back and fill in its
+    header (flac's length); None for a stream, whose bytes are handed out as they come."""
+
+    def __init__(self, response_format: str, sampling_rate: int, output=None):
+        if av is None:
+            raise ValueError(f"response_format: {response_format!r} needs PyAV (pip install av)")
+        muxer, encoder = ENCODED[response_format]
+        self.sampling_rate = sampling_rate
+        self.output = output if output is not None else _Drained()
+        # an Ogg page holds up to a second of audio by default: a stream would arrive a second at a time
+        options = {"page_duration": str(OGG_PAGE_MICROSECONDS)} if muxer == "ogg" else {}
+        self.container = av.open(self.output, mode="w", format=muxer, container_options=options)
+        self.stream = self.container.add_stream(encoder, rate=encoded_rate(response_format, sampling_rate), layout="mono")
+        if response_format == "flac":
+            self.stream.format = "s16"  # lossless 16-bit: the samples wav and pcm carry
+        self.samples, self.closed = 0, False
+
+    def head(self) -> bytes:
+        """Bytes to send before any audio (none: the muxer writes its header with the first packet)."""
+        return b""
+
+    def _mux(self, frame) -> None:
+        for packet in self.stream.encode(frame):  # PyAV resamples and re-frames to the encoder's frame size
+            self.container.mux(packet)
+
+    def push(self, samples: np.ndarray) -> bytes:
+        """Encode float samples [n] at the model's rate; the bytes that are ready."""
+        pcm = int16_samples(samples)
+        if pcm.size:
+            frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
+            frame.sample_rate, frame.pts = self.sampling_rate, self.samples
+            self.samples += pcm.size
+            self._mux(frame)
+        return self._ready()
+
+    def finish(self) -> bytes:
+        """Flush the encoder and close the container; the last bytes."""
+        self._mux(None)
+        self.close()
+        return self._ready()
+
+    def close(self) -> None:
+        """Close the container (a stream whose client left is not flushed); again is a no-op."""
+        if not self.closed:
+            self.closed = True
+            self.container.close()
+
+    def _ready(self) -> bytes:
+        return self.output.drain() if isinstance(self.output, _Drained) else b""
+
+
+class _RawEncoder:
+    """pcm (and wav after its header, `head()`): 16-bit little-endian PCM as it comes."""
+
+    def __init__(self, header: bytes = b""):
+        self.header = header
+
+    def head(self) -> bytes:
+        return self.header
+
+    def push(self, samples: np.ndarray) -> bytes:
+        return pcm16(samples)
+
+    def finish(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+def stream_encoder(response_format: str, sampling_rate: int):
+    """An encoder for a streamed take: `head()` (bytes to send at once), `push(samples) -> bytes` as
+    audio is made, `finish() -> bytes` at its end, `close()` when the stream ends early."""
+    if response_format == "pcm":
+        return _RawEncoder()
+    if response_format == "wav":
+        return _RawEncoder(streaming_wav_header(sampling_rate))
+    return PyAVEncoder(response_format, sampling_rate)
+
+
 def encode(samples: np.ndarray, sampling_rate: int, response_format: str) -> bytes:
     """A whole waveform [samples] as the bytes of `response_format` (one of `supported_formats()`)."""
-    samples = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
     if response_format == "pcm":
         return pcm16(samples)
     buffer = io.BytesIO()
     if response_format == "wav":
         soundfile.write(buffer, int16_samples(samples), sampling_rate, format="WAV", subtype="PCM_16")
-    elif response_format == "flac":
-        soundfile.write(buffer, int16_samples(samples), sampling_rate, format="FLAC", subtype="PCM_16")
-    elif response_format == "mp3":
-        soundfile.write(buffer, samples, sampling_rate, format="MP3", subtype="MPEG_LAYER_III")
-    elif response_format == "opus":
-        soundfile.write(buffer, resample(samples, sampling_rate, OPUS_RATE), OPUS_RATE, format="OGG", subtype="OPUS")
-    else:
+        return buffer.getvalue()
+    if response_format not in ENCODED or av is None:
         raise ValueError(f"response_format: {response_format!r} cannot be written; supported: {supported_formats()}")
+    encoder = PyAVEncoder(response_format, sampling_rate, output=buffer)
+    encoder.push(samples)
+    encoder.finish()
     return buffer.getvalue()
