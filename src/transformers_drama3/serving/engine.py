@@ -24,6 +24,7 @@ phoneme alignment are `generate()`'s.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import secrets
@@ -39,6 +40,7 @@ from ..decoding.state import DecodeCache, DecodeState
 from ..decoding.threads import check_threads, resolve_threads
 from ..decoding.request import line_separators
 from ..prompting.bare_rows import boundaries_left_of_rows
+from .adapter_layers import routed
 from .decoding import (
     AlignmentMasks,
     ClickFilter,
@@ -80,6 +82,8 @@ class SpeechJob:
     boundaries_left: line boundaries a line-by-line prompt still has to speak (the processor's
     `boundaries_left`); None reads them from the rows (`prompting.bare_rows`). Only an engine given
     an `audio_separator_token_id` speaks line by line.
+    adapter: the name of a LoRA adapter of the engine's `adapters` registry the request speaks
+    with (prefill and every frame), None for the base model.
     """
 
     input_ids: torch.Tensor
@@ -90,6 +94,7 @@ class SpeechJob:
     timeout: float | None = None
     prefix: object | None = None
     boundaries_left: int | None = None
+    adapter: str | None = None
 
 
 @dataclass
@@ -133,6 +138,11 @@ class RequestHandle:
         self.finished_at: float | None = None
         self.frames = 0
         self.cancelled = threading.Event()
+        self.lease = None  # the adapter's slot the request holds (adapters.Lease), None for the base model
+
+    @property
+    def adapter_slot(self) -> int:
+        return 0 if self.lease is None else self.lease.slot
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -211,11 +221,14 @@ class Drama3Engine:
         threads: CPU threads the scheduler decodes with: "auto" (default) chooses them from the
             model's size and the idle cores each time work arrives after an idle spell
             (`threads.decode_threads`); an int is used as given; None leaves torch's count alone.
+        adapters: an `adapters.AdapterRegistry` on `model`: a job naming one of its adapters is
+            prefilled and decoded with it (each batch item routes to its adapter's slot; the items
+            of one step may all differ), and holds it until it ends.
     """
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
                  capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None,
-                 audio_separator_token_id: int | None = None, prefill_chunk: int = 512):
+                 audio_separator_token_id: int | None = None, prefill_chunk: int = 512, adapters=None):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -237,6 +250,7 @@ class Drama3Engine:
         self._free_generator = torch.Generator(device=model.device).manual_seed(0)  # items without a request draw from it
         self.threads = threads
         self.prefill = prefill or prefill_alone
+        self.adapters = adapters
         self.on_finish = on_finish
         self.stats = EngineStats()
         self._waiting: list[RequestHandle] = []
@@ -274,17 +288,39 @@ class Drama3Engine:
         self._reset_batch()
 
     def submit(self, job: SpeechJob) -> RequestHandle:
-        """Queue a job; raises `QueueFull` when `max_queue` jobs already wait."""
+        """Queue a job; raises `QueueFull` when `max_queue` jobs already wait. A job naming an
+        adapter holds it from here (KeyError: the registry has no such adapter; see
+        `AdapterRegistry.acquire`)."""
         seed = job.seed if job.seed is not None else secrets.randbelow(2**31)
-        with self._lock:
-            if self._stopped:
-                raise EngineStopped("the engine has stopped")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
-            handle = RequestHandle(next(self._ids), job, seed)
-            self._waiting.append(handle)
-            self._lock.notify_all()
+        lease = self._lease(job)
+        if lease is not None and job.prefix is not None:  # a voice prefix prefilled with this adapter, as loaded now
+            job = replace(job, prefix=(job.prefix, lease.key))
+        try:
+            with self._lock:
+                if self._stopped:
+                    raise EngineStopped("the engine has stopped")
+                if len(self._waiting) >= self.max_queue:
+                    raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
+                handle = RequestHandle(next(self._ids), job, seed)
+                handle.lease = lease
+                self._waiting.append(handle)
+                self._lock.notify_all()
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
         return handle
+
+    def _lease(self, job: SpeechJob):
+        if job.adapter is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"adapter: {job.adapter!r} asked of an engine that serves no adapters")
+        return self.adapters.acquire(job.adapter)
+
+    def _routed(self, slots: torch.Tensor | None):
+        """Forwards within route each item to its adapter's slot (nothing without adapters)."""
+        return routed(slots) if self.adapters is not None else contextlib.nullcontext()
 
     @property
     def queue_depth(self) -> int:
@@ -348,7 +384,8 @@ class Drama3Engine:
                     continue
                 started = time.perf_counter()
                 try:
-                    run = self.prefill(self.model, handle.job, budget)
+                    with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
+                        run = self.prefill(self.model, handle.job, budget)
                     self._prefilling = (handle, run)
                 except Exception as error:
                     self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
@@ -366,7 +403,8 @@ class Drama3Engine:
                 started = time.perf_counter()
                 try:
                     end = min(handle.job.input_ids.shape[1], done + budget)
-                    run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
+                    with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
+                        run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
                 except Exception as error:
                     self._prefilling = None
                     self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
@@ -433,6 +471,7 @@ class Drama3Engine:
         self._state: DecodeState | None = None
         self._sampler: Drama3Sampler | None = None
         self._view: DecodeCache | None = None
+        self._adapter_slots: torch.Tensor | None = None  # [items]: each item's adapter slot (0: base)
 
     def _join(self, run: DecodeRun, slot: _Slot) -> None:
         """Place a prefilled one-item run into the next free item of the pool."""
@@ -486,6 +525,9 @@ class Drama3Engine:
         self._pool.clear_items(len(self._slots))
         self._sampler = self._batch_sampler(free)
         self._view = None
+        if self.adapters is not None:
+            slots = [slot.handle.adapter_slot for slot in self._slots] + [0] * free
+            self._adapter_slots = torch.tensor(slots, dtype=torch.long, device=running.ids.device)
 
     def _free_state(self, count: int, like: DecodeState) -> DecodeState:
         """Items that hold no request: inactive, one key (column 0) so no attention row is empty."""
@@ -590,7 +632,8 @@ class Drama3Engine:
         view, sampler = self._open_view(longest, longest - 1), self._sampler
         items, device = self._state.batch, self._state.ids.device
         noise = sampler.step_noise(items, sampler.candidate_ids.shape[0], config.num_codebooks, device)
-        output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, self.separator_id)
+        with self._routed(self._adapter_slots):
+            output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, self.separator_id)
         sampler.rewind(noise, output.speaking, output.boundary)
         step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
                          output.eos.cpu(), output.boundary.cpu())
@@ -616,7 +659,8 @@ class Drama3Engine:
             main_ids, frames = main_ids[index], frames[index]
             longest = max(slot.rows for slot in self._slots)
         view = self._open_view(longest, longest)
-        self._state = self._compiled(self._feed, model, view, self._state, main_ids, frames)
+        with self._routed(self._adapter_slots):
+            self._state = self._compiled(self._feed, model, view, self._state, main_ids, frames)
         for slot in self._slots:
             slot.rows += 1
 
@@ -658,6 +702,8 @@ class Drama3Engine:
 
     def _finish(self, handle: RequestHandle, outcome: str, event) -> None:
         handle.finished_at = time.perf_counter()
+        if handle.lease is not None:
+            handle.lease.release()
         handle.queue.put(event)
         if self.on_finish is not None:
             self.on_finish(handle, outcome)
