@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import numpy as np
 import soundfile
+import torch
 
 from .accounting import account, format_table
 from .cli_arguments import build_parser
@@ -29,6 +30,7 @@ from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, chec
 from .files import atomic_output, check_output_path, same_file, write_text_atomic
 from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
+from .planning import fitting, format_plans, load_code, plan_options, refusal
 from .decoding.alignment import resolve_alignment
 from .decoding.sampler import check_sampling_values
 from .prompting import parse_text
@@ -411,7 +413,34 @@ def run_eval(args) -> int:
     return 0
 
 
-HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo, "eval": run_eval}
+# ----------------------------------------------------------------------------- plan
+
+
+def run_plan(args) -> int:
+    """Print the plan of every option (or of --quant); exit 1 when what was asked does not fit."""
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    try:
+        options = plan_options(args.model, args.gpu_gb, streams=args.streams, context=args.context, dtype=dtype)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    asked = [plan for plan in options if plan.offload is None and plan.quantization == args.quant]
+    print(format_plans(asked or options))
+    if args.gpu_gb is None:
+        return 0
+    fit = fitting(options)
+    if asked and not asked[0].fits:
+        print(f"drama3 plan: {refusal(options, asked[0])}", file=sys.stderr)
+        return 1
+    if not fit:
+        print(f"drama3 plan: {refusal(options)}", file=sys.stderr)
+        return 1
+    best = asked[0] if asked else fit[0]
+    print(f"fits: {best.label}; load with: {load_code(best, args.model)}")
+    return 0
+
+
+HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo, "eval": run_eval,
+            "plan": run_plan}
 """Each subcommand's work, given its parsed arguments (`cli_arguments`); returns the exit code."""
 
 

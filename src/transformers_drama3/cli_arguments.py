@@ -7,6 +7,7 @@
     drama3 serve [--model PATH_OR_REPO] [--host] [--port] [--max-batch] [--voice NAME=clip.wav:text.txt] [--api-key]
     drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
     drama3 eval [--model PATH_OR_REPO] [--voice A,B] [--sentences N | --sentences-file FILE] [--json out.json]
+    drama3 plan [--model PATH_OR_REPO] [--quant none|fp8|int8|nf4|int4] [--gpu-gb 24] [--streams N] [--context T]
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
@@ -198,7 +199,59 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-SUBCOMMANDS = [add_say, add_table, add_serve, add_demo, add_eval]
+PLAN_QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
+"""`drama3 plan --quant` choices: `planning.QUANTIZATIONS` (this module imports no package code)."""
+
+
+def positive_number(value: str) -> float:
+    """`--gpu-gb`: a positive finite number."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not (number > 0 and number != float("inf")):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive number")
+    return number
+
+
+def positive_count(value: str) -> int:
+    """`--streams`, `--context`: a positive whole number."""
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a positive whole number")
+    return count
+
+
+def add_plan(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="GPU memory of each part of a model under each quantisation, and what fits (from its config alone)",
+        description="Builds the model on the meta device from its config.json (no weight is read) and prints the "
+                    "GiB of the routed experts, the dense backbone, the tower, the embeddings and head, the decode "
+                    "state of --streams streams of --context rows, and the codec, for each option; with --gpu-gb, "
+                    "whether each fits the card less 10%% headroom, and what fits (a smaller option, or the routed "
+                    "experts offloaded to CPU RAM with a GPU cache of hot experts). Exits 1 when --quant (or, "
+                    "without it, every option) does not fit.",
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help=f"checkpoint folder, or a Hub repo whose config.json is in the local Hugging Face cache (default "
+             f"{DEFAULT_MODEL}: the published shape this package knows when it is not cached)",
+    )
+    parser.add_argument("--quant", choices=PLAN_QUANTIZATIONS, default=None,
+                        help="plan this option only (default: every option, most faithful first)")
+    parser.add_argument("--gpu-gb", type=positive_number, default=None,
+                        help="the GPU's memory in GiB (a 24 GB card: 24); without it no fit is judged")
+    parser.add_argument("--streams", type=positive_count, default=1, help="streams decoded together (default 1)")
+    parser.add_argument("--context", type=positive_count, default=4096,
+                        help="rows each stream's decode cache holds: prompt, references and frames (default 4096)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="compute dtype of what is not quantised (default bfloat16)")
+
+
+SUBCOMMANDS = [add_say, add_table, add_serve, add_demo, add_eval, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
