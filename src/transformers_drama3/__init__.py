@@ -31,6 +31,7 @@ from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3Output
 from .modeling_drama3_reward import Drama3ForRewardModeling
 from .processing_drama3 import Drama3Processor
 from .decoding.state import DecodeCache
+from .offload import expert_cache_stats, offload_experts
 from .planning import plan_memory, plan_options
 
 __version__ = "0.1.0"
@@ -77,6 +78,8 @@ __all__ = [
     "Drama3ForSpeechGeneration",
     "Drama3Output",
     "DecodeCache",
+    "expert_cache_stats",
+    "offload_experts",
     "plan_memory",
     "plan_options",
     "Drama3Processor",
