@@ -489,6 +489,41 @@ def load_model_with_a_dtype_typo(ws):
     return lambda: Drama3ForSpeechGeneration.from_pretrained(ws.checkpoint, dtype="float33")
 
 
+@case(ValueError, "config dtype='float33'", "config.json")
+def load_model_whose_config_has_a_dtype_typo(ws):
+    folder = ws.copy_checkpoint("dtype-typo")
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "float33"
+    (folder / "config.json").write_text(json.dumps(config))
+    return lambda: Drama3ForSpeechGeneration.from_pretrained(folder)
+
+
+@case(ValueError, "text_config.torch_dtype='bfloat61'")
+def config_whose_text_config_has_a_dtype_typo(ws):
+    config = ws.model.config.to_dict()
+    config["text_config"]["torch_dtype"] = "bfloat61"
+    return lambda: Drama3Config(**config)
+
+
+# the model's forward
+@case(ValueError, "input_ids holds values in", "text vocabulary")
+def forward_with_ids_beyond_the_vocabulary(ws):
+    vocabulary = ws.model.config.text_config.vocab_size
+    return lambda: ws.model(torch.tensor([[1, 2, vocabulary + 5]]))
+
+
+@case(ValueError, "labels has shape (1, 2)", "(1, 3)")
+def forward_with_labels_of_the_wrong_shape(ws):
+    return lambda: ws.model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2]]))
+
+
+@case(ValueError, "audio_codes holds values in", "codebook size")
+def forward_with_codes_beyond_the_codebook(ws):
+    codes = torch.zeros(1, 3, ws.model.config.num_codebooks, dtype=torch.long)
+    codes[0, 1, 2] = ws.model.config.codebook_size
+    return lambda: ws.model(torch.tensor([[1, 2, 3]]), audio_codes=codes)
+
+
 @case(ValueError, "bad.json", "not valid JSON")
 def config_file_with_broken_json(ws):
     (ws.root / "bad.json").write_text("{ not json")
@@ -533,7 +568,7 @@ def cli_export(argv):
 def test_the_table_covers_every_entry_point_with_at_least_forty_cases():
     assert len(CASES) >= 40
     prefixes = {name.split("_")[0] for name in CASES}
-    assert {"say", "table", "eval", "processor", "generate", "load", "config", "codec", "export"} <= prefixes
+    assert {"say", "table", "eval", "processor", "generate", "load", "config", "codec", "export", "forward"} <= prefixes
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

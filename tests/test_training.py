@@ -101,6 +101,21 @@ def test_csv_and_jsonl_manifests_resolve_relative_paths(tmp_path):
     assert load_speech_records(folder / "manifest.jsonl")[0]["speaker"] == "3"
 
 
+def test_a_row_with_an_empty_audio_cell_is_reported_as_empty_audio(tmp_path):
+    folder = write_voice_folder(tmp_path / "voice", count=1)
+    with open(folder / "manifest.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "transcript"])
+        writer.writerow(["clip0.wav", "hello there"])
+        writer.writerow(["", "no clip on this row"])
+    dataset, report = prepare_dataset(load_speech_records(folder / "manifest.csv"), codec(), tmp_path / "cache",
+                                      progress=False, min_seconds=0.005)
+    assert report.kept == 1 and report.reasons == {"empty audio": 1}
+    skipped = report.skipped[0]
+    assert skipped.index == 1 and skipped.source == "<empty audio cell>"
+    assert "NoneType" not in report.summary() and "empty" in report.summary()
+
+
 def test_hub_style_dataset_with_audio_bytes(tmp_path):
     import io
 

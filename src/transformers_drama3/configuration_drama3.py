@@ -13,6 +13,7 @@ import json
 import math
 import os
 
+import torch
 from transformers import PretrainedConfig, Qwen3_5MoeTextConfig
 
 from .checkpoint.quantization import is_block_fp8_config, transformers_quantization_config
@@ -198,6 +199,18 @@ class Drama3AudioDecoderConfig(PretrainedConfig):
         return self.shared_enrichment_layers + self.num_codebooks - 1
 
 
+def _check_dtype_field(config: dict, location: str) -> None:
+    """Refuse a misspelt dtype in a config's fields (config.json), naming the field: transformers
+    would fail later with torch's bare `AttributeError: module 'torch' has no attribute ...`."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if isinstance(value, str) and value != "auto" and not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(
+                f"config {location}{key}={value!r} is not a torch dtype (a typo in config.json?); expected "
+                "'float32', 'bfloat16' or 'float16'"
+            )
+
+
 class Drama3Config(PretrainedConfig):
     """Drama 3 (`model_type` "fish_omni"): a Qwen3.5-MoE backbone plus the Codebook-MTP tower.
 
@@ -235,6 +248,10 @@ class Drama3Config(PretrainedConfig):
         codebook_loss_weight: float = 0.5,
         **kwargs,
     ):
+        _check_dtype_field(kwargs, "")
+        for name, part in (("text_config", text_config), ("audio_decoder_config", audio_decoder_config)):
+            if isinstance(part, dict):
+                _check_dtype_field(part, f"{name}.")
         # The published "bsgemm-moe" experts are exactly transformers' fine-grained "fp8" format;
         # transformers loads them only under that name (dequantised on CPU, FP8 on CUDA), so the
         # published dict is kept aside and written back by to_dict.

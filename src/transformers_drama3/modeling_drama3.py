@@ -319,6 +319,33 @@ def same_document(document_ids: torch.Tensor) -> torch.Tensor:
     return (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
 
 
+def check_forward_inputs(config, input_ids, audio_codes, labels, row_weights, attention_mask) -> None:
+    """`forward`'s inputs, refused by name before any work: shapes that do not match `input_ids`
+    [batch, rows] (torch would fail inside a mask with a bare IndexError), ids outside the text
+    vocabulary and codes outside the codebook (an embedding's "index out of range in self")."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; "
+                         "expected integer ids [batch, rows]")
+    rows_shape = tuple(input_ids.shape)
+    for name, value in (("labels", labels), ("row_weights", row_weights), ("attention_mask", attention_mask)):
+        if value is not None and tuple(value.shape) != rows_shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}; expected [batch, rows] = {rows_shape}, "
+                             "the shape of input_ids")
+    if audio_codes is not None and tuple(audio_codes.shape) != (*rows_shape, config.num_codebooks):
+        raise ValueError(f"audio_codes has shape {tuple(audio_codes.shape)}; expected [batch, rows, num_codebooks] = "
+                         f"{(*rows_shape, config.num_codebooks)}")
+    vocabulary = config.text_config.vocab_size
+    checks = [("input_ids", input_ids, vocabulary, "the text vocabulary")]
+    if audio_codes is not None:
+        checks.append(("audio_codes", audio_codes, config.codebook_size, "the codebook size"))
+    if labels is not None:
+        checks.append(("labels", labels[labels != -100], vocabulary, "the text vocabulary, or -100 for an unsupervised row"))
+    for name, values, size, what in checks:
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
+            raise ValueError(f"{name} holds values in [{int(values.min())}, {int(values.max())}]; "
+                             f"expected [0, {size}) ({what})")
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -683,6 +710,8 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
                 layers (convolution and recurrent state) restart at each document, positions
                 restart, and no row is trained to predict the next document's first row.
         """
+        if not torch.compiler.is_compiling():  # reading values syncs a device: eager calls only
+            check_forward_inputs(self.config, input_ids, audio_codes, labels, row_weights, attention_mask)
         batch, rows = input_ids.shape
         if audio_codes is None:
             audio_codes = input_ids.new_zeros(batch, rows, self.num_codebooks)

@@ -228,7 +228,16 @@ def _record_key(audio_value: Any, fingerprint: str) -> str:
     return digest.hexdigest()
 
 
+def _has_audio(audio_value: Any) -> bool:
+    """Whether a record's audio cell holds a path or bytes (a manifest's empty cell holds neither)."""
+    if isinstance(audio_value, dict):
+        return bool(audio_value.get("bytes") or audio_value.get("path"))
+    return bool(audio_value)
+
+
 def _describe(audio_value: Any) -> str:
+    if not _has_audio(audio_value):
+        return "<empty audio cell>"
     if isinstance(audio_value, dict):
         return str(audio_value.get("path") or "<bytes>")
     return str(audio_value)
@@ -293,6 +302,9 @@ def prepare_dataset(
         audio_value, text = record["audio"], record["text"]
         source = _describe(audio_value)
         row = {"text": (text or "").strip(), "speaker": record.get("speaker", "0"), "source": source}
+        if not _has_audio(audio_value):
+            report.skipped.append(Skipped(index, source, "empty audio", "the audio cell is empty (neither a path nor bytes)"))
+            continue
         try:
             path = cache / f"{_record_key(audio_value, fingerprint)}.npy"
         except (OSError, TypeError) as error:
