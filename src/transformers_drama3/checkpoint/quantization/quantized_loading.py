@@ -219,7 +219,9 @@ def check_weight_quantization(quantization_config, config, device_map=None, dtyp
         uncovered = [pattern for pattern in bnb_cpu_misfits(config) if pattern not in skip]
         if uncovered:
             raise QuantizationRefused(
-                f"quantization {option} on the CPU: bitsandbytes' 4-bit CPU kernel needs XX, and {uncovered} are not; add them to llm_int8_skip_modules "
+                f"quantization {option} on the CPU: bitsandbytes' 4-bit CPU kernel needs output widths that are "
+                f"multiples of {BNB_CPU_ROW_BLOCK} and input widths multiples of {BNB_CPU_INPUT_BLOCK}, and {uncovered} "
+                f"are not; add them to llm_int8_skip_modules "
                 f"(leaving it None keeps them in the compute dtype), or use int8 (TorchAoConfig)."
             )
     if package != "torchao":
@@ -234,7 +236,8 @@ def check_weight_quantization(quantization_config, config, device_map=None, dtyp
                 f"use quantization_config_for('int4', config, device='cpu') (IntxWeightOnlyConfig, int4 values one a "
                 f"byte) or 'nf4' (bitsandbytes, two a byte)."
             )
-        packing = str(getattr(getattr(quant_type, "int4_packing_format", None), "value", ""))
+        packing = getattr(quant_type, "int4_packing_format", None)
+        packing = str(getattr(packing, "value", packing))
         if packing == "tile_packed_to_4d" and dtype not in (None, "auto", torch.bfloat16, "bfloat16"):
             raise QuantizationRefused(
                 f"quantization {option} (tile_packed_to_4d) computes in bfloat16 only; got dtype={dtype!r}. "

@@ -17,7 +17,10 @@ stores on `device` (read off torchao 0.18 and bitsandbytes 0.50):
               torchao IntxWeightOnlyConfig(int4) (cpu)   out*in (int4 values unpacked into int8) +
                                                          out*(in/g)*(dtype bytes + 1)
     nf4       bitsandbytes Linear4bit, nf4               ceil(out*in/2) + 4*ceil(out*in/64): a float32
-                                                         absmax per block of 64 (no double quant)
+                                                         absmax per block of 64 (no double quant);
+                                                         on the CPU its kernel turns the absmax into
+                                                         bfloat16 at the first inference call: 2 bytes;
+                                                         + 64: each weight's own NF4 code table
     bnb-int8  bitsandbytes Linear8bitLt                  out*in + 4*out: a float32 scale per row
     fp8       block FP8, the published experts           out*in + 4*ceil(out/128)*ceil(in/128)
 
@@ -41,6 +44,7 @@ OPTIONS = ("int8", "int4", "nf4", "bnb-int8", "fp8")
 """The options `quantized_bytes` knows (`quantized_loading.WEIGHT_OPTIONS` are those loaded on the fly)."""
 DEFAULT_INT4_GROUP = 128
 NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize (BitsAndBytesConfig's default on CPU and CUDA)
+NF4_CODE_BYTES = 16 * 4  # the 16 NF4 levels in float32, one table per quantised weight
 FP8_BLOCK = (128, 128)
 
 
@@ -69,7 +73,8 @@ def quantized_bytes(
         else:
             per_matrix = elements + groups * (torch.empty((), dtype=dtype).element_size() + 1)
     elif option == "nf4":
-        per_matrix = math.ceil(elements / 2) + 4 * math.ceil(elements / NF4_BLOCK)
+        absmax_bytes = 2 if device_type == "cpu" else 4
+        per_matrix = math.ceil(elements / 2) + absmax_bytes * math.ceil(elements / NF4_BLOCK) + NF4_CODE_BYTES
     elif option == "bnb-int8":
         per_matrix = elements + 4 * out
     elif option == "fp8":
@@ -112,13 +117,15 @@ def _quant_state_tensors(state) -> Iterator[torch.Tensor]:
 
 def held_bytes(model: nn.Module) -> dict[str, int]:
     """Storage bytes each parameter and buffer of `model` holds, by name (a storage shared by
-    several names, or by several tensors, is counted once, under the first)."""
+    several names, or by several tensors, is counted once, under the first). A bitsandbytes 8-bit
+    linear moves its row scales from the weight to the module's matmul state at its first call:
+    they are counted under the weight's name either way."""
     seen: set[tuple[int, int]] = set()
     held: dict[str, int] = {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    for name, tensor in named:
-        total = 0
-        for plain in _storages(tensor):
+
+    def add(name: str, tensors) -> None:
+        total = held.get(name, 0)
+        for plain in tensors:
             if plain.device.type == "meta":
                 continue
             storage = plain.untyped_storage()
@@ -128,6 +135,16 @@ def held_bytes(model: nn.Module) -> dict[str, int]:
             seen.add(key)
             total += storage.nbytes()
         held[name] = total
+
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            add(prefix + name, _storages(tensor))
+        state = getattr(module, "state", None)  # bitsandbytes MatmulLtState
+        extra = [getattr(state, name, None) for name in ("SCB", "CB")] if state is not None else []
+        extra = [tensor for tensor in extra if isinstance(tensor, torch.Tensor)]
+        if extra and "weight" in module._parameters:
+            add(prefix + "weight", extra)
     return held
 
 
