@@ -394,7 +394,7 @@ def run_eval(args) -> int:
     except ImportError as error:
         raise CommandError(str(error)) from None
     model, processor = load_model_and_processor(args.model or shipped.TINY_MODEL_PATH, args.device, "float32",
-                                                progress=not args.quiet)
+                                                progress=not args.quiet, quant=args.quant)
     sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
                 if value is not None}
     sampling.update(decoding_switches(args))
@@ -405,7 +405,8 @@ def run_eval(args) -> int:
         raise CommandError(str(error)) from None
     report = measure_intelligibility(model, processor, references, sentences, seed=seeds,
                                      progress=not args.quiet, **sampling)
-    print(f"model outputs decoded {'phoneme-aligned' if aligned else 'freely (no phoneme alignment)'}")
+    print(f"model outputs decoded {'phoneme-aligned' if aligned else 'freely (no phoneme alignment)'}"
+          + (f", weights quantised: {args.quant}" if args.quant else ""))
     print(report.table())
     if args.json:
         write_text_atomic(args.json, json.dumps(asdict(report), indent=2) + "\n")

@@ -197,7 +197,15 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quant", choices=EVAL_QUANTIZATIONS, default=None,
+        help="load the weights quantised (routed experts and the backbone's dense projections): torchao int8 / "
+             "int4, bitsandbytes nf4 / 8-bit (the [quant] extra); compare with the same command without it",
+    )
 
+
+EVAL_QUANTIZATIONS = ("int8", "int4", "nf4", "bnb-int8")
+"""`drama3 eval --quant` choices: `checkpoint.quantization.WEIGHT_OPTIONS` (this module imports no package code)."""
 
 PLAN_QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
 """`drama3 plan --quant` choices: `planning.QUANTIZATIONS` (this module imports no package code)."""

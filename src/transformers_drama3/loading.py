@@ -16,6 +16,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from .cli_arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
+from .checkpoint.quantization.quantized_loading import QuantizationRefused, quantization_config_for
+from .configuration_drama3 import Drama3Config
 from .modeling_drama3 import Drama3ForSpeechGeneration
 from .processing_drama3 import Drama3Processor
 
@@ -24,10 +26,12 @@ class CommandError(Exception):
     """An error the user can fix; printed as one message, without a traceback."""
 
 
-def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True):
+def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True, quant: str | None = None):
     """The model and processor (with its codec) from a folder or a Hub repo id; a CommandError
-    naming `source` (or `--device` / `--dtype`) when there is none or it cannot be used. Without
-    `progress`, transformers' loading bars stay quiet."""
+    naming `source` (or `--device` / `--dtype` / `--quant`) when there is none or it cannot be used.
+    Without `progress`, transformers' loading bars stay quiet. `quant`: one of
+    `checkpoint.quantization.WEIGHT_OPTIONS` (int8, int4, nf4, bnb-int8) to load the weights
+    quantised (`quantization_config_for`), placed on `device` as they load."""
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
         raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
     looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
@@ -40,8 +44,13 @@ def load_model_and_processor(source: str, device: str, dtype: str, progress: boo
         raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
     try:
         with _progress_bars(progress):
-            model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
+            if quant is None:
+                model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
+            else:
+                model = _load_quantized(source, device, dtypes[dtype], quant)
             processor = Drama3Processor.from_pretrained(source)
+    except QuantizationRefused as error:
+        raise CommandError(f"--quant {quant}: {error}") from None
     except (OSError, ValueError) as error:
         if os.path.isdir(source):  # found the folder: what failed is its content, say that
             raise CommandError(f"--model {source}: {error}") from None
@@ -54,6 +63,15 @@ def load_model_and_processor(source: str, device: str, dtype: str, progress: boo
         )
     processor.codec.to(device)
     return model, processor
+
+
+def _load_quantized(source: str, device: str, dtype: torch.dtype, quant: str):
+    """The model with its weights quantised under `quant` as they load, on `device`."""
+    config = Drama3Config.from_pretrained(source)
+    quantization_config = quantization_config_for(quant, config, device=device, dtype=dtype)
+    return Drama3ForSpeechGeneration.from_pretrained(
+        source, dtype=dtype, quantization_config=quantization_config, device_map={"": device}
+    ).eval()
 
 
 @contextlib.contextmanager
