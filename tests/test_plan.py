@@ -110,6 +110,46 @@ def test_fp8_expert_plan_is_the_checkpoints_fp8_experts(saved_tiny):
     assert plan.dense_backbone == plan_memory(str(saved_tiny / "fp8"), "none").dense_backbone
 
 
+# Experts of [64, 64] and a 64-wide shared expert: whole blocks of bitsandbytes' CPU kernel.
+QUANTIZED_TEXT = {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def quantizable_tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("plan_quantizable")
+    tiny_model(seed=2, text=QUANTIZED_TEXT).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("option", ["int8", "int4", "nf4"])
+def test_quantised_plan_is_within_5_percent_of_what_the_quantised_model_holds(quantizable_tiny, option):
+    pytest.importorskip("torchao")
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModel
+
+    from transformers_drama3.checkpoint.quantization import quantization_config_for
+    from transformers_drama3.checkpoint.quantization.weights import held_bytes
+
+    config = Drama3ForSpeechGeneration.config_class.from_pretrained(quantizable_tiny)
+    quantization = quantization_config_for(option, config, device="cpu", dtype=torch.float32)
+    model = AutoModel.from_pretrained(quantizable_tiny, dtype=torch.float32, quantization_config=quantization).eval()
+    ids, codes = prompt(0)
+    with torch.no_grad():
+        model(ids[None], codes[None])  # bitsandbytes repacks its 4-bit weights for the CPU on the first call
+    if option == "nf4" and not any(getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False)
+                                   for p in model.parameters()):
+        pytest.skip("bitsandbytes' 4-bit CPU kernel (AVX512-BF16) is not used on this machine")
+    held = dict.fromkeys(("routed_experts", "dense_backbone", "tower", "embeddings_and_head"), 0)
+    for name, size in held_bytes(model).items():
+        held[part_of(name)] += size
+
+    plan = plan_memory(str(quantizable_tiny), option, dtype=torch.float32, device="cpu")
+
+    for part, loaded in held.items():
+        assert abs(getattr(plan, part) - loaded) <= 0.05 * loaded, (part, getattr(plan, part), loaded)
+    assert held["routed_experts"] < plan_memory(str(quantizable_tiny), "none", dtype=torch.float32).routed_experts / 2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_state_per_stream_equals_what_a_decode_cache_allocates(dtype):
     model = tiny_model(seed=0).to(dtype)
@@ -284,6 +324,7 @@ def test_cli_plan_refuses_bad_values_before_any_work(argument, capsys):
     ({"context": 0}, "context=0"),
     ({"headroom": 1.0}, "headroom=1.0"),
     ({"dtype": torch.int8}, "dtype=torch.int8"),
+    ({"device": "tpu"}, "device='tpu'"),
     ({"offload_cache_experts": 0}, "offload_cache_experts=0"),
     ({"offload_cache_experts": 5}, "offload_cache_experts=5"),
     ({"offload_cache_experts": 2, "quantization": "int4"}, "offload_cache_experts with quantization='int4'"),

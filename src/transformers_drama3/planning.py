@@ -27,10 +27,15 @@ The options (`QUANTIZATIONS`, from the most bytes a weight to the fewest):
     fp8    the routed experts in the published block-FP8 (1 byte a weight and one float32
            scale per 128 x 128 block, as transformers' FP8 experts hold them on a GPU with FP8
            kernels); everything else in the compute dtype
-    int8   torchao weight-only int8: 1 byte a weight, one bfloat16 scale per output row
+    int8   torchao weight-only int8: 1 byte a weight, a float32 scale and an int8 zero point
+           per output row
     nf4    bitsandbytes 4-bit NF4: half a byte a weight, one float32 absmax per block of 64
-    int4   torchao weight-only int4: half a byte a weight, a bfloat16 scale and zero point per
-           group of 128 inputs of each output row
+    int4   torchao weight-only int4: half a byte a weight on CUDA (one a byte on the CPU), a
+           bfloat16 scale and zero point per group of 128 inputs of each output row
+
+The bytes of each quantised weight are the quantisers' own layouts, as
+`checkpoint.quantization.weights.quantized_bytes` states them (the module that loads the
+quantised models; their tests check it against what a loaded model holds).
 
 Most faithful first means that order, except for a checkpoint whose routed experts are already
 block-FP8 (the published one): there fp8 keeps exactly the checkpoint's weights and "none" holds
@@ -61,6 +66,8 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoModel
 
 from .accounting import parameter_kind
+from .checkpoint.quantization.quantized_loading import bnb_cpu_misfits, int4_group_size
+from .checkpoint.quantization.weights import DEFAULT_INT4_GROUP, quantized_bytes
 from .codec import Drama3CodecConfig
 from .configuration_drama3 import Drama3Config
 from .modeling_drama3 import Drama3ForSpeechGeneration
@@ -103,40 +110,35 @@ _QUANTIZED_DENSE = re.compile(
 )
 
 FP8_BLOCK = (128, 128)
-INT4_GROUP = 128
-NF4_BLOCK = 64
-SCALE_BYTES = {"int8": 2, "int4": 2, "nf4": 4, "fp8": 4}  # bf16 row scales, bf16 group scales, float32 absmax / block scales
 
 
 # ----------------------------------------------------------------------------- bytes of one weight
 
 
-def quantized_weight(name: str, quantization: str) -> bool:
-    """Whether `quantization` stores the parameter `name` quantised (else in the compute dtype)."""
+def quantized_weight(name: str, quantization: str, config: Drama3Config | None = None, device: str = "cuda") -> bool:
+    """Whether `quantization` stores the parameter `name` quantised (else in the compute dtype).
+    With a config, nf4 on the CPU keeps the projections bitsandbytes' CPU kernel cannot take
+    (`quantized_loading.bnb_cpu_misfits`; none in the published model)."""
     if quantization == "none":
         return False
     if _part_of(name) == "routed_experts":
         return True
-    return quantization != "fp8" and bool(_QUANTIZED_DENSE.match(name))
+    if quantization == "fp8" or not _QUANTIZED_DENSE.match(name):
+        return False
+    if quantization == "nf4" and config is not None and torch.device(device).type == "cpu":
+        module = name.removesuffix(".weight")
+        return not any(re.fullmatch(pattern, module) for pattern in bnb_cpu_misfits(config))
+    return True
 
 
-def quantized_weight_bytes(shape: tuple[int, ...], quantization: str) -> int:
+def quantized_weight_bytes(shape: tuple[int, ...], quantization: str, device: str = "cuda",
+                           dtype: torch.dtype = torch.bfloat16, group_size: int = DEFAULT_INT4_GROUP) -> int:
     """Bytes a weight of `shape` ([out, in], or fused experts [experts, out, in]) takes under
-    `quantization` (one of fp8, int8, int4, nf4), its scales included."""
-    *experts, out, inp = shape
-    matrices = math.prod(experts)
-    if quantization == "fp8":
-        scales = math.ceil(out / FP8_BLOCK[0]) * math.ceil(inp / FP8_BLOCK[1])
-        per_matrix = out * inp + scales * SCALE_BYTES["fp8"]
-    elif quantization == "int8":
-        per_matrix = out * inp + out * SCALE_BYTES["int8"]
-    elif quantization == "int4":
-        per_matrix = math.ceil(out * inp / 2) + 2 * out * math.ceil(inp / INT4_GROUP) * SCALE_BYTES["int4"]
-    elif quantization == "nf4":
-        per_matrix = math.ceil(out * inp / 2) + math.ceil(out * inp / NF4_BLOCK) * SCALE_BYTES["nf4"]
-    else:
+    `quantization` (fp8, int8, int4, nf4) in the layout its quantiser stores on `device`, scales
+    included: `checkpoint.quantization.weights.quantized_bytes`, the quantisers' own accounting."""
+    if quantization not in QUANTIZATIONS[1:]:
         raise ValueError(f"quantization={quantization!r}; expected one of {', '.join(QUANTIZATIONS[1:])}")
-    return matrices * per_matrix
+    return quantized_bytes(shape, quantization, device=device, dtype=dtype, group_size=group_size)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -211,6 +213,7 @@ def plan_memory(
     headroom: float = DEFAULT_HEADROOM,
     offload_cache_experts: int | None = None,
     codec_config=None,
+    device: str = "cuda",
 ) -> MemoryPlan:
     """The GPU bytes of each part of `model` under `quantization`, from config files alone.
 
@@ -227,13 +230,16 @@ def plan_memory(
         offload_cache_experts: keep the routed experts in CPU RAM with this many of each layer's
             experts cached on the GPU (`offload.offload_experts`; quantization must be "none").
         codec_config: the codec's config when `model` is a `Drama3Config` (default: the S2 codec).
+        device: where the model will run, "cuda" (default) or "cpu": the quantisers store some
+            options differently there (torchao's CPU int4 keeps one value a byte).
     """
-    check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom)
+    check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device)
     config, codec, source = resolve_configs(model, codec_config)
-    return _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts)
+    return _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts,
+                 device)
 
 
-def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts):
+def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts, device):
     if offload_cache_experts is not None:
         if quantization != "none":
             raise ValueError(
@@ -243,7 +249,7 @@ def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, 
         experts = config.text_config.num_experts
         if not 1 <= offload_cache_experts <= experts:
             raise ValueError(f"offload_cache_experts={offload_cache_experts}: expected 1 to {experts} (the experts of a layer)")
-    parts = _part_bytes(config, quantization, dtype)
+    parts = _part_bytes(config, quantization, dtype, device)
     parts["codec"] = _codec_bytes(codec)
     offload = None
     if offload_cache_experts is not None:
@@ -264,15 +270,16 @@ def plan_options(
     dtype: torch.dtype = torch.bfloat16,
     headroom: float = DEFAULT_HEADROOM,
     codec_config=None,
+    device: str = "cuda",
 ) -> list[MemoryPlan]:
     """A plan for every option of `QUANTIZATIONS`, most faithful first (`preference`; arguments as
     `plan_memory`), then the routed experts offloaded (quantization "none") with the largest
     per-layer cache that fits the card, and at least one token's experts (`num_experts_per_tok`,
     also the cache without a card)."""
-    check_plan_arguments("none", gpu_gb, streams, context, dtype, headroom)
+    check_plan_arguments("none", gpu_gb, streams, context, dtype, headroom, device)
     config, codec, source = resolve_configs(model, codec_config)
     plans = [
-        _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, None)
+        _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, None, device)
         for quantization in preference(config)
     ]
     resident = next(plan for plan in plans if plan.quantization == "none")
@@ -328,7 +335,7 @@ def refusal(options: list[MemoryPlan], asked: MemoryPlan | None = None) -> str:
     )
 
 
-def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom) -> None:
+def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device="cuda") -> None:
     """A ValueError naming the argument that is out of range (before any work)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
@@ -342,6 +349,8 @@ def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom
         raise ValueError(f"dtype={dtype}; expected torch.bfloat16, torch.float16 or torch.float32")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom!r}; expected a fraction in [0, 1)")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}; expected 'cuda' or 'cpu'")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -429,14 +438,15 @@ def _part_of(name: str) -> str:
         return "tower" if name.startswith("audio_decoder") else "dense_backbone"
 
 
-def _part_bytes(config: Drama3Config, quantization: str, dtype: torch.dtype) -> dict[str, int]:
+def _part_bytes(config: Drama3Config, quantization: str, dtype: torch.dtype, device: str) -> dict[str, int]:
     element = torch.empty((), dtype=dtype).element_size()
+    group = int4_group_size(config)
     parts = dict.fromkeys(PARTS[:-1], 0)
     for name, shape, buffer_dtype in _meta_tensors(config.to_json_string()):
         if buffer_dtype is not None:
             size = math.prod(shape) * torch.empty((), dtype=buffer_dtype).element_size()
-        elif quantized_weight(name, quantization):
-            size = quantized_weight_bytes(shape, quantization)
+        elif quantized_weight(name, quantization, config, device):
+            size = quantized_weight_bytes(shape, quantization, device, dtype, group)
         else:
             size = math.prod(shape) * element
         parts[_part_of(name)] += size
@@ -527,8 +537,8 @@ LOAD_CODE = {
     # the published experts are block-FP8 already: its config makes transformers keep them so
     "fp8": 'AutoModel.from_pretrained("{model}", dtype=torch.bfloat16, device_map="cuda")',
     "int8": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))',
-    "int4": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=TorchAoConfig(Int4WeightOnlyConfig()))',
-    "nf4": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))',
+    "int4": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=TorchAoConfig(Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")))',
+    "nf4": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))',
     "offload": 'offload_experts(AutoModel.from_pretrained("{model}", dtype=torch.bfloat16), device="cuda", cache_experts={cache})',
 }
 README_GPUS = (24, 48, 80)
