@@ -354,3 +354,16 @@ def test_a_wrong_fp8_dequantisation_exceeds_the_error_bound(checkpoints, dense, 
     logits, _ = forward_logits(model)
     reference, _ = forward_logits(dense["fp8"])
     assert relative_error(logits, reference) > TOLERANCE["nf4"]
+
+
+def test_fp8_experts_without_their_config_are_refused(checkpoints, tmp_path):
+    """FP8 bytes read without their scales would be wrong weights: a checkpoint whose config lost
+    its "bsgemm-moe" quantization_config is refused, naming the file and the missing config."""
+    import shutil
+
+    folder = tmp_path / "unstated"
+    shutil.copytree(checkpoints / "fp8", folder)
+    tiny_config(text=TEXT).save_pretrained(folder)  # the same model, no quantization_config
+    quantization = quantization_config_for("int8", tiny_config(text=TEXT), device="cpu")
+    with pytest.raises(ValueError, match=r"model.safetensors: holds block-FP8 weights .*bsgemm-moe"):
+        AutoModel.from_pretrained(folder, quantization_config=quantization)

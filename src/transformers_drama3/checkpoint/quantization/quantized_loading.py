@@ -380,7 +380,26 @@ def load_pretrained_weights(default_loader, plain_loader, model, state_dict, che
             raise ValueError("a block-FP8 checkpoint is read from safetensors files only")
         with dequantizing_state_dict(checkpoint_files, request.fp8_block, load_config.dtype) as state_dict:
             return plain_loader(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+    if checkpoint_files:
+        _refuse_unstated_fp8(checkpoint_files)
     return plain_loader(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+
+
+def _refuse_unstated_fp8(files) -> None:
+    """Without a "bsgemm-moe" config, FP8 experts would load as their raw bytes (no scales): refuse."""
+    from safetensors import safe_open
+
+    for file in files:
+        if not str(file).endswith(".safetensors"):
+            continue
+        with safe_open(os.fspath(file), framework="pt") as handle:
+            scaled = next((name for name in handle.keys() if name.endswith("_scale_inv")), None)
+        if scaled is not None:
+            raise ValueError(
+                f"{file}: holds block-FP8 weights ({scaled}) but the model's config has no quantization_config "
+                f"with quant_method 'bsgemm-moe'; add the published one to config.json, e.g. "
+                f'{{"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}'
+            )
 
 
 class DequantizedSlice:
