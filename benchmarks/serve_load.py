@@ -11,6 +11,14 @@ voice-prefix cache and once without. Each run first times one stream alone, then
 varied); no client starts after `--time-limit` seconds and every client gives up at it. Prints
 per run: errors (must be 0), time to first audio p50/p95, aggregate frames/s and its ratio to the
 single stream's frames/s, and the engine's batch occupancy (mean requests per decode step).
+
+`--attack` runs the attack mix instead (issue 47): `--streams` streams run (`--frames` frames each);
+a second later `--long-prompts` requests of 4,096 characters of input and 4,096 of instructions
+(one frame each) arrive with `--clients` fresh short streams, and the same round runs again
+without the long prompts. Prints per round: the worst gap between two chunks of a running stream,
+the fresh streams' time to first audio p50/p95, and the long prompts' time, with the ratios of the
+round with long prompts to the round without.
+
 Prints only; asserts nothing.
 """
 
@@ -63,21 +71,86 @@ def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_
         "response_format": "pcm", "stream_format": "audio", "seed": index, "max_new_tokens": frames,
     }
     started = time.perf_counter()
-    first, received = None, 0
+    first, received, last, worst_gap = None, 0, None, 0.0
     try:
         timeout = max(1.0, deadline - time.perf_counter())
         with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=timeout) as response:
             if response.status_code != 200:
                 return {"error": f"status {response.status_code}"}
             for chunk in response.iter_bytes():
+                now = time.perf_counter()
                 if chunk and first is None:
-                    first = time.perf_counter() - started
+                    first = now - started
+                if chunk:
+                    worst_gap, last = (max(worst_gap, now - last) if last is not None else 0.0), now
                 received += len(chunk)
                 if time.perf_counter() > deadline:
                     return {"error": "time limit"}
     except httpx.HTTPError as error:
         return {"error": type(error).__name__}
-    return {"ttfa": first, "frames": received / 2 / samples_per_frame, "seconds": time.perf_counter() - started}
+    return {"ttfa": first, "frames": received / 2 / samples_per_frame, "seconds": time.perf_counter() - started,
+            "worst_gap": worst_gap}
+
+
+LONG_CHARS = 4096
+
+
+def long_prompt(base: str, index: int, deadline: float) -> dict:
+    """One attack request: 4,096 characters of input and 4,096 of instructions, one frame."""
+    text = " ".join(TEXTS[(index + n) % len(TEXTS)] for n in range(200))[:LONG_CHARS]
+    body = {"input": text, "instructions": ("Slowly, warmly, " * 300)[:LONG_CHARS], "voice": VOICES[0],
+            "response_format": "pcm", "max_new_tokens": 1, "seed": index}
+    started = time.perf_counter()
+    try:
+        response = httpx.post(base + "/v1/audio/speech", json=body, timeout=max(1.0, deadline - started))
+    except httpx.HTTPError as error:
+        return {"error": type(error).__name__}
+    if response.status_code != 200:
+        return {"error": f"status {response.status_code}"}
+    return {"seconds": time.perf_counter() - started}
+
+
+def attack_round(base: str, args, samples_per_frame: int, long_prompts: int) -> dict:
+    """Running streams, then (a second later) `long_prompts` long prompts and fresh short streams."""
+    deadline = time.perf_counter() + args.time_limit
+    with ThreadPoolExecutor(args.streams + long_prompts + args.clients) as pool:
+        running = [pool.submit(one_stream, base, 200 + i, args.frames, deadline, samples_per_frame)
+                   for i in range(args.streams)]
+        time.sleep(1.0)
+        longs = [pool.submit(long_prompt, base, i, deadline) for i in range(long_prompts)]
+        fresh = [pool.submit(one_stream, base, 300 + i, 8, deadline, samples_per_frame) for i in range(args.clients)]
+        running, longs, fresh = ([f.result() for f in group] for group in (running, longs, fresh))
+    errors = [r["error"] for r in running + longs + fresh if "error" in r]
+    ttfa = np.array([r["ttfa"] for r in fresh if r.get("ttfa") is not None])
+    return {
+        "errors": errors,
+        "worst_gap": max((r.get("worst_gap", 0.0) for r in running), default=float("nan")),
+        "ttfa": (np.percentile(ttfa, 50), np.percentile(ttfa, 95)) if ttfa.size else (float("nan"),) * 2,
+        "long": max((r["seconds"] for r in longs if "seconds" in r), default=float("nan")),
+    }
+
+
+def attack(args) -> None:
+    with tempfile.TemporaryDirectory() as voices:
+        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=64)
+        server, thread, base = start_server(service)
+        try:
+            spf = service.processor.samples_per_frame
+            one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf)  # warm-up
+            rounds = {count: attack_round(base, args, spf, count) for count in (0, args.long_prompts)}
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            service.engine.stop()
+    quiet, attacked = rounds[0], rounds[args.long_prompts]
+    print(f"attack mix: {args.streams} running streams of {args.frames} frames, then {args.long_prompts} prompts of "
+          f"{LONG_CHARS} + {LONG_CHARS} characters and {args.clients} fresh streams; max batch {args.max_batch}")
+    for label, result in (("without long prompts", quiet), (f"with {args.long_prompts} long prompts", attacked)):
+        print(f"  {label}: errors {len(result['errors'])} {sorted(set(result['errors'])) or ''}; worst gap between "
+              f"chunks of a running stream {result['worst_gap']:.3f} s; fresh streams' time to first audio p50 "
+              f"{result['ttfa'][0]:.3f} s, p95 {result['ttfa'][1]:.3f} s; longest long prompt {result['long']:.2f} s")
+    print(f"  ratios (with / without): worst gap {attacked['worst_gap'] / quiet['worst_gap']:.2f}x, time to first "
+          f"audio p50 {attacked['ttfa'][0] / quiet['ttfa'][0]:.2f}x, p95 {attacked['ttfa'][1] / quiet['ttfa'][1]:.2f}x")
 
 
 def batch_occupancy(base: str) -> float:
@@ -162,9 +235,18 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per run, all clients together")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--model", default=None, help="checkpoint (default: the bundled drama3-tiny)")
+    parser.add_argument("--attack", action="store_true", help="run the attack mix (long prompts beside streams)")
+    parser.add_argument("--streams", type=int, default=4, help="--attack: streams running when the long prompts come")
+    parser.add_argument("--long-prompts", type=int, default=3, help="--attack: long prompts sent together")
     args = parser.parse_args()
     if not 1 <= args.clients <= 1024:
         parser.error(f"--clients {args.clients}: expected 1..1024")
+    if args.attack:
+        for name, value in (("--streams", args.streams), ("--long-prompts", args.long_prompts)):
+            if not 1 <= value <= 64:
+                parser.error(f"{name} {value}: expected 1..64")
+        attack(args)
+        return
     prefill_times(args)
     for prefix_cache in (True, False):
         run(args, prefix_cache)
