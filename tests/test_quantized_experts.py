@@ -367,3 +367,34 @@ def test_fp8_experts_without_their_config_are_refused(checkpoints, tmp_path):
     quantization = quantization_config_for("int8", tiny_config(text=TEXT), device="cpu")
     with pytest.raises(ValueError, match=r"model.safetensors: holds block-FP8 weights .*bsgemm-moe"):
         AutoModel.from_pretrained(folder, quantization_config=quantization)
+
+
+def test_a_cuda_device_map_without_a_gpu_is_refused(config_only, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    quantization = quantization_config_for("int8", device="cpu")
+    with pytest.raises(QuantizationRefused, match=r"device_map='cuda': this machine has no CUDA GPU"):
+        AutoModel.from_pretrained(config_only, quantization_config=quantization, device_map="cuda")
+
+
+# ----------------------------------------------------------------------------- drama3 eval --quant
+
+
+def test_the_commands_loader_quantises_drama3_tiny():
+    from transformers_drama3.loading import load_model_and_processor
+    from transformers_drama3.tiny import shipped
+
+    if not shipped.is_available():
+        pytest.skip("this installation carries no drama3-tiny")
+    model, processor = load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False, quant="int8")
+    assert type(model.backbone.layers[0].mlp.experts[0].down_proj.weight).__name__ == "Int8Tensor"
+    assert processor.codec is not None
+
+
+def test_the_commands_loader_names_quant_when_refused(monkeypatch):
+    from transformers_drama3.loading import CommandError, load_model_and_processor
+    from transformers_drama3.tiny import shipped
+
+    real = quantized_loading.installed
+    monkeypatch.setattr(quantized_loading, "installed", lambda name: name != "bitsandbytes" and real(name))
+    with pytest.raises(CommandError, match=r"--quant nf4: .*needs bitsandbytes"):
+        load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False, quant="nf4")
