@@ -363,3 +363,10 @@ def test_plan_memory_reads_a_repo_from_the_hugging_face_cache(saved_tiny, tmp_pa
 
 def test_cli_quant_choices_are_the_plans_options():
     assert PLAN_QUANTIZATIONS == QUANTIZATIONS
+def test_readme_tables_are_what_the_plan_prints(monkeypatch):
+    monkeypatch.setattr(planning, "_cached_file", lambda repo, filename: None)
+    with open(README, encoding="utf-8") as reader:
+        readme = reader.read()
+
+    assert readme_parts_table() in readme
+    assert readme_table() in readme
