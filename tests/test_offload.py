@@ -186,6 +186,28 @@ def test_model_to_leaves_the_experts_in_host_memory(resident):
     assert layer.gate_up_proj.untyped_storage().data_ptr() == before
 
 
+def test_a_compiled_step_is_refused_naming_the_offload(resident):
+    from transformers import CompileConfig
+
+    model = offloaded(resident, 2)
+    ids, codes = prompt(5)
+
+    with pytest.raises(Exception, match="the routed experts are offloaded"):
+        model.generate(ids[None], codes[None], do_sample=False, max_new_tokens=2, cache_implementation="static",
+                       compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager"))
+
+
+def test_a_static_cache_without_compiling_gives_the_resident_models_codes(resident):
+    model = offloaded(resident, 1)
+    ids, codes = prompt(5)
+
+    expected = resident.generate(ids[None], codes[None], do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
+    got = model.generate(ids[None], codes[None], do_sample=False, max_new_tokens=6, cache_implementation="static",
+                         disable_compile=True, return_dict_in_generate=True)
+
+    assert torch.equal(got.audio_codes, expected.audio_codes)
+
+
 def test_stats_add():
     total = ExpertCacheStats(1, 2, 3, 4, 5) + ExpertCacheStats(10, 20, 30, 40, 50)
     assert total == ExpertCacheStats(11, 22, 33, 44, 55)

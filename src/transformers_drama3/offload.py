@@ -23,7 +23,9 @@ step. This module copies only the experts a step chooses, and only when they are
 On CUDA the host store is pinned and each copy is `non_blocking` on the compute stream (so it is
 ordered before the matmul that reads it, and the CPU goes on to queue the next copies). Reading
 the chosen ids is one device-to-host synchronisation per layer and step: the offloaded model runs
-eagerly (no `torch.compile` / CUDA graphs), and is for inference (the experts hold no gradients).
+eagerly (a compiled step, e.g. `generate(cache_implementation="static")` on CUDA, which compiles
+by default, is refused with `COMPILE_REFUSAL` in torch's error: pass `disable_compile=True`), and
+is for inference (the experts hold no gradients).
 
 Order: choose the dtype when loading, then offload; `model.to(...)` after `offload_experts` moves
 and casts everything else but leaves the routed experts where they are.
@@ -42,6 +44,13 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExper
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The fused routed-expert tensors: gate_up_proj [experts, 2 * intermediate, hidden], down_proj
 [experts, hidden, intermediate]."""
+
+
+COMPILE_REFUSAL = (
+    "the routed experts are offloaded (offload_experts): a step reads its chosen experts on the host, which "
+    "torch.compile and CUDA graphs cannot hold; decode eagerly (generate() without compile_config, "
+    "disable_compile=True on a GPU; the engine and drama3 serve without --compile)"
+)
 
 
 @dataclass
@@ -100,6 +109,8 @@ class OffloadedExperts(nn.Module):
         return self
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_REFUSAL)
         chosen = top_k_index.unique().tolist()  # ascending; the one host synchronisation
         if len(chosen) <= self.capacity:
             self._make_resident(chosen)
@@ -208,4 +219,4 @@ def _expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-__all__ = ["ExpertCacheStats", "OffloadedExperts", "expert_cache_stats", "offload_experts"]
+__all__ = ["COMPILE_REFUSAL", "ExpertCacheStats", "OffloadedExperts", "expert_cache_stats", "offload_experts"]
