@@ -5,8 +5,10 @@
 Steps: read `my_voice/*.wav` with their `*.txt` transcripts, validate and encode them once with the
 codec (cached in `out/codes`, skipped files listed in `out/preparation.json`), train the "light"
 LoRA preset (or `--preset heavy`) with `Trainer` on cloning rows (references are other clips of the
-same voice), save the adapter to `out/adapter`, then merge it and save a full checkpoint in the
-published layout to `out/merged` (servable by engines that read that layout, e.g. SGLang-Omni).
+same voice), save the adapter to `out/adapter` (served as a voice by `drama3 serve --adapter
+me=out/adapter`, on the base model, beside other adapters), then merge it and save a full
+checkpoint in the published layout to `out/merged` (servable by engines that read that layout,
+e.g. SGLang-Omni).
 The codec is read from `--codec` (default: the model folder's `codec/`).
 """
 
@@ -40,10 +42,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from transformers import AutoTokenizer, TrainingArguments
+    from transformers import AutoModel, AutoTokenizer, TrainingArguments
 
     from transformers_drama3 import Drama3ForSpeechGeneration
-    from transformers_drama3.codec import Drama3CodecModel
     from transformers_drama3.processing_drama3 import Drama3Processor
     from transformers_drama3.training import (
         CloningCollator,
@@ -55,7 +56,7 @@ def main(argv=None):
         prepare_dataset,
     )
 
-    codec = Drama3CodecModel.from_pretrained(args.codec or os.path.join(args.model, "codec")).eval()
+    codec = AutoModel.from_pretrained(args.codec or os.path.join(args.model, "codec")).eval()  # the S2 codec, or drama3-tiny's
     dataset, report = prepare_dataset(
         load_speech_records(args.voice), codec, os.path.join(args.output, "codes"),
         min_seconds=args.min_seconds, max_seconds=args.max_seconds, min_speech_fraction=args.min_speech_fraction,
@@ -96,9 +97,19 @@ def main(argv=None):
     with open(os.path.join(args.output, "losses.json"), "w") as handle:
         json.dump(losses, handle)
     model.save_pretrained(os.path.join(args.output, "adapter"))
+    write_base_fingerprint(model.get_base_model().config, os.path.join(args.output, "adapter"))
     merged = merge_and_save(model, os.path.join(args.output, "merged"))
     tokenizer.save_pretrained(os.path.join(args.output, "merged"))
     print(f"adapter: {args.output}/adapter  merged checkpoint: {args.output}/merged  ({type(merged).__name__})")
+
+
+def write_base_fingerprint(config, adapter_dir: str) -> None:
+    """drama3_base.json beside the adapter: the base model's sizes, which `drama3 serve --adapter`
+    compares with the served model's before it takes the adapter."""
+    from transformers_drama3.serving.adapter_layers import BASE_FILE, base_fingerprint
+
+    with open(os.path.join(adapter_dir, BASE_FILE), "w") as handle:
+        json.dump(base_fingerprint(config), handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancel
 from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
 from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming_wav_header
+from .adapter_routes import delete_adapter_voice, register_adapter_voice
+from .adapters import AdapterSlotsBusy
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
 from .protocol import (
@@ -287,12 +289,15 @@ def create_app(get_service, settings: ServerSettings | None = None):
     @app.get("/v1/audio/voices")
     async def list_voices():
         service = service_or_503()
-        return {"voices": await asyncio.to_thread(service.voices.listing), "aliases": settings.voice_aliases.listing()}
+        return {"voices": await asyncio.to_thread(service.voice_listing), "aliases": settings.voice_aliases.listing()}
 
     @app.post("/v1/audio/voices")
     async def create_voice(request: Request):
         service = service_or_503()
-        voice_id, name, references = parse_voice_upload(await json_body(request), settings.limits)
+        body = await json_body(request)
+        if isinstance(body, dict) and "adapter" in body:  # a fine-tuned voice (serving.adapter_routes)
+            return await asyncio.to_thread(register_adapter_voice, service, body, settings.limits)
+        voice_id, name, references = parse_voice_upload(body, settings.limits)
         if voice_id in service.voices:
             raise ApiError(409, f"id: a voice {voice_id!r} exists; delete it first", "id", "voice_exists")
         try:
@@ -312,6 +317,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
     @app.delete("/v1/audio/voices/{voice_id}")
     async def delete_voice(voice_id: str):
         service = service_or_503()
+        if service.adapter_of(voice_id) is not None:
+            return await asyncio.to_thread(delete_adapter_voice, service, voice_id)
         try:
             await asyncio.to_thread(service.voices.delete, voice_id)
         except KeyError:
@@ -323,8 +330,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
         service = service_or_503()
-        params = parse_speech(await json_body(request), settings.limits, lambda voice_id: voice_id in service.voices)
-        params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.voices.__contains__))
+        params = parse_speech(await json_body(request), settings.limits, service.has_voice)
+        params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
         job = await asyncio.to_thread(service.job, params, settings.request_timeout)
         try:
             handle = service.engine.submit(job)
@@ -334,6 +341,11 @@ def create_app(get_service, settings: ServerSettings | None = None):
                            {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineStopped as error:
             raise ApiError(503, str(error), None, "stopped") from None
+        except AdapterSlotsBusy as error:
+            service.metrics.count("rejected")
+            raise ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except KeyError:  # its adapter was deleted since the request was checked
+            raise ApiError(404, f"voice: no voice {params.voice!r}", "voice", "voice_not_found") from None
         rate = service.processor.sampling_rate
         headers = {"X-Sample-Rate": str(rate), "X-Seed": str(handle.seed)}
         if params.stream_format is None:
@@ -372,8 +384,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
             service = service_or_503()
             start = parse_message(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
-            params = parse_stream_start(start, settings.limits, lambda voice_id: voice_id in service.voices, 4 * CHUNK_BYTES)
-            params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.voices.__contains__))
+            params = parse_stream_start(start, settings.limits, service.has_voice, 4 * CHUNK_BYTES)
+            params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
             references = await asyncio.to_thread(service.references_of, params)
             try:
                 resolve_settings(getattr(service.model, "generation_config", None), None, None,

@@ -27,6 +27,8 @@ from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .protocol import ApiError, SpeechParams, TextStreamParams
 from .voices import DamagedVoice, VoiceStore, reference_file_voice, register_bundled_voices
+from .adapter_layers import routed
+from .adapters import AdapterRegistry, parse_adapter_spec
 
 
 class TextStreamSlots:
@@ -52,8 +54,10 @@ class SpeechService:
     """The model, processor, engine, voices and metrics behind the API."""
 
     def __init__(self, model, processor, voices: VoiceStore, model_name: str, engine: Drama3Engine,
-                 metrics: ServerMetrics, default_voice: str | None, codec_threads: int | None = None):
+                 metrics: ServerMetrics, default_voice: str | None, codec_threads: int | None = None,
+                 adapters: AdapterRegistry | None = None):
         self.model, self.processor, self.voices = model, processor, voices
+        self.adapters = adapters  # fine-tuned voices: LoRA adapters on the model (None: the server takes none)
         self.model_name, self.engine, self.metrics = model_name, engine, metrics
         self.default_voice = default_voice
         # Every codec decode runs at one thread count (by default the creating thread's): torch keeps
@@ -65,14 +69,20 @@ class SpeechService:
     @classmethod
     def load(cls, source: str | None = None, voices_dir: str = "drama3-voices", device: str = "cpu",
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
-             start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False):
+             start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False,
+             adapter_specs=(), adapter_root: str | None = None, max_adapters: int = 8, adapter_rank: int = 16):
         """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
         steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
         that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`).
         `compile`: the engine steps the compiled decode step (`decoding.loop.default_compile_config`:
-        inductor, CUDA graphs on a GPU), one graph per batch-size bucket."""
+        inductor, CUDA graphs on a GPU), one graph per batch-size bucket.
+        `adapter_specs` ("NAME=PATH", `--adapter`) are registered as voices at start; with them or an
+        `adapter_root` (server folders adapters may be registered from at run time) the model gets
+        `max_adapters` adapter slots of rank up to `adapter_rank` (`adapters.AdapterRegistry`), and
+        uploaded adapters are kept in `voices_dir`/.adapters."""
+        named_adapters = [parse_adapter_spec(spec) for spec in adapter_specs]  # a bad flag is refused before loading
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
         model, processor = load_model_and_processor(source, device, "auto")
@@ -82,17 +92,25 @@ class SpeechService:
         for spec in voice_specs:
             name, references = reference_file_voice(spec)
             voices.add(name, references, replace=True)
+        adapters = None
+        if named_adapters or adapter_root is not None:
+            adapters = AdapterRegistry(model, max_adapters, adapter_rank, os.path.join(voices_dir, ".adapters"), adapter_root)
+            adapters.register_stored()
+            for name, path in named_adapters:
+                if name in adapters:
+                    adapters.delete(name)
+                adapters.register(name, path)
         metrics = ServerMetrics()
         cache = PrefixCache() if prefix_cache else None
         metrics.prefix_cache = cache
         engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
                               on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads,
-                              compile_config=default_compile_config() if compile else None)
+                              compile_config=default_compile_config() if compile else None, adapters=adapters)
         if start_engine:
             engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
         default_voice = shipped.DEFAULT_VOICE if bundled else None
-        return cls(model, processor, voices, name, engine, metrics, default_voice)
+        return cls(model, processor, voices, name, engine, metrics, default_voice, adapters=adapters)
 
     # ---- request -> job -----------------------------------------------------------------------
 
@@ -103,9 +121,10 @@ class SpeechService:
         if voice is None and not params.references:
             voice = self.default_voice
         if voice is not None:
-            if voice not in self.voices:
+            if not self.has_voice(voice):
                 raise ApiError(404, f"voice: no voice {voice!r}; registered: {self.voices.ids()}", "voice", "voice_not_found")
-            references += self.stored_references(voice, "voice")
+            if voice in self.voices:  # an adapter voice may come with reference clips, or speak without
+                references += self.stored_references(voice, "voice")
         for index, item in enumerate(params.references):
             if isinstance(item, tuple):
                 _, voice_id, speaker = item
@@ -142,13 +161,30 @@ class SpeechService:
             param = "instructions" if "instructions" in str(error) else "input"
             raise ApiError(400, str(error), param) from None
         prefix = (params.voice or self.default_voice) if not params.references else None
-        return self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
+        job = self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
+        return dataclasses.replace(job, adapter=self.adapter_of(params.voice))
+
+    def has_voice(self, voice_id) -> bool:
+        """A stored voice (reference clips) or a fine-tuned voice (an adapter)."""
+        return voice_id in self.voices or self.adapter_of(voice_id) is not None
+
+    def adapter_of(self, voice_id) -> str | None:
+        """The adapter a voice speaks with, or None (a voice of reference clips, or no voice)."""
+        return voice_id if self.adapters is not None and voice_id is not None and voice_id in self.adapters else None
+
+    def voice_listing(self) -> list[dict]:
+        """The stored voices and the adapter voices, by id; an adapter voice has "adapter": true."""
+        voices = {voice["id"]: voice for voice in self.voices.listing()}
+        for name in self.adapters.names() if self.adapters is not None else []:
+            voices[name] = {**voices.get(name, {"id": name, "name": name}), "adapter": True}
+        return [voices[key] for key in sorted(voices)]
 
     def job_of_rows(self, rows, timeout: float | None, sampling: dict, seed: int | None = None,
                     max_new_tokens: int | None = None, preset: str | None = None, prefix=None) -> SpeechJob:
         """The engine job of one request's prompt rows (the processor's output for a `Script`):
         sampling as the model's generation config says, then `preset`, then `sampling`
-        (temperature, top_p, top_k); `prefix` keys the voice-prefix cache (any hashable, or None)."""
+        (temperature, top_p, top_k); `prefix` keys the voice-prefix cache (any hashable, or None;
+        the engine keys an adapter's prefixes apart)."""
         settings, max_new_tokens, _ = resolve_settings(
             getattr(self.model, "generation_config", None), preset, None, {**sampling, "max_new_tokens": max_new_tokens},
         )
@@ -160,13 +196,16 @@ class SpeechService:
 
     def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None):
         """`model.stream_text` for a checked `start` message: its items (audio chunks, events);
-        sampling as the model's generation config says, then `preset`, then the message's fields."""
-        return self.model.stream_text(
+        sampling as the model's generation config says, then `preset`, then the message's fields;
+        a fine-tuned voice speaks with its adapter."""
+        stream = self.model.stream_text(
             pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
             preset=preset,
             max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
             **params.sampling,
         )
+        adapter = self.adapter_of(params.voice)
+        return stream if adapter is None else adapter_stream(self.adapters, adapter, stream)
 
     def waveform(self, codes: torch.Tensor) -> np.ndarray:
         """A take's codes [frames, num_codebooks] -> its waveform (offline decode)."""
@@ -180,6 +219,24 @@ class SpeechService:
         """`work(*args)` at the service's codec thread count (`codec_threads`)."""
         with torch_threads(self.codec_threads):
             return work(*args)
+
+
+def adapter_stream(adapters: AdapterRegistry, name: str, stream):
+    """`stream`'s items, each made with adapter `name` routed in the thread that asks for it (the
+    thread's routing is set only while an item is made); the adapter is held from the first item
+    until the stream ends."""
+    lease = adapters.acquire(name)
+    try:
+        index = torch.tensor([lease.slot], device=adapters.model.device)
+        while True:
+            with routed(index):
+                try:
+                    item = next(stream)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        lease.release()
 
 
 def _check_speakers_have_voices(lines, references) -> None:
