@@ -159,6 +159,37 @@ def test_quantised_logits_stay_within_the_options_error_of_the_dense_model(check
     assert relative_error(codebook_logits, reference_codebooks) < TOLERANCE[option]
 
 
+# Relative error of each MoE block's output (router, routed and shared experts) on random hidden
+# states, measured: int8 ~0.012, bnb-int8 ~0.018, int4 ~0.17, nf4 ~0.17; the int8 model with its
+# routing weights dropped gives ~0.08, with each expert's gate and up swapped ~0.25.
+MOE_TOLERANCE = {"int8": 0.03, "bnb-int8": 0.04, "int4": 0.22, "nf4": 0.22}
+
+
+def moe_block_error(model, reference) -> float:
+    """The largest, over layers, relative error of the MoE block's output against `reference`'s."""
+    generator = torch.Generator().manual_seed(0)
+    errors = []
+    for layer, reference_layer in zip(model.backbone.layers, reference.backbone.layers):
+        hidden = torch.randn(1, 16, model.config.text_config.hidden_size, generator=generator)
+        with torch.no_grad():
+            errors.append(relative_error(layer.mlp(hidden), reference_layer.mlp(hidden)))
+    return max(errors)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_moe_block_stays_within_the_options_error_of_the_dense_block(checkpoints, dense, option):
+    assert moe_block_error(load(checkpoints, "fp8", option), dense["fp8"]) < MOE_TOLERANCE[option]
+
+
+def test_experts_that_drop_their_routing_weights_exceed_the_int8_bound(checkpoints, dense, monkeypatch):
+    forward = Drama3RoutedExperts.forward
+    monkeypatch.setattr(
+        Drama3RoutedExperts, "forward",
+        lambda self, hidden, index, weights: forward(self, hidden, index, torch.full_like(weights, 1 / weights.shape[-1])),
+    )
+    assert moe_block_error(load(checkpoints, "fp8", "int8"), dense["fp8"]) > MOE_TOLERANCE["int8"]
+
+
 def test_block_fp8_experts_are_dequantised_one_projection_at_a_time(checkpoints, monkeypatch):
     alive, most_alive, calls = [], [0], [0]
     dequantize = quantized_loading.dequantize_block_fp8
