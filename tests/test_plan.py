@@ -370,3 +370,17 @@ def test_readme_tables_are_what_the_plan_prints(monkeypatch):
 
     assert readme_parts_table() in readme
     assert readme_table() in readme
+
+
+def test_model_card_memory_figures_are_what_the_plan_gives(monkeypatch):
+    monkeypatch.setattr(planning, "_cached_file", lambda repo, filename: None)
+    with open(os.path.join(os.path.dirname(__file__), os.pardir, "model_card.md"), encoding="utf-8") as reader:
+        card = " ".join(reader.read().split())
+    totals = {plan.quantization: plan.total / GIB for plan in plan_options() if plan.offload is None}
+    offload = fitting(plan_options(gpu_gb=24))[0]
+
+    assert f"{totals['fp8']:.1f} GiB with the published FP8 experts" in card
+    assert f"{totals['none']:.1f} GiB dequantised to bf16" in card
+    assert f"{totals['int8']:.1f} GiB int8, {totals['nf4']:.1f} GiB nf4, {totals['int4']:.1f} GiB int4" in card
+    assert f"{offload.offload.cache_experts} of each layer's {offload.offload.num_experts} cached" in card
+    assert f"(`offload_experts`, {offload.total / GIB:.1f} GiB)" in card
