@@ -4,10 +4,17 @@
     python examples/train.py --model DIR --data PREPARED --output out --optimizer muon
     # several processes (CPU: gloo; GPU: nccl), same global batch = processes x --batch-size
     torchrun --nproc_per_node 2 examples/train.py --model DIR --data PREPARED --output out
+    # full fine-tuning sharded with FSDP2 (the model does not fit one GPU): a shipped accelerate config
+    accelerate launch --config_file examples/accelerate/fsdp2_single_node_8gpu.yaml examples/train.py \
+        --model fishaudio/drama-3 --data PREPARED --output out --optimizer muon
 
 `--data` is a dataset saved by `prepare_dataset(...)[0].save_to_disk(PREPARED)`, or a raw source
 (folder / manifest / Hub name) together with `--codec DIR` to prepare it first (cached under
 `--output/codes`). The tokenizer is read from `--tokenizer` (default: the model folder).
+
+`--output/final` is written in the published layout (also from a sharded run: the full state dict
+is gathered on the main process); checkpoints every `--save-steps` are accelerate's (sharded under
+FSDP) and `--resume` continues from one. See docs/scale_out.md.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--save-steps", type=int, default=0, help="0: save only at the end")
     parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights' dtype (auto: the checkpoint's); under FSDP with mixed precision bf16 the "
+                             "weights are float32 masters and the compute bf16")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--loss-log", default=None, help="write the logged losses here (JSON, main process)")
     return parser.parse_args(argv)
@@ -80,8 +90,9 @@ def train(args) -> None:
         ReferencePool,
         TTSCollator,
     )
+    from transformers_drama3.training.distributed import is_sharded, save_sharded_model, sharding_summary
 
-    model = Drama3ForSpeechGeneration.from_pretrained(args.model)
+    model = Drama3ForSpeechGeneration.from_pretrained(args.model, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     processor = Drama3Processor(tokenizer, codebook_size=model.config.codebook_size,
                                 num_codebooks=model.config.num_codebooks)
@@ -120,7 +131,15 @@ def train(args) -> None:
         optimizer=args.optimizer, pad_id=processor.token_ids.pad,
     )
     trainer.train(resume_from_checkpoint=args.resume)
-    trainer.save_model(os.path.join(args.output, "final"))
+    if is_sharded(trainer) and trainer.is_world_process_zero():
+        print(sharding_summary(trainer), flush=True)
+    final = os.path.join(args.output, "final")
+    if is_sharded(trainer):
+        save_sharded_model(trainer, final)
+    else:
+        trainer.save_model(final)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(final)
     if trainer.is_world_process_zero() and args.loss_log:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         with open(args.loss_log, "w") as handle:

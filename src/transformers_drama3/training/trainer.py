@@ -11,7 +11,10 @@ from the others. This subclass adds:
   before the forward (exact, without packing's savings). Every other backbone gets them packed.
 
 Resuming needs nothing special: checkpoints are written in the published layout and the model's
-`load_state_dict` reads that layout back.
+`load_state_dict` reads that layout back (under FSDP, as accelerate's sharded checkpoints).
+
+Under `accelerate launch` with an FSDP config the model is sharded by accelerate (FSDP2); on CPU
+processes too (`distributed.shard_on_cpu`), so the sharded path can be tested without a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from transformers import Trainer
 from transformers.modeling_utils import unwrap_model
 from transformers.utils.generic import is_flash_attention_requested
 
+from .distributed import shard_on_cpu
 from .optim import build_optimizer
 from .packing import is_packed, unpack
 
@@ -55,6 +59,11 @@ class Drama3Trainer(Trainer):
         self.optimizer_name = optimizer
         self.pad_id = pad_id
         super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if shard_on_cpu(self.accelerator):
+            self.is_fsdp_enabled = True
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
