@@ -396,3 +396,23 @@ def test_reading_an_adapter_writes_nothing(tmp_path):
     weights = read_adapter(tmp_path / "a", model, max_rank=4, name="a")
     assert weights.rank == 4 and weights.lora and weights.full
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == before
+
+
+def test_drama3_serve_refuses_bad_adapter_flags_before_loading(tmp_path):
+    from transformers_drama3.cli import check_adapter_flags
+    from transformers_drama3.cli_arguments import build_parser
+    from transformers_drama3.loading import CommandError
+
+    def flags(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    check_adapter_flags(flags("--adapter", f"me={tmp_path}", "--adapter-root", str(tmp_path)))
+    for argv, message in (
+        (("--adapter", "me"), "expected NAME=PATH"),
+        (("--adapter", f"me={tmp_path / 'missing'}"), "is not a folder"),
+        (("--adapter-root", str(tmp_path / "missing")), "--adapter-root .*not a folder"),
+        (("--max-adapters", "0"), "--max-adapters 0: expected a positive number"),
+        (("--adapter-rank", "0"), "--adapter-rank 0: expected a positive number"),
+    ):
+        with pytest.raises(CommandError, match=message):
+            check_adapter_flags(flags(*argv))

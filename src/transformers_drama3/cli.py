@@ -285,6 +285,7 @@ def run_serve(args) -> int:
             reference_file_voice(spec)
         except ValueError as error:
             raise CommandError(str(error)) from None
+    check_adapter_flags(args)
     for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout),
                         ("--header-timeout", args.header_timeout)):
         if not value > 0:
@@ -298,6 +299,8 @@ def run_serve(args) -> int:
     get_service, _ = serve_in_background(
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
+        adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
+        adapter_rank=args.adapter_rank,
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,
@@ -309,6 +312,25 @@ def run_serve(args) -> int:
               "anyone who can reach it, without a key; set DRAMA3_API_KEY (or --api-key-file)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=header_timeout_protocol(args.header_timeout))
     return 0
+
+
+def check_adapter_flags(args) -> None:
+    """`drama3 serve --adapter NAME=PATH ...`: well-formed, existing folders, positive limits (the
+    adapters themselves are checked against the model once it has loaded)."""
+    from .serving.adapters import parse_adapter_spec
+
+    for name, value in (("--max-adapters", args.max_adapters), ("--adapter-rank", args.adapter_rank)):
+        if value < 1:
+            raise CommandError(f"{name} {value}: expected a positive number")
+    for spec in args.adapter:
+        try:
+            _, path = parse_adapter_spec(spec)
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+        if not os.path.isdir(path):
+            raise CommandError(f"--adapter {spec}: {path} is not a folder")
+    if args.adapter_root is not None and not os.path.isdir(args.adapter_root):
+        raise CommandError(f"--adapter-root {args.adapter_root}: not a folder")
 
 
 def run_demo(args) -> int:

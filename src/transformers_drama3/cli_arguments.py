@@ -130,6 +130,19 @@ def add_serve(subparsers) -> None:
     )
     parser.add_argument("--voices-dir", default="drama3-voices", help="folder where voices are stored")
     parser.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=PATH",
+        help="serve a fine-tuned voice: a LoRA adapter folder (examples/finetune_voice_lora.py's out/adapter) as "
+             "voice NAME, on the one base model (repeatable; requests for different adapters share a batch)",
+    )
+    parser.add_argument(
+        "--adapter-root", default=None, metavar="DIR",
+        help="let POST /v1/audio/voices register adapter folders of this machine that lie under DIR "
+             "(uploaded adapters are always accepted once adapters are on)",
+    )
+    parser.add_argument("--max-adapters", type=int, default=8,
+                        help="adapters loaded at once (the least recently used idle one is unloaded for a new one)")
+    parser.add_argument("--adapter-rank", type=int, default=16, help="the largest LoRA rank an adapter may have")
+    parser.add_argument(
         "--api-key", default=None,
         help="require Authorization: Bearer KEY on every route but /health (default: --api-key-file's, else "
              "$DRAMA3_API_KEY; both keep the key out of the process list)",
