@@ -57,6 +57,7 @@ from .decoding import (
     text_tokens_per_second,
     turn_token_ids,
 )
+from .memory import return_freed_memory
 
 INITIAL_CAPACITY = 512
 """Columns each slot of the pool holds at first; doubled (one copy) when a request outgrows them."""
@@ -595,8 +596,11 @@ class Drama3Engine:
         capacity the engine starts with (its memory goes back; the next request allocates anew)."""
         pool = self._pool
         self._reset_batch()
-        if pool is not None and pool.capacity <= self.capacity:
+        if pool is None or pool.capacity <= self.capacity:
             self._pool = pool
+            return
+        pool = None  # the grown pool's tensors are freed here; the C heap keeps their pages unless trimmed
+        return_freed_memory()
 
     def _open_view(self, backbone_rows: int, tower_rows: int) -> DecodeCache:
         if self._pool.capacity < backbone_rows + 1:
