@@ -176,6 +176,14 @@ def test_experts_that_are_not_fused_float_tensors_are_refused(resident):
         offload_experts(model, cache_experts=2, device="cpu")
 
 
+def test_a_model_dispatched_over_several_devices_is_refused(resident):
+    model = copy.deepcopy(resident)
+    model.hf_device_map = {"model.language_model": 0, "audio_decoder_mtp": "cpu"}
+
+    with pytest.raises(ValueError, match="loaded with a device_map over .* load it without device_map"):
+        offload_experts(model, cache_experts=2, device="cpu")
+
+
 def test_model_to_leaves_the_experts_in_host_memory(resident):
     model = offloaded(resident, 2)
     layer = next(module for module in model.modules() if isinstance(module, OffloadedExperts))

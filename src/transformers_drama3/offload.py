@@ -172,6 +172,12 @@ def offload_experts(model: nn.Module, cache_experts: int, device: str | torch.de
     `cache_experts` must be at least 1; above a layer's expert count it is lowered to it, with a
     warning. The model's routed experts must be transformers' fused float experts (not quantised,
     not already offloaded)."""
+    spread = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+    if len(spread) > 1:
+        raise ValueError(
+            f"the model was loaded with a device_map over {sorted(spread)} (accelerate's hooks move its weights); load it "
+            f"without device_map (on the CPU), then offload_experts moves everything but the routed experts"
+        )
     layers = _expert_modules(model)
     experts = layers[0][1].num_experts
     if isinstance(cache_experts, bool) or not isinstance(cache_experts, int) or cache_experts < 1:
