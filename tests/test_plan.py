@@ -214,6 +214,22 @@ def test_offload_plan_holds_the_cache_not_the_experts(saved_tiny):
     assert offloaded.total - offloaded.routed_experts == resident.total - resident.routed_experts
 
 
+def test_offload_plan_equals_what_offload_experts_allocates(saved_tiny):
+    from transformers_drama3 import offload_experts
+    from transformers_drama3.offload import OffloadedExperts
+
+    model = offload_experts(Drama3ForSpeechGeneration.from_pretrained(saved_tiny / "float", dtype=torch.bfloat16),
+                            cache_experts=3, device="cpu")
+    layers = [module for module in model.modules() if isinstance(module, OffloadedExperts)]
+    cache = sum(getattr(layer.compute, name).untyped_storage().nbytes() for layer in layers for name in ("gate_up_proj", "down_proj"))
+    host = sum(getattr(layer, name).untyped_storage().nbytes() for layer in layers for name in ("gate_up_proj", "down_proj"))
+
+    plan = plan_memory(str(saved_tiny / "float"), offload_cache_experts=3)
+
+    assert plan.routed_experts == plan.offload.cache_bytes == cache
+    assert plan.offload.host_bytes == host
+
+
 def test_options_that_fit_are_listed_most_faithful_first(saved_tiny):
     folder = str(saved_tiny / "float")
     totals = {plan.quantization: plan.total for plan in plan_options(folder) if plan.offload is None}
