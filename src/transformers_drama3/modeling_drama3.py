@@ -251,6 +251,10 @@ class Drama3Model(nn.Module):
     def __init__(self, config: Drama3Config):
         super().__init__()
         self.language_model = Qwen3_5MoeTextModel(config.text_config)
+        # transformers merges the tensor-parallel plans of a model's direct children only; this
+        # module is not a PreTrainedModel, so it hands Qwen3.5-MoE's plan on under its prefix
+        # (`tp_plan="auto"`). The embedding stays whole: the fused decode kernels read its table.
+        self._tp_plan = {f"language_model.{k}": v for k, v in (config.text_config.base_model_tp_plan or {}).items()}
 
 
 # ----------------------------------------------------------------------------- masks and positions
@@ -354,7 +358,9 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
     config: Drama3Config
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3TowerLayer"]
+    # Class names, matched exactly (accelerate's device map and FSDP wrap policy compare
+    # `type(module).__name__`): the two tower layer classes, not their base class.
+    _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3SharedTowerLayer", "Drama3CodebookTowerLayer"]
     _supports_sdpa = True
     _is_stateful = True
 
