@@ -223,13 +223,20 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
     assert main(["serve", "--host", "0.0.0.0", "--api-key-file", str(key_file), "--header-timeout", "2.5",
-                 "--voice-alias", "alloy=B", "--voice-alias", "echo=A"]) == 0
+                 "--voice-alias", "alloy=B", "--voice-alias", "echo=A", "--max-input-chars", "100",
+                 "--max-body-mb", "2", "--max-text-streams", "1"]) == 0
     assert started["settings"].api_key == "s3cret" and "warning" not in capsys.readouterr().err.lower()
     assert started["settings"].voice_aliases.aliases == {"alloy": "B", "echo": "A"}
+    settings = started["settings"]
+    assert (settings.limits.max_input_chars, settings.max_body_bytes, settings.max_text_streams) == (100, 2 * 2**20, 1)
     assert started["run"]["http"].header_timeout == 2.5
     assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
     assert "--api-key-file" in capsys.readouterr().err
     assert main(["serve", "--header-timeout", "0"]) == 2
     assert "--header-timeout 0" in capsys.readouterr().err
+    assert main(["serve", "--voice-alias", "alloy"]) == 2
+    assert "--voice-alias 'alloy'" in capsys.readouterr().err
+    assert main(["serve", "--max-body-mb", "0"]) == 2
+    assert "--max-body-mb 0" in capsys.readouterr().err
     assert main(["serve", "--voice-alias", "alloy"]) == 2
     assert "--voice-alias 'alloy'" in capsys.readouterr().err

@@ -272,10 +272,12 @@ def run_serve(args) -> int:
         from .serving.connections import header_timeout_protocol
         from .serving.keys import resolve_api_key
         from .serving.openai_names import VoiceAliases
+        from .serving.protocol import Limits
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
-    for name, value in (("--max-batch", args.max_batch), ("--port", args.port)):
+    for name, value in (("--max-batch", args.max_batch), ("--port", args.port), ("--max-input-chars", args.max_input_chars),
+                        ("--max-body-mb", args.max_body_mb), ("--max-text-streams", args.max_text_streams)):
         if value < 1:
             raise CommandError(f"{name} {value}: expected a positive number")
     if args.max_queue < 0:
@@ -304,7 +306,8 @@ def run_serve(args) -> int:
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,
-                              voice_aliases=aliases)
+                              voice_aliases=aliases, limits=Limits(max_input_chars=args.max_input_chars),
+                              max_body_bytes=args.max_body_mb * 2**20, max_text_streams=args.max_text_streams)
     app = create_app(get_service, settings)
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
     if api_key is None and not is_loopback(args.host):

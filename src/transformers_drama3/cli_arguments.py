@@ -166,6 +166,11 @@ def add_serve(subparsers) -> None:
                         help="seconds a text stream waits for its start and each next message (then close code 4408)")
     parser.add_argument("--header-timeout", type=float, default=10.0,
                         help="seconds a request's headers may take to arrive whole (then 408 and the connection closes)")
+    parser.add_argument("--max-input-chars", type=int, default=4096,
+                        help="characters of input (and of instructions; a text stream's whole text) per request (then 413)")
+    parser.add_argument("--max-body-mb", type=int, default=32, help="MiB a request body may hold, counted as it arrives (then 413)")
+    parser.add_argument("--max-text-streams", type=int, default=4,
+                        help="WebSocket text streams running at once (then close code 4429)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument(
         "--compile", action="store_true",
