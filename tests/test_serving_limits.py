@@ -155,6 +155,17 @@ def test_a_malformed_request_gets_a_json_400(port):
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def test_an_incomplete_head_over_h11_s_limit_gets_a_json_400(port):
+    with socket.create_connection((LOOPBACK, port), timeout=WAIT) as connection:
+        try:
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000)  # still incomplete
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer, closed = read_until_closed(connection, 5)
+    assert closed and answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "bad_request"
+
+
 def closed_with(port: int, messages) -> tuple[int, str, dict]:
     """(close code, close reason, the one error event) of a text stream sent `messages`."""
     connection = websockets_sync.connect(f"ws://{LOOPBACK}:{port}/v1/audio/speech/stream", open_timeout=WAIT,
