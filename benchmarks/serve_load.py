@@ -19,6 +19,15 @@ without the long prompts. Prints per round: the worst gap between two chunks of 
 the fresh streams' time to first audio p50/p95, and the long prompts' time, with the ratios of the
 round with long prompts to the round without.
 
+`--adapters N` runs the fine-tuned-voice mix instead (issue 48): N random "light" LoRA adapters of
+the model (rank `--adapter-rank`) are served as voices, each with voice A's reference clip, and
+`--clients` streams run with 0, 1, 4, 16 (up to N) distinct adapters in the mix (client i speaks
+with adapter i mod k; 0: every client on the base model, the adapter slots installed), against
+the same streams on the base model served without adapter slots (voice A: the same prompts), run
+before and after the mixes. Prints per mix: errors, time to first audio p50/p95, aggregate
+frames/s, and the ratios of time to first audio and frames/s to the base alone (the mean of its
+two runs).
+
 Prints only; asserts nothing.
 """
 
@@ -228,6 +237,104 @@ def run(args, prefix_cache: bool) -> None:
     print(f"  batch occupancy: {occupancy:.2f} requests per decode step")
 
 
+def write_adapters(model_source, folder, count: int, rank: int) -> list[str]:
+    """`count` "light" adapters of the model with random (non-zero) weights, saved under `folder`."""
+    import copy
+    import json
+
+    import torch
+
+    from transformers_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.serving.adapter_layers import BASE_FILE, base_fingerprint
+    from transformers_drama3.training.lora import apply_lora
+
+    base = Drama3ForSpeechGeneration.from_pretrained(model_source or shipped.TINY_MODEL_PATH)
+    specs = []
+    for index in range(count):
+        peft = apply_lora(copy.deepcopy(base), "light", r=rank)
+        generator = torch.Generator().manual_seed(index)
+        with torch.no_grad():
+            for _, parameter in peft.named_parameters():
+                if parameter.requires_grad:
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        path = f"{folder}/adapter{index}"
+        peft.save_pretrained(path)
+        with open(f"{path}/{BASE_FILE}", "w") as handle:
+            json.dump(base_fingerprint(base.config), handle)
+        specs.append(f"v{index}={path}")
+    return specs
+
+
+def mix_run(args, voices: list[str], **load) -> dict:
+    """`--clients` streams at once, client i with voice voices[i mod len(voices)] (each voice warmed first)."""
+    with tempfile.TemporaryDirectory() as stored:
+        service = SpeechService.load(args.model, stored, max_batch=args.max_batch, max_queue=max(64, args.clients), **load)
+        server, thread, base = start_server(service)
+        try:
+            spf = service.processor.samples_per_frame
+            deadline = time.perf_counter() + args.time_limit
+            for voice in voices:  # warm-up: each voice's prefix cached, each adapter loaded
+                mixed_stream(base, 0, voice, 4, deadline, spf)
+            started = time.perf_counter()
+            with ThreadPoolExecutor(args.clients) as pool:
+                results = list(pool.map(lambda i: mixed_stream(base, 100 + i, voices[i % len(voices)], args.frames, deadline, spf),
+                                        range(args.clients)))
+            elapsed = time.perf_counter() - started
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            service.engine.stop()
+    ttfa = np.array([r["ttfa"] for r in results if r.get("ttfa") is not None])
+    return {"errors": [r["error"] for r in results if "error" in r],
+            "ttfa": (np.percentile(ttfa, 50), np.percentile(ttfa, 95)) if ttfa.size else (float("nan"),) * 2,
+            "rate": sum(r.get("frames", 0) for r in results) / elapsed}
+
+
+def mixed_stream(base: str, index: int, voice: str, frames: int, deadline: float, samples_per_frame: int) -> dict:
+    """`one_stream` with a given voice and one text for every client (the same prompt length)."""
+    body = {"model": "drama3", "input": TEXTS[1], "voice": voice, "response_format": "pcm", "stream_format": "audio",
+            "seed": index, "max_new_tokens": frames}
+    started, first, received = time.perf_counter(), None, 0
+    try:
+        with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=max(1.0, deadline - started)) as response:
+            if response.status_code != 200:
+                return {"error": f"status {response.status_code}"}
+            for chunk in response.iter_bytes():
+                if chunk and first is None:
+                    first = time.perf_counter() - started
+                received += len(chunk)
+    except httpx.HTTPError as error:
+        return {"error": type(error).__name__}
+    return {"ttfa": first, "frames": received / 2 / samples_per_frame}
+
+
+def adapter_mix(args) -> None:
+    import os
+
+    counts = sorted({count for count in (0, 1, 4, 16) if count <= args.adapters} | {args.adapters})
+    clip = os.path.join(shipped.TINY_MODEL_PATH, "voices")
+    with tempfile.TemporaryDirectory() as folder:
+        specs = write_adapters(args.model, folder, args.adapters, args.adapter_rank)
+        names = [spec.split("=")[0] for spec in specs]
+        references = [f"{name}={clip}/A.wav:{clip}/A.txt" for name in names]
+        slots = dict(adapter_specs=specs, voice_specs=references, max_adapters=max(1, args.adapters),
+                     adapter_rank=args.adapter_rank)
+        first = mix_run(args, ["A"])  # the base alone before and after the mixes: the machine's drift shows
+        mixes = {count: mix_run(args, names[:count] or ["A"], **slots) for count in counts}
+        last = mix_run(args, ["A"])
+    alone = {"ttfa": [(a + b) / 2 for a, b in zip(first["ttfa"], last["ttfa"])], "rate": (first["rate"] + last["rate"]) / 2}
+    print(f"fine-tuned voices: {args.clients} clients, {args.frames} frames each at most, max batch {args.max_batch}, "
+          f"LoRA rank {args.adapter_rank} on the light preset's layers")
+    print("(ratios against the mean of the two runs of the base alone, served without adapter slots)")
+    print("| adapters in the mix | errors | time to first audio p50 / p95 | frames/s | TTFA p50 vs base | frames/s vs base |")
+    print("|---|---|---|---|---|---|")
+    rows = [("base alone, first", first)] + [(f"{count}" + (" (slots installed)" if count == 0 else ""), mixes[count])
+                                                         for count in counts] + [("base alone, last", last)]
+    for label, result in rows:
+        print(f"| {label} | {len(result['errors'])} | {result['ttfa'][0]:.3f} s / {result['ttfa'][1]:.3f} s | "
+              f"{result['rate']:.1f} | {result['ttfa'][0] / alone['ttfa'][0]:.2f}x | {result['rate'] / alone['rate']:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -238,6 +345,9 @@ def main() -> None:
     parser.add_argument("--attack", action="store_true", help="run the attack mix (long prompts beside streams)")
     parser.add_argument("--streams", type=int, default=4, help="--attack: streams running when the long prompts come")
     parser.add_argument("--long-prompts", type=int, default=3, help="--attack: long prompts sent together")
+    parser.add_argument("--adapters", type=int, default=None,
+                        help="run the fine-tuned-voice mix: N adapters, mixes of 0, 1, 4, 16 (up to N) against the base")
+    parser.add_argument("--adapter-rank", type=int, default=16, help="--adapters: the adapters' LoRA rank")
     args = parser.parse_args()
     if not 1 <= args.clients <= 1024:
         parser.error(f"--clients {args.clients}: expected 1..1024")
@@ -246,6 +356,11 @@ def main() -> None:
             if not 1 <= value <= 64:
                 parser.error(f"{name} {value}: expected 1..64")
         attack(args)
+        return
+    if args.adapters is not None:
+        if not 1 <= args.adapters <= 64:
+            parser.error(f"--adapters {args.adapters}: expected 1..64")
+        adapter_mix(args)
         return
     prefill_times(args)
     for prefix_cache in (True, False):
