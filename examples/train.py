@@ -77,8 +77,17 @@ def main(argv=None):
         close_process_group()
 
 
+def check_args(args) -> None:
+    """Refuse what cannot run, before any work."""
+    if args.optimizer == "muon" and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise SystemExit("--optimizer muon cannot run under DeepSpeed ZeRO-3: it partitions each parameter flat, "
+                         "so no rank holds a whole matrix to orthogonalise; use --optimizer adamw, or an FSDP config "
+                         "(examples/accelerate/fsdp2_*.yaml)")
+
+
 def train(args) -> None:
     """Train and save; every rank runs all of it (Trainer writes from the main process only)."""
+    check_args(args)
     from transformers import AutoTokenizer, TrainingArguments
 
     from transformers_drama3 import Drama3ForSpeechGeneration
