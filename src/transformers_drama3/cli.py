@@ -320,20 +320,25 @@ def run_serve(args) -> int:
 def check_adapter_flags(args) -> None:
     """`drama3 serve --adapter NAME=PATH ...`: well-formed, existing folders, positive limits (the
     adapters themselves are checked against the model once it has loaded)."""
-    from .serving.adapters import parse_adapter_spec
-
     for name, value in (("--max-adapters", args.max_adapters), ("--adapter-rank", args.adapter_rank)):
         if value < 1:
             raise CommandError(f"{name} {value}: expected a positive number")
-    for spec in args.adapter:
+    check_adapter_specs(args.adapter)
+    if args.adapter_root is not None and not os.path.isdir(args.adapter_root):
+        raise CommandError(f"--adapter-root {args.adapter_root}: not a folder")
+
+
+def check_adapter_specs(specs) -> None:
+    """`--adapter NAME=PATH` values: the form, and a folder at PATH."""
+    from .serving.adapters import parse_adapter_spec
+
+    for spec in specs:
         try:
             _, path = parse_adapter_spec(spec)
         except ValueError as error:
             raise CommandError(str(error)) from None
         if not os.path.isdir(path):
             raise CommandError(f"--adapter {spec}: {path} is not a folder")
-    if args.adapter_root is not None and not os.path.isdir(args.adapter_root):
-        raise CommandError(f"--adapter-root {args.adapter_root}: not a folder")
 
 
 def run_demo(args) -> int:
@@ -344,7 +349,8 @@ def run_demo(args) -> int:
         from .serving.demo import launch
     except ImportError as error:
         raise CommandError(f"the demo needs the [demo] extra ({error}); pip install 'transformers-drama3[demo]'") from None
-    launch(args.model, args.host, args.port, args.share, args.device, args.max_batch)
+    check_adapter_specs(args.adapter)
+    launch(args.model, args.host, args.port, args.share, args.device, args.max_batch, adapter_specs=args.adapter)
     return 0
 
 

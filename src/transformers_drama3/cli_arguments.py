@@ -191,6 +191,10 @@ def add_demo(subparsers) -> None:
     parser.add_argument("--share", action="store_true", help="also open a temporary public gradio.live link")
     parser.add_argument("--max-batch", type=int, default=4, help="takes decoded together (more wait in the queue)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=PATH",
+        help="offer a fine-tuned voice in the voice menus: a LoRA adapter folder as voice NAME (repeatable)",
+    )
 
 
 def add_eval(subparsers) -> None:

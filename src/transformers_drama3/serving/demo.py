@@ -257,9 +257,10 @@ def build_demo(backend: Backend) -> gr.Blocks:
 
 
 def launch(model: str | None = None, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
-           device: str = "auto", max_batch: int = 4, **launch_kwargs):
-    """Load the model once, then serve the demo (queued: takes beyond the engine's batch wait)."""
-    backend = load_backend(model, device, max_batch)
+           device: str = "auto", max_batch: int = 4, adapter_specs=(), **launch_kwargs):
+    """Load the model once, then serve the demo (queued: takes beyond the engine's batch wait);
+    `adapter_specs` ("NAME=PATH") add fine-tuned voices to the voice menus."""
+    backend = load_backend(model, device, max_batch, adapter_specs)
     demo = build_demo(backend)
     demo.queue(default_concurrency_limit=backend.concurrency, max_size=64)
     return demo.launch(server_name=host, server_port=port, share=share, **launch_kwargs)

@@ -114,8 +114,9 @@ def gpu_call(function: Callable) -> Callable:
     return function if decorator is None else decorator(duration=GPU_SECONDS)(function)
 
 
-def load_backend(model: str | None = None, device: str = "auto", max_batch: int = 4) -> Backend:
-    """Load the model once: `model`, else `$DRAMA3_MODEL`, else the bundled drama3-tiny.
+def load_backend(model: str | None = None, device: str = "auto", max_batch: int = 4, adapter_specs=()) -> Backend:
+    """Load the model once: `model`, else `$DRAMA3_MODEL`, else the bundled drama3-tiny; with
+    `adapter_specs` ("NAME=PATH"), fine-tuned voices on it (`SpeechService.load`).
 
     Voices given in the page are kept in memory and in a temporary folder, never shared."""
     source = model or os.environ.get(MODEL_VARIABLE) or None
@@ -124,7 +125,7 @@ def load_backend(model: str | None = None, device: str = "auto", max_batch: int 
     if driven and device == "auto":
         device = "cuda"  # ZeroGPU: weights are placed on the GPU at start, used inside `gpu_call`s
     service = SpeechService.load(source, voices_dir, device=resolve_device(device), max_batch=max_batch,
-                                 start_engine=not driven)
+                                 start_engine=not driven, adapter_specs=adapter_specs)
     if driven:  # one caller steps the engine at a time
         return Backend(service, events=lambda handle: driven_events(service.engine, handle), concurrency=1)
     return Backend(service, concurrency=max_batch)
@@ -169,6 +170,7 @@ class SpokenRequest:
     prefix: object = None
     codes: torch.Tensor | None = None
     finish_reason: str | None = None
+    adapter: str | None = None  # the fine-tuned voice (LoRA adapter) it speaks with, if any
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ class SceneTake:
     def revised(self, note: str) -> list[SpokenRequest]:
         """The requests that revise this take: each asked again with its take in context."""
         return [
-            SpokenRequest(spoken.speaker, revision(spoken.request, spoken.codes.T, note), spoken.prefix)
+            SpokenRequest(spoken.speaker, revision(spoken.request, spoken.codes.T, note), spoken.prefix,
+                          adapter=spoken.adapter)
             for spoken in self.requests
         ]
 
@@ -288,7 +291,8 @@ class Director:
 
     @property
     def voice_names(self) -> list[str]:
-        return self.service.voices.ids()
+        """The stored voices and the fine-tuned ones (adapters), by id."""
+        return [voice["id"] for voice in self.service.voice_listing()]
 
     # ---- checks and requests (every problem raises a gr.Error naming its field) -------------------
 
@@ -305,7 +309,13 @@ class Director:
         speakers = sorted({line.speaker for line in lines})
         if speakers[-1] >= len(voices):
             raise bad_input(f"Script: speaker {speakers[-1]} has no voice; the demo voices speakers 0-{len(voices) - 1}")
-        references = [reference for speaker in speakers for reference in self.references(voices[speaker])]
+        own = {speaker: self.references(voices[speaker]) for speaker in speakers}
+        clipless = [speaker for speaker in speakers if not own[speaker]]
+        if clipless and len(speakers) > 1:  # only a fine-tuned voice comes without clips
+            choice = voices[clipless[0]]
+            raise bad_input(f"{choice.label} voice: the fine-tuned voice {choice.voice!r} has no reference clip, which each "
+                            "voice of a scene with several speakers needs; it speaks a script of its own")
+        references = [reference for speaker in speakers for reference in own[speaker]]
         source = text  # spoken as written, unless a note rewrites every line
         if note and note.strip():
             try:
@@ -322,8 +332,10 @@ class Director:
         if choice.voice is None or choice.voice == "":
             raise bad_input(f"{choice.label} voice: the script gives this speaker lines; choose a voice or {OWN_CLIP!r}")
         if choice.voice != OWN_CLIP:
-            if choice.voice not in self.service.voices:
+            if not self.service.has_voice(choice.voice):
                 raise bad_input(f"{choice.label} voice: no voice {choice.voice!r}; choose one of {self.voice_names}")
+            if choice.voice not in self.service.voices:
+                return ()  # a fine-tuned voice without reference clips: its adapter speaks it
             return tuple(reference.renumbered(choice.speaker) for reference in self.service.voices.references(choice.voice))
         if choice.clip is None:
             raise bad_input(f"{choice.label} clip: upload or record a clip of this voice")
@@ -342,15 +354,20 @@ class Director:
         """The engine requests of a script: one per speaker turn for a model that speaks scenes
         turn by turn (its generation config's `scene_mode`), else one."""
         keys = {choice.speaker: choice.voice for choice in voices if choice.voice not in (None, "", OWN_CLIP)}
+        adapters = {speaker: self.service.adapter_of(voice) for speaker, voice in keys.items()}
         if resolve_scene_mode(self.service.model, None) == "joint":
             speakers = sorted({line.speaker for line in script.lines})
             prefix = tuple(keys.get(speaker) for speaker in speakers)
-            return [SpokenRequest(None, script, None if None in prefix else prefix)]
+            adapter = adapters.get(speakers[0])
+            if len(speakers) > 1 and any(adapters.get(speaker) for speaker in speakers):
+                raise bad_input("Script: this model speaks a scene in one request, which takes one voice's adapter; a "
+                                "fine-tuned voice can speak a one-speaker script here")
+            return [SpokenRequest(None, script, None if None in prefix else prefix, adapter=adapter)]
         try:
             turns = speaker_turns(script)
         except ValueError as error:
             raise bad_input(f"Script: {error}") from None
-        return [SpokenRequest(speaker, request, keys.get(speaker)) for speaker, request in turns]
+        return [SpokenRequest(speaker, request, keys.get(speaker), adapter=adapters.get(speaker)) for speaker, request in turns]
 
     def revision_requests(self, take: SceneTake | None, note: str) -> list[SpokenRequest]:
         if take is None:
@@ -388,7 +405,7 @@ class Director:
         stream its audio; chunk k is spoken once chunk k + 1 is known, while later words arrive."""
         references = self.references(voice)
         params = TextStreamParams(
-            model=None, voice=None, response_format="pcm", seed=settings.seed,
+            model=None, voice=self.service.adapter_of(voice.voice), response_format="pcm", seed=settings.seed,
             sampling={name: value for name, value in settings.sampling.items() if value is not None},
             max_new_tokens=settings.max_new_tokens, chunk_bytes=int(chunk_bytes),
         )
@@ -487,8 +504,9 @@ class Director:
             rows = self.service.processor(item.request)
         except ValueError as error:
             raise bad_input(f"Script: {error}") from None
-        return self.service.job_of_rows(rows, self.backend.timeout, settings.sampling, seed, settings.max_new_tokens,
-                                        preset=settings.preset, prefix=item.prefix)
+        job = self.service.job_of_rows(rows, self.backend.timeout, settings.sampling, seed, settings.max_new_tokens,
+                                       preset=settings.preset, prefix=item.prefix)
+        return dataclasses.replace(job, adapter=item.adapter)
 
     def submit(self, job):
         try:
