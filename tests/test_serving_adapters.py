@@ -416,3 +416,38 @@ def test_drama3_serve_refuses_bad_adapter_flags_before_loading(tmp_path):
     ):
         with pytest.raises(CommandError, match=message):
             check_adapter_flags(flags(*argv))
+
+
+def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
+    """The slot layers add gathers and batched matmuls, no branch on a tensor, no constant and no
+    host sync: draw and feed stay one graph each, capturable (`kernels.capture_check`)."""
+    from transformers import CompileConfig
+
+    from transformers_drama3.decoding import step as decode_step
+    from transformers_drama3.decoding.loop import DecodeRun
+    from transformers_drama3.decoding.request import make_sampler, resolve_request
+    from transformers_drama3.kernels.capture_check import check_capturable
+
+    model = tiny_model(seed=0)
+    trained_adapter(model, tmp_path / "a", seed=1)
+    registry = AdapterRegistry(model, max_loaded=2, max_rank=4)
+    registry.register("a", tmp_path / "a")
+    ids, codes = prompt(1)
+    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
+    request = resolve_request(model, SamplingSettings(top_p=0.9), ids, mask, 20, 1.0, None)
+    sampler = make_sampler(model, request, ids, mask, 3)
+    with registry.use("a"):
+        run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
+                                  compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+        cache, state = run.cache, run.state
+        noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, ids.device)
+        cache.open_window(cache.tower_part, 1)
+        reports = [check_capturable(decode_step.draw, model, cache, sampler, state, noise, None)]
+        cache.open_window(cache.backbone_part, 1)
+        frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+        main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
+        reports.append(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+    for report in reports:
+        assert report.graphs == 1 and report.graph_breaks == [] and report.tensor_constants == []
+        assert report.host_syncs == [] and report.mutated_inputs == []
+        assert report.op_counts.get("aten.bmm.default", 0) > 0  # the slot layers are in the graph
