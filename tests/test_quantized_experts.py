@@ -255,9 +255,9 @@ def test_quantized_bytes_of_each_option():
 # ----------------------------------------------------------------------------- generate, stream, engine
 
 
-@pytest.mark.parametrize("option", ["int8", "nf4"])
-def test_quantised_model_generates_its_own_greedy_frames_and_streams_them(checkpoints, option):
-    model = load(checkpoints, "fp8", option)
+@pytest.mark.parametrize("kind,option", [("fp8", "int8"), ("fp8", "nf4"), ("bf16", "int4"), ("bf16", "bnb-int8")])
+def test_quantised_model_generates_its_own_greedy_frames_and_streams_them(checkpoints, kind, option):
+    model = load(checkpoints, kind, option)
     ids, codes = prompt(3)
     out = model.generate(ids[None], codes[None], do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
     frames = out.audio_codes[0, : int(out.lengths[0])]
@@ -287,12 +287,14 @@ def test_quantised_model_serves_through_the_engine(checkpoints):
 # ----------------------------------------------------------------------------- QLoRA
 
 
-@pytest.mark.parametrize("option,preset", [("nf4", "heavy"), ("int8", "light")])
-def test_qlora_over_the_quantised_model_lowers_the_loss(checkpoints, option, preset):
+@pytest.mark.parametrize(
+    "kind,option,preset", [("fp8", "nf4", "heavy"), ("fp8", "int8", "light"), ("bf16", "int4", "heavy"), ("bf16", "bnb-int8", "light")]
+)
+def test_qlora_over_the_quantised_model_lowers_the_loss(checkpoints, kind, option, preset):
     from peft import get_peft_model
 
     quantization = quantization_config_for(option, tiny_config(text=TEXT), device="cpu", dtype=torch.float32)
-    model = AutoModel.from_pretrained(checkpoints / "fp8", dtype=torch.float32, quantization_config=quantization)
+    model = AutoModel.from_pretrained(checkpoints / kind, dtype=torch.float32, quantization_config=quantization)
     peft_model = get_peft_model(model, quantized_lora_config(model, preset, r=4))
     trainable = [name for name, parameter in peft_model.named_parameters() if parameter.requires_grad]
     if preset == "heavy":
