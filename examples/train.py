@@ -101,20 +101,6 @@ def train(args) -> None:
     )
     from transformers_drama3.training.distributed import is_sharded, save_sharded_model, sharding_summary
 
-    model = Drama3ForSpeechGeneration.from_pretrained(args.model, dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    processor = Drama3Processor(tokenizer, codebook_size=model.config.codebook_size,
-                                num_codebooks=model.config.num_codebooks)
-    dataset = load_data(args, processor)
-    if "index" not in dataset.column_names:
-        dataset = dataset.map(lambda _, index: {"index": index}, with_indices=True)
-    if args.task == "cloning":
-        collator = CloningCollator(processor, ReferencePool(dataset), max_rows=args.max_rows, seed=args.seed)
-    else:
-        collator = TTSCollator(processor, max_rows=args.max_rows, seed=args.seed)
-    if args.pack_rows:
-        collator = PackingCollator(collator, args.pack_rows)
-
     training_args = TrainingArguments(
         output_dir=args.output,
         per_device_train_batch_size=args.batch_size,
@@ -135,6 +121,25 @@ def train(args) -> None:
         use_cpu=args.cpu,
         disable_tqdm=True,
     )
+    # The process group starts before the model loads: under FSDP with cpu_ram_efficient_loading
+    # only the first process of each machine reads the weights (the others build the model on the
+    # meta device and receive their shards), and ZeRO-3's zero3_init_flag partitions the model as
+    # it is built.
+    training_args.world_size  # noqa: B018 (starts the process group)
+    model = Drama3ForSpeechGeneration.from_pretrained(args.model, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    processor = Drama3Processor(tokenizer, codebook_size=model.config.codebook_size,
+                                num_codebooks=model.config.num_codebooks)
+    dataset = load_data(args, processor)
+    if "index" not in dataset.column_names:
+        dataset = dataset.map(lambda _, index: {"index": index}, with_indices=True)
+    if args.task == "cloning":
+        collator = CloningCollator(processor, ReferencePool(dataset), max_rows=args.max_rows, seed=args.seed)
+    else:
+        collator = TTSCollator(processor, max_rows=args.max_rows, seed=args.seed)
+    if args.pack_rows:
+        collator = PackingCollator(collator, args.pack_rows)
+
     trainer = Drama3Trainer(
         model=model, args=training_args, train_dataset=dataset, data_collator=collator,
         optimizer=args.optimizer, pad_id=processor.token_ids.pad,
