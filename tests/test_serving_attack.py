@@ -229,7 +229,7 @@ def test_damaged_voice_folders_are_left_out_of_the_list_and_named_in_a_clear_err
             assert "truncated" in warned and "clipless" in warned
             for voice in ("truncated", "clipless"):
                 answer = post_raw(client, "/v1/audio/speech", json.dumps({"input": "Hello.", "voice": voice, "max_new_tokens": 2}))
-                error = assert_openai_error(answer, 500, "voice")
+                error = assert_openai_error(answer, 409, "voice")
                 assert error["code"] == "voice_damaged" and voice in error["message"]
     finally:
         shutil.rmtree(root / "truncated")

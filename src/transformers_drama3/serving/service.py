@@ -144,7 +144,7 @@ class SpeechService:
         except KeyError:
             raise ApiError(404, f"{param}: no voice {voice_id!r}", param, "voice_not_found") from None
         except DamagedVoice as error:
-            raise ApiError(500, f"{param}: {error}; delete it and create it again", param, "voice_damaged") from None
+            raise ApiError(409, f"{param}: {error}; delete it and create it again", param, "voice_damaged") from None
 
     def job(self, params: SpeechParams, timeout: float) -> SpeechJob:
         """Prompt rows, sampling settings and budget of a request (raises ApiError on bad input)."""
