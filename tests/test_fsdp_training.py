@@ -184,3 +184,18 @@ def test_muon_on_sharded_parameters_steps_like_muon_on_the_whole_matrices(tmp_pa
     assert min(differences["moved"]) > 1e-2  # the steps moved every matrix
     assert max(differences["gathered"]) <= 1e-6
     assert max(differences["torch_on_shards"]) > 1e-4
+
+
+@pytest.mark.parametrize("requested, processes", [("false", "MULTI_CPU"), ("true", "NO")])
+def test_a_cpu_run_is_sharded_only_when_the_launcher_asked_and_processes_are_several(monkeypatch, requested, processes):
+    """`shard_on_cpu` leaves a DDP run (no FSDP config) and a single process alone."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from transformers_drama3.training.distributed import shard_on_cpu
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", requested)
+    state = SimpleNamespace(distributed_type=DistributedType[processes], mixed_precision="no")
+    assert shard_on_cpu(SimpleNamespace(state=state)) is False
+    assert state.distributed_type == DistributedType[processes] and not hasattr(state, "fsdp_plugin")
