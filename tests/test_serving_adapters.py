@@ -451,3 +451,44 @@ def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
         assert report.graphs == 1 and report.graph_breaks == [] and report.tensor_constants == []
         assert report.host_syncs == [] and report.mutated_inputs == []
         assert report.op_counts.get("aten.bmm.default", 0) > 0  # the slot layers are in the graph
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"bias": "all"}, "bias='all'; expected 'none'"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out=True"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'; expected 'LORA'"),
+    ({"r": 0}, "r=0; expected a positive integer"),
+    ({"use_dora": True}, "use_dora=True \\(DoRA adapters\\)"),
+    ({"rank_pattern": {"q_proj": 8}}, "rank_pattern=.*per-module ranks"),
+])
+def test_an_adapter_config_the_slots_cannot_serve_is_refused_naming_the_option(small_registry, tmp_path, change, match):
+    model, registry = small_registry
+    trained_adapter(model, tmp_path / "c", seed=1)
+    config = json.loads((tmp_path / "c" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "c" / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
+    refused(registry, "c", tmp_path / "c", match)
+
+
+@pytest.mark.parametrize("upload, match", [
+    ("not an object", "adapter: expected an object"),
+    ({"adapter_config.json": {}, "adapter_model.safetensors": "***"}, "adapter.adapter_model.safetensors: not valid base64"),
+    ({"adapter_config.json": {}}, "adapter.adapter_model.safetensors: expected the file in base64"),
+    ({"adapter_model.safetensors": ""}, "adapter.adapter_config.json: required"),
+    ({"adapter_config.json": 3, "adapter_model.safetensors": ""}, "adapter.adapter_config.json: expected an object or JSON text"),
+    ({"weights.bin": ""}, "adapter: unexpected fields \\['weights.bin'\\]"),
+])
+def test_an_upload_with_bad_fields_is_refused_naming_the_field(upload, match):
+    from transformers_drama3.serving.adapters import decode_upload
+
+    with pytest.raises(ValueError, match=match):
+        decode_upload(upload)
+
+
+def test_a_request_refused_by_a_full_queue_gives_its_adapter_back(served):
+    from transformers_drama3.serving.engine import QueueFull
+
+    model, _, registry, *_ = served
+    engine = Drama3Engine(model, max_batch=1, max_queue=0, adapters=registry)
+    with pytest.raises(QueueFull):
+        engine.submit(job(seed=1, prompt_seed=1, adapter="alto"))
+    assert all(entry.leases == 0 for entry in registry._entries.values())
