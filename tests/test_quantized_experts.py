@@ -431,3 +431,34 @@ def test_the_commands_loader_names_quant_when_refused(monkeypatch):
     monkeypatch.setattr(quantized_loading, "installed", lambda name: name != "bitsandbytes" and real(name))
     with pytest.raises(CommandError, match=r"--quant nf4: .*needs bitsandbytes"):
         load_model_and_processor(shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False, quant="nf4")
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+@pytest.mark.parametrize("option", ["int8", "int4"])
+def test_a_torchao_quantised_model_saves_and_loads_back_the_same(checkpoints, tmp_path, option):
+    model = load(checkpoints, "fp8", option)
+    model.save_pretrained(tmp_path / "saved")
+    back = AutoModel.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    assert isinstance(back.backbone.layers[0].mlp.experts, Drama3RoutedExperts)
+    assert type(back.backbone.layers[0].mlp.experts[1].up_proj.weight).__name__ == QUANTIZED_TYPES[option]
+    assert torch.equal(forward_logits(back)[0], forward_logits(model)[0])
+
+
+def test_a_bitsandbytes_quantised_model_is_refused_before_anything_is_written(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match=r"quantised by bitsandbytes .* not supported.*torchao"):
+        load(checkpoints, "fp8", "nf4").save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_a_folder_saved_from_a_bitsandbytes_model_is_refused(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(checkpoints / "bf16", tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"saved from a model quantised by bitsandbytes"):
+        AutoModel.from_pretrained(tmp_path / "saved")

@@ -379,6 +379,8 @@ class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
             return quantized_loading.from_pretrained_quantized(
                 cls, super().from_pretrained, pretrained_model_name_or_path, quantization_config, kwargs
             )
+        if quantization_config is None and quantized_loading.saved_weight_quantizer(pretrained_model_name_or_path):
+            return quantized_loading.from_pretrained_prequantized(super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @staticmethod

@@ -24,6 +24,7 @@ from ..integrations import start_hub_upload
 from .loaded_checkpoint import published_state_dict
 from .quantization import quantize_saved_experts
 from .quantization.block_fp8 import DEFAULT_BLOCK, FP8_DTYPE, SCALE_SUFFIX
+from .quantization.quantized_loading import check_saveable, weight_quantizer
 from .writer import shard_layout, write_checkpoint
 
 logger = logging.get_logger(__name__)
@@ -47,6 +48,7 @@ def save_model(
     """`model.save_pretrained(save_directory, ...)` (see `Drama3ForSpeechGeneration.save_pretrained`);
     `transformers_save_pretrained` is transformers' own `save_pretrained` bound to `model`. Returns
     the routed expert weights quantised from the model's weights (none through transformers' writer)."""
+    check_saveable(model)
     if needs_transformers_writer(model, variant, save_original_format, kwargs):
         transformers_save_pretrained(
             save_directory, is_main_process=is_main_process, state_dict=state_dict, push_to_hub=push_to_hub,
@@ -71,10 +73,12 @@ def save_model(
 def needs_transformers_writer(model, variant: str | None, save_original_format: bool, kwargs: Mapping) -> bool:
     """Whether the save is one only transformers' writer does: adapter-only (PEFT), a `variant`,
     `save_original_format=False`, a distributed checkpoint, a model sharded by transformers'
-    `distributed_config` or offloaded by a device map."""
+    `distributed_config` or offloaded by a device map, a model whose weights torchao or
+    bitsandbytes quantised (their own serialisation; `quantization.quantized_loading`)."""
     offloaded = {"cpu", "disk"} & set((getattr(model, "hf_device_map", None) or {}).values())
     return bool(
         getattr(model, "_hf_peft_config_loaded", False)
+        or weight_quantizer(getattr(model.config, "quantization_config", None)) is not None
         or variant is not None
         or not save_original_format
         or kwargs.get("distributed_checkpoint")

@@ -28,8 +28,10 @@ What `Drama3ForSpeechGeneration.from_pretrained` does with such a config (`from_
    projection exists at a time, never a whole layer or model.
 
 The quantised model computes, generates, streams, serves (`Drama3Engine`) and trains adapters
-(QLoRA: `quantized_lora_config`) like the dense one. Saving a quantised model goes through
-transformers' own writer (the quantiser's format), not the published layout.
+(QLoRA: `quantized_lora_config`) like the dense one. `save_pretrained` of a torchao-quantised model goes
+through transformers' own writer (torchao's serialisation, not the published layout), and
+`from_pretrained` of such a folder builds the per-expert layout again (`from_pretrained_prequantized`);
+a bitsandbytes-quantised model is refused before anything is written (`check_saveable`).
 """
 
 from __future__ import annotations
@@ -362,6 +364,50 @@ def from_pretrained_quantized(cls, from_pretrained, pretrained_model_name_or_pat
     finally:
         _REQUEST.reset(token)
     return model
+
+
+def saved_weight_quantizer(pretrained_model_name_or_path) -> str | None:
+    """"torchao" or "bitsandbytes" when a local checkpoint folder was saved from a model those
+    quantised (its config.json's `quantization_config`), else None."""
+    path = os.path.join(os.fspath(pretrained_model_name_or_path), "config.json") if isinstance(
+        pretrained_model_name_or_path, (str, os.PathLike)) else None
+    if path is None or not os.path.isfile(path):
+        return None
+    import json
+
+    with open(path, encoding="utf-8") as reader:
+        return weight_quantizer(json.load(reader).get("quantization_config"))
+
+
+def check_saveable(model) -> None:
+    """Refuse, before anything is written, to save a model bitsandbytes quantised: transformers'
+    bitsandbytes deserialiser cannot read its per-expert weights back (the published per-expert
+    names also match transformers' expert-fusing conversion, which takes the `.weight` away from
+    its quantisation state). torchao-quantised models save and load back."""
+    adapter_only = getattr(model, "_hf_peft_config_loaded", False)
+    if not adapter_only and weight_quantizer(getattr(model.config, "quantization_config", None)) == "bitsandbytes":
+        raise ValueError(
+            "save_pretrained of a model quantised by bitsandbytes (nf4 / 8-bit) is not supported: its routed "
+            "experts could not be loaded back. Save the dense model and quantise when loading "
+            "(from_pretrained(..., quantization_config=BitsAndBytesConfig(...))), or quantise with torchao "
+            "(int8 / int4), whose saved models load back."
+        )
+
+
+def from_pretrained_prequantized(from_pretrained, pretrained_model_name_or_path, args, kwargs: dict):
+    """Load a checkpoint saved from a torchao-quantised model: the routed experts per expert, as
+    they were saved, read by transformers' torchao deserialiser (bitsandbytes: `check_saveable`)."""
+    if saved_weight_quantizer(pretrained_model_name_or_path) == "bitsandbytes":
+        raise ValueError(
+            f"{os.fspath(pretrained_model_name_or_path)}: saved from a model quantised by bitsandbytes, whose routed "
+            f"experts cannot be loaded back; load the dense checkpoint with quantization_config=BitsAndBytesConfig(...)"
+        )
+    token = _REQUEST.set(_Request(None))
+    try:
+        with routed_experts_split():
+            return from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+    finally:
+        _REQUEST.reset(token)
 
 
 def quantized_load_active() -> bool:
