@@ -190,3 +190,21 @@ def test_an_adapter_voice_may_not_take_a_stored_voices_id(server):
     base_url, _, _, root = server
     taken = httpx.post(base_url + "/v1/audio/voices", headers=HEADERS, json={"id": "A", "adapter": {"path": "calm"}})
     assert taken.status_code == 409
+
+
+def test_a_request_for_an_adapter_when_every_slot_serves_others_gets_429(server):
+    base_url, service, _, root = server
+    for name, path in (("held", "bright"), ("waiting", "spare")):
+        assert httpx.post(base_url + "/v1/audio/voices", headers=HEADERS, json={"id": name, "adapter": {"path": path}}).status_code == 200
+    leases = [service.adapters.acquire("calm"), service.adapters.acquire("held")]  # both slots serve requests
+    try:
+        body = {"model": "drama3-tiny", "input": "Hello.", "voice": "waiting", "max_new_tokens": 2}
+        busy = httpx.post(base_url + "/v1/audio/speech", headers=HEADERS, json=body, timeout=60)
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "adapter_slots_busy"
+        assert busy.headers["Retry-After"]
+    finally:
+        for lease in leases:
+            lease.release()
+    assert httpx.post(base_url + "/v1/audio/speech", headers=HEADERS, json=body, timeout=60).status_code == 200
+    for name in ("held", "waiting"):
+        httpx.delete(base_url + f"/v1/audio/voices/{name}", headers=HEADERS)
