@@ -161,9 +161,9 @@ def test_demo_passes_its_options_to_the_launch(monkeypatch):
     from transformers_drama3.serving import demo
 
     launched = []
-    monkeypatch.setattr(demo, "launch", lambda *args: launched.append(args))
+    monkeypatch.setattr(demo, "launch", lambda *args, **kwargs: launched.append((args, kwargs)))
     assert main(["demo", "--model", "some/repo", "--host", "0.0.0.0", "--port", "7999", "--share"]) == 0
-    assert launched == [("some/repo", "0.0.0.0", 7999, True, "auto", 4)]
+    assert launched == [(("some/repo", "0.0.0.0", 7999, True, "auto", 4), {"adapter_specs": []})]
 
 
 def test_demo_refuses_a_port_below_one_before_loading_anything(capsys):
