@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import base64
 import copy
-import io
 import json
 
 import httpx
 import numpy as np
 import pytest
-import soundfile
 import torch
 
 from network_helpers import serving_on_loopback

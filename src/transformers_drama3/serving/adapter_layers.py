@@ -80,9 +80,6 @@ def routed(index: torch.Tensor | None):
         _ROUTING.index = previous
 
 
-def current_index() -> torch.Tensor | None:
-    return _ROUTING.index
-
 
 # ---------------------------------------------------------------------------------- layers
 

@@ -275,11 +275,6 @@ class AdapterRegistry:
         return skipped
 
 
-def routing_index(slots: list[int], device) -> torch.Tensor:
-    """The per-item slot index [items] for `adapter_layers.routed`."""
-    return torch.tensor(slots, dtype=torch.long, device=device)
-
-
 def parse_adapter_spec(spec: str) -> tuple[str, str]:
     """`NAME=PATH` (the `--adapter` flag) -> (name, path)."""
     name, sep, path = spec.partition("=")
