@@ -23,6 +23,7 @@ from accelerate import init_empty_weights
 from accelerate.utils import compute_module_sizes, convert_file_size_to_int
 
 from .configuration_drama3 import Drama3Config
+from .modeling_drama3 import Drama3ForSpeechGeneration
 
 BACKBONE_LAYERS = "model.language_model.layers"
 
@@ -41,8 +42,6 @@ def speech_device_map(
     config = model_or_config if isinstance(model_or_config, Drama3Config) else Drama3Config.from_pretrained(model_or_config)
     if not max_memory:
         raise ValueError("max_memory must name at least one device, e.g. {0: '70GiB', 1: '70GiB'}")
-    from .modeling_drama3 import Drama3ForSpeechGeneration
-
     with init_empty_weights():
         model = Drama3ForSpeechGeneration(config)
     dtype = dtype or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+
 from ..configuration_drama3 import Drama3Config
+from ..modeling_drama3 import Drama3ForSpeechGeneration
+from ..planning import published_config
 from .optim import is_muon_parameter
 
 GB = 1e9
@@ -49,8 +54,6 @@ class TrainingMemory:
 
 def read_launch_config(path: str):
     """accelerate's own reader of a `--config_file` (the fields `accelerate launch` uses)."""
-    from accelerate.commands.config.config_args import load_config_from_file
-
     return load_config_from_file(path)
 
 
@@ -62,11 +65,6 @@ def training_memory(
 ) -> TrainingMemory:
     """Bytes per GPU for `config_file` (a shipped accelerate config) training `model_config`
     (default: the published model's shape) with `optimizer`, `tokens_per_gpu` rows per micro-batch."""
-    from accelerate.utils import DistributedType
-
-    from ..modeling_drama3 import Drama3ForSpeechGeneration
-    from ..planning import published_config
-
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon'; got {optimizer!r}")
     launch = read_launch_config(config_file)
