@@ -27,6 +27,13 @@ What `Drama3ForSpeechGeneration.from_pretrained` does with such a config (`from_
    tensor, quantises it and drops it before reading the next, so at most one dense expert
    projection exists at a time, never a whole layer or model.
 
+What of transformers this relies on beyond its API (tests/test_quantized_experts.py fails first
+when an upgrade moves it): the per-expert checkpoint names load into `Drama3RoutedExperts` because
+transformers' loader falls back to a key's own name when a conversion renames it to a parameter the
+model lacks (the expert-fusing conversion registered for the backbone); a state dict entry is read
+as `entry[...]` (how it reads a safetensors slice); `PreTrainedModel._load_pretrained_model` is the
+private loader `integrations.PreTrainedModelWithLoadedFiles` already overrides and guards.
+
 The quantised model computes, generates, streams, serves (`Drama3Engine`) and trains adapters
 (QLoRA: `quantized_lora_config`) like the dense one. `save_pretrained` of a torchao-quantised model goes
 through transformers' own writer (torchao's serialisation, not the published layout), and
