@@ -206,3 +206,17 @@ def test_a_request_for_an_adapter_when_every_slot_serves_others_gets_429(server)
     assert httpx.post(base_url + "/v1/audio/speech", headers=HEADERS, json=body, timeout=60).status_code == 200
     for name in ("held", "waiting"):
         httpx.delete(base_url + f"/v1/audio/voices/{name}", headers=HEADERS)
+
+
+def test_a_start_flag_never_drops_an_uploaded_adapter_of_the_same_name(tmp_path, bundled_tiny):
+    base, _ = bundled_tiny
+    write_adapter(base, tmp_path / "src", seed=4)
+    voices = tmp_path / "voices"
+    first = SpeechService.load(None, str(voices), adapter_root=str(tmp_path), start_engine=False)
+    first.adapters.register_upload("me", {name: (tmp_path / "src" / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)})
+    stored = voices / ".adapters" / "me" / ADAPTER_WEIGHTS
+    with pytest.raises(ValueError, match="an uploaded adapter 'me' is stored"):
+        SpeechService.load(None, str(voices), adapter_specs=[f"me={tmp_path / 'src'}"], start_engine=False)
+    assert stored.exists()
+    again = SpeechService.load(None, str(voices), adapter_root=str(tmp_path), start_engine=False)
+    assert again.adapters.names() == ["me"]  # uploads outlive a restart

@@ -97,8 +97,9 @@ class SpeechService:
             adapters = AdapterRegistry(model, max_adapters, adapter_rank, os.path.join(voices_dir, ".adapters"), adapter_root)
             adapters.register_stored()
             for name, path in named_adapters:
-                if name in adapters:
-                    adapters.delete(name)
+                if name in adapters:  # never drop an upload for a flag: the user says which goes
+                    raise ValueError(f"--adapter {name}={path}: an uploaded adapter {name!r} is stored in "
+                                     f"{adapters.storage}; delete it (DELETE /v1/audio/voices/{name}) or use another name")
                 adapters.register(name, path)
         metrics = ServerMetrics()
         cache = PrefixCache() if prefix_cache else None
