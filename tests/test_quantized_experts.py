@@ -32,6 +32,7 @@ from transformers_drama3.checkpoint.quantization.quantized_loading import (
     quantized_lora_config,
 )
 from transformers_drama3.checkpoint.quantization.weights import held_bytes, quantized_bytes
+from transformers_drama3.training.lora import lora_config
 
 pytest.importorskip("torchao")
 pytest.importorskip("bitsandbytes")
@@ -295,7 +296,7 @@ def test_qlora_over_the_quantised_model_lowers_the_loss(checkpoints, kind, optio
 
     quantization = quantization_config_for(option, tiny_config(text=TEXT), device="cpu", dtype=torch.float32)
     model = AutoModel.from_pretrained(checkpoints / kind, dtype=torch.float32, quantization_config=quantization)
-    peft_model = get_peft_model(model, quantized_lora_config(model, preset, r=4))
+    peft_model = get_peft_model(model, quantized_lora_config(lora_config(model, preset, r=4)))
     trainable = [name for name, parameter in peft_model.named_parameters() if parameter.requires_grad]
     if preset == "heavy":
         assert any("experts.0.down_proj.lora_A" in name for name in trainable)

@@ -497,19 +497,26 @@ def dequantizing_state_dict(files, block: tuple[int, int], dtype: torch.dtype | 
         yield state
 
 
-def quantized_lora_config(model, preset: str = "light", r: int = 16, alpha: int | None = None, dropout: float = 0.0):
-    """`training.lora.lora_config` for a model loaded through a weight quantiser (QLoRA). "light"
-    is the same preset; "heavy" adapts every routed expert's gate/up/down linears (PEFT's LoRA over
-    quantised linears) instead of the fused expert parameters a dense model has."""
-    from ...training.lora import lora_config
+EXPERT_LINEARS = r".*\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)"
+"""The routed experts' linears of a model loaded through a weight quantiser, as a PEFT target regex."""
 
-    config = lora_config(model, "light", r, alpha, dropout)
-    if preset == "heavy":
-        config.target_modules = (
-            config.target_modules[:-1] + r"|mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj))"
+
+def quantized_lora_config(config):
+    """A PEFT `LoraConfig` (e.g. `training.lora.lora_config(model, preset)`) for a model loaded
+    through a weight quantiser (QLoRA): `target_parameters` naming the fused experts (the "heavy"
+    preset) become `target_modules` matching every expert's gate/up/down linears, which PEFT wraps
+    over their quantised weights. A config without target parameters ("light") is returned as is
+    (a copy)."""
+    config = copy.deepcopy(config)
+    if not config.target_parameters:
+        return config
+    if not isinstance(config.target_modules, str):
+        raise ValueError(
+            f"target_modules={config.target_modules!r}: give a regex string (as training.lora's presets do) "
+            f"to add the routed experts' linears to"
         )
-    elif preset != "light":
-        raise ValueError(f"preset must be 'light' or 'heavy'; got {preset!r}")
+    config.target_parameters = None
+    config.target_modules = f"(?:{config.target_modules})|{EXPERT_LINEARS}"
     return config
 
 
