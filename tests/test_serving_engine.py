@@ -425,6 +425,32 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_k
             assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
 
 
+def test_a_short_prompt_behind_a_long_one_starts_before_the_long_one_is_prefilled(model):
+    """A short request that arrives behind a long prompt is prefilled whole in the same step (it fits
+    three quarters of the chunk) and draws frames while the long prompt is still being prefilled;
+    the long prompt still advances every step (at least a quarter of the chunk); both get the codes
+    they get alone."""
+    ids, codes = prompt(seed=74, tail_rows=40)
+    long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=3, max_new_tokens=MAX_FRAMES)
+    short = job(seed=4, prompt_seed=75)
+    chunk = 24
+    assert short.input_ids.shape[1] <= chunk - chunk // 4 < long.input_ids.shape[1]
+    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
+    first = engine.submit(long)
+    second = engine.submit(short)
+    engine.step()
+    assert engine.state_of(second) is not None  # the short one runs from the first step on
+    filled = []
+    while engine._prefilling is not None:  # the long one is still being prefilled
+        filled.append(engine._prefilling[1].cache.backbone_part.filled)
+        engine.step()
+    assert len(filled) >= 2 and all(b > a for a, b in zip(filled, filled[1:]))  # never starved
+    while not engine.idle:
+        engine.step()
+    for request, handle in ((long, first), (short, second)):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
 def test_a_prefill_chunk_under_two_rows_is_refused(model):
     with pytest.raises(ValueError, match="prefill_chunk=1; expected at least 2"):
         Drama3Engine(model, prefill_chunk=1)

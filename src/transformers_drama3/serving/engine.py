@@ -369,29 +369,35 @@ class Drama3Engine:
 
     def _admit(self) -> None:
         """Drop waiting requests that were cancelled or ran out of time, then prefill waiting
-        requests (one at a time) into free slots: at most `prefill_chunk` rows of prompt per
-        scheduler step, so a long prompt is prefilled over several steps, each followed by a frame
-        of every running request."""
+        requests into free slots: at most `prefill_chunk` rows of prompt per scheduler step, so a
+        long prompt is prefilled over several steps, each followed by a frame of every running
+        request.
+
+        Prompts that fit whole in three quarters of the chunk go first (oldest first), so a short
+        request does not wait behind the chunks of a long prompt that arrived before it; the rest of
+        the chunk (at least a quarter) goes to the oldest remaining request, one at a time, so a
+        run of short requests cannot starve a long one."""
         self._drop_abandoned()
         budget = self.prefill_chunk
+        short = budget - budget // 4
+        while len(self._slots) < self.max_batch:
+            handle = self._take_waiting(lambda rows: rows <= short)
+            if handle is None:
+                break
+            run = self._start_prefill(handle, short)
+            if run is not None:
+                short -= run.cache.backbone_part.filled
+                budget -= run.cache.backbone_part.filled
+                self._join_prefilled(handle, run)
         while len(self._slots) < self.max_batch and budget > 0:
             if self._prefilling is None:
-                with self._lock:
-                    if not self._waiting:
-                        return
-                    handle = self._waiting.pop(0)
-                if handle.cancelled.is_set():
-                    self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
+                handle = self._take_waiting(lambda rows: True)
+                if handle is None:
+                    return
+                run = self._start_prefill(handle, budget)
+                if run is None:
                     continue
-                started = time.perf_counter()
-                try:
-                    with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
-                        run = self.prefill(self.model, handle.job, budget)
-                    self._prefilling = (handle, run)
-                except Exception as error:
-                    self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-                    continue
-                self.stats.prefill_seconds += time.perf_counter() - started
+                self._prefilling = (handle, run)
                 budget -= run.cache.backbone_part.filled
             else:
                 handle, run = self._prefilling
@@ -416,13 +422,41 @@ class Drama3Engine:
             if run.cache.backbone_part.filled < handle.job.input_ids.shape[1]:
                 return  # the rest of this prompt after the next decode step
             self._prefilling = None
-            try:
-                slot = self._new_slot(handle)
-            except Exception as error:
-                self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-                continue
-            self.stats.prefills += 1
-            self._join(run, slot)
+            self._join_prefilled(handle, run)
+
+    def _take_waiting(self, fits) -> RequestHandle | None:
+        """The oldest waiting request whose prompt length (rows) `fits`, taken off the queue."""
+        with self._lock:
+            for index, handle in enumerate(self._waiting):
+                if fits(handle.job.input_ids.shape[1]):
+                    return self._waiting.pop(index)
+        return None
+
+    def _start_prefill(self, handle: RequestHandle, rows: int) -> DecodeRun | None:
+        """Prefill at most `rows` rows of a request's prompt (all of it when it fits); None when the
+        request was cancelled or its prefill failed (its handle is finished)."""
+        if handle.cancelled.is_set():
+            self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
+            return None
+        started = time.perf_counter()
+        try:
+            with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
+                run = self.prefill(self.model, handle.job, rows)
+        except Exception as error:
+            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+            return None
+        self.stats.prefill_seconds += time.perf_counter() - started
+        return run
+
+    def _join_prefilled(self, handle: RequestHandle, run: DecodeRun) -> None:
+        """A request whose whole prompt is prefilled takes a slot of the batch."""
+        try:
+            slot = self._new_slot(handle)
+        except Exception as error:
+            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+            return
+        self.stats.prefills += 1
+        self._join(run, slot)
 
     def _drop_abandoned(self) -> None:
         with self._lock:
