@@ -63,6 +63,7 @@ def thread_count(value: str):
 
 def add_say(subparsers) -> None:
     parser = subparsers.add_parser("say", help="speak a text into an audio file")
+    add_quant_argument(parser)
     parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
     parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
     parser.add_argument(
@@ -118,6 +119,7 @@ def add_table(subparsers) -> None:
 
 def add_serve(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
+    add_quant_argument(parser, "; not with --adapter / --adapter-root")
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -219,15 +221,21 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--quant", choices=EVAL_QUANTIZATIONS, default=None,
-        help="load the weights quantised (routed experts and the backbone's dense projections): torchao int8 / "
-             "int4, bitsandbytes nf4 / 8-bit (the [quant] extra); compare with the same command without it",
-    )
+    add_quant_argument(parser, "; compare with the same command without it")
 
 
 EVAL_QUANTIZATIONS = ("int8", "int4", "nf4", "bnb-int8")
-"""`drama3 eval --quant` choices: `checkpoint.quantization.WEIGHT_OPTIONS` (this module imports no package code)."""
+"""`drama3 eval / say / serve --quant` choices: `checkpoint.quantization.WEIGHT_OPTIONS` (this module
+imports no package code)."""
+
+
+def add_quant_argument(parser, note: str = "") -> None:
+    """`--quant`: load the weights quantised through transformers' quantisers (`loading.load_model_and_processor`)."""
+    parser.add_argument(
+        "--quant", choices=EVAL_QUANTIZATIONS, default=None,
+        help="load the weights quantised (routed experts and the backbone's dense projections): torchao int8 / "
+             "int4, bitsandbytes nf4 / 8-bit (the [quant] extra; `drama3 plan` says what fits)" + note,
+    )
 
 PLAN_QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
 """`drama3 plan --quant` choices: `planning.QUANTIZATIONS` (this module imports no package code)."""
