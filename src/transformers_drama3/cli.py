@@ -64,7 +64,8 @@ def run_say(args) -> int:
     sampling = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
     _check_every_speaker_has_a_reference(args, references, speakers)
-    model, processor = load_model_and_processor(source, args.device, args.dtype, progress=not args.quiet, quant=args.quant)
+    model, processor = load_model_and_processor(source, args.device, args.dtype, progress=not args.quiet, quant=args.quant,
+                                                offload=args.offload_experts)
     started = time.perf_counter()
     try:
         with atomic_output(args.output) as temporary:
@@ -291,6 +292,9 @@ def run_serve(args) -> int:
     if args.quant is not None and (args.adapter or args.adapter_root is not None):
         raise CommandError(f"--quant {args.quant} with --adapter / --adapter-root: adapter voices are served on "
                            "unquantised weights only; drop one of them")
+    if args.offload_experts is not None and (args.compile or args.quant is not None or args.offload_experts < 1):
+        raise CommandError(f"--offload-experts {args.offload_experts}: expected at least 1 expert per layer, without "
+                           "--compile (the compiled step cannot copy experts in) and without --quant")
     for name, value in (("--body-timeout", args.body_timeout), ("--stream-idle-timeout", args.stream_idle_timeout),
                         ("--header-timeout", args.header_timeout)):
         if not value > 0:
@@ -305,7 +309,7 @@ def run_serve(args) -> int:
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
         adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
-        adapter_rank=args.adapter_rank, quant=args.quant,
+        adapter_rank=args.adapter_rank, quant=args.quant, offload=args.offload_experts,
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,

@@ -64,6 +64,7 @@ def thread_count(value: str):
 def add_say(subparsers) -> None:
     parser = subparsers.add_parser("say", help="speak a text into an audio file")
     add_quant_argument(parser)
+    add_offload_argument(parser)
     parser.add_argument("text", help="what to say (speaker tags <|speaker:N|>, [directions] and <tags> allowed)")
     parser.add_argument("-o", "--output", required=True, help="audio file to write (.wav or .flac)")
     parser.add_argument(
@@ -120,6 +121,7 @@ def add_table(subparsers) -> None:
 def add_serve(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
     add_quant_argument(parser, "; not with --adapter / --adapter-root")
+    add_offload_argument(parser, " or --compile")
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -227,6 +229,15 @@ def add_eval(subparsers) -> None:
 EVAL_QUANTIZATIONS = ("int8", "int4", "nf4", "bnb-int8")
 """`drama3 eval / say / serve --quant` choices: `checkpoint.quantization.WEIGHT_OPTIONS` (this module
 imports no package code)."""
+
+
+def add_offload_argument(parser, note: str = "") -> None:
+    """`--offload-experts K`: the routed experts in CPU RAM, K of each layer cached on the device."""
+    parser.add_argument(
+        "--offload-experts", type=int, default=None, metavar="K",
+        help="keep the routed experts in CPU RAM and K experts of each layer cached on the device (a GPU with less "
+             "memory than the model; `drama3 plan` gives K for a card); not with --quant" + note,
+    )
 
 
 def add_quant_argument(parser, note: str = "") -> None:

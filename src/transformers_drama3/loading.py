@@ -19,6 +19,7 @@ from .cli_arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command
 from .checkpoint.quantization.quantized_loading import QuantizationRefused, quantization_config_for
 from .configuration_drama3 import Drama3Config
 from .modeling_drama3 import Drama3ForSpeechGeneration
+from .offload import offload_experts
 from .processing_drama3 import Drama3Processor
 
 
@@ -26,12 +27,20 @@ class CommandError(Exception):
     """An error the user can fix; printed as one message, without a traceback."""
 
 
-def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True, quant: str | None = None):
+def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True, quant: str | None = None,
+                             offload: int | None = None):
     """The model and processor (with its codec) from a folder or a Hub repo id; a CommandError
     naming `source` (or `--device` / `--dtype` / `--quant`) when there is none or it cannot be used.
     Without `progress`, transformers' loading bars stay quiet. `quant`: one of
     `checkpoint.quantization.WEIGHT_OPTIONS` (int8, int4, nf4, bnb-int8) to load the weights
-    quantised (`quantization_config_for`), placed on `device` as they load."""
+    quantised (`quantization_config_for`), placed on `device` as they load. `offload`
+    (`--offload-experts K`): the routed experts kept in CPU RAM with K of each layer cached on
+    `device` (`offload.offload_experts`); not with `quant`."""
+    if offload is not None and (isinstance(offload, bool) or not isinstance(offload, int) or offload < 1):
+        raise CommandError(f"--offload-experts {offload}: expected a whole number of experts per layer, at least 1")
+    if offload is not None and quant is not None:
+        raise CommandError(f"--offload-experts with --quant {quant}: the offloaded experts are the unquantised ones; "
+                           "drop one of them (drama3 plan says what fits)")
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
         raise CommandError(f"--model {source}: the folder has no config.json; expected a Drama 3 checkpoint folder")
     looks_like_repo_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
@@ -44,7 +53,10 @@ def load_model_and_processor(source: str, device: str, dtype: str, progress: boo
         raise CommandError(f"--dtype {dtype}: expected one of {', '.join(dtypes)}")
     try:
         with _progress_bars(progress):
-            if quant is None:
+            if offload is not None:  # loaded in CPU RAM, then all but the routed experts moved to the device
+                model = offload_experts(Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).eval(),
+                                        cache_experts=offload, device=device)
+            elif quant is None:
                 model = Drama3ForSpeechGeneration.from_pretrained(source, dtype=dtypes[dtype]).to(device).eval()
             else:
                 model = _load_quantized(source, device, dtypes[dtype], quant)

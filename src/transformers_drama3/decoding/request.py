@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import CompileConfig, GenerationConfig
 
+from ..offload import OffloadedExperts
 from ..prompting.bare_rows import boundaries_left_of_rows
 from .alignment import AlignmentTracker
 from .budget import expected_seconds_of_tokens, frame_budgets, overlong_factor, speak_span_tokens, target_text_tokens, text_tokens_per_second
@@ -58,7 +59,7 @@ def resolve_decoding(model, generation_config: GenerationConfig | None, override
     ("static" or "dynamic"), `compile_config` and `disable_compile`, from the model's generation
     config, then the call's, then keyword arguments. A static cache is compiled when a
     `compile_config` is given, or by default on CUDA (`default_compile_config`: one graph per step
-    with CUDA graphs), unless `disable_compile`."""
+    with CUDA graphs), unless `disable_compile` or the model's experts are offloaded."""
     values: dict = {}
     for source in (getattr(model, "generation_config", None), generation_config, overrides):
         if source is None:
@@ -76,8 +77,8 @@ def resolve_decoding(model, generation_config: GenerationConfig | None, override
         raise ValueError(f"compile_config={compile_config!r}; expected a transformers CompileConfig")
     if values.get("disable_compile"):
         return DecodeOptions(static=True)
-    if compile_config is None and model.device.type == "cuda":
-        compile_config = default_compile_config()
+    if compile_config is None and model.device.type == "cuda" and not has_offloaded_experts(model):
+        compile_config = default_compile_config()  # offloaded experts copy in what a step chose: eager only
     return DecodeOptions(static=True, compile_config=compile_config)
 
 
@@ -161,3 +162,8 @@ def resolve_request(
         expected_frames=seconds * frame_rate,
         separators=line_separators(model, input_ids, attention_mask, separator_id, layout.get("boundaries_left")),
     )
+
+
+def has_offloaded_experts(model) -> bool:
+    """Whether `offload_experts` moved `model`'s routed experts to CPU RAM (its step then runs eagerly)."""
+    return any(isinstance(module, OffloadedExperts) for module in model.modules())

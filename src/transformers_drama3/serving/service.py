@@ -71,7 +71,7 @@ class SpeechService:
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
              start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False,
              adapter_specs=(), adapter_root: str | None = None, max_adapters: int = 8, adapter_rank: int = 16,
-             quant: str | None = None):
+             quant: str | None = None, offload: int | None = None):
         """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
@@ -83,13 +83,17 @@ class SpeechService:
         `adapter_root` (server folders adapters may be registered from at run time) the model gets
         `max_adapters` adapter slots of rank up to `adapter_rank` (`adapters.AdapterRegistry`), and
         uploaded adapters are kept in `voices_dir`/.adapters. `quant` (`--quant`): the weights loaded
-        quantised (`checkpoint.quantization.WEIGHT_OPTIONS`); adapters need unquantised weights."""
+        quantised (`checkpoint.quantization.WEIGHT_OPTIONS`); adapters need unquantised weights.
+        `offload` (`--offload-experts K`): the routed experts in CPU RAM, K of each layer cached on
+        `device` (`offload.offload_experts`); the engine then steps eagerly."""
         named_adapters = [parse_adapter_spec(spec) for spec in adapter_specs]  # a bad flag is refused before loading
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
         if quant is not None and (adapter_specs or adapter_root is not None):
             raise ValueError(f"quant={quant!r} with adapters: adapter voices are served on unquantised weights only")
-        model, processor = load_model_and_processor(source, device, "auto", quant=quant)
+        if offload is not None and compile:
+            raise ValueError(f"offload={offload} with compile=True: the compiled step cannot copy experts in")
+        model, processor = load_model_and_processor(source, device, "auto", quant=quant, offload=offload)
         voices = VoiceStore(voices_dir, processor)
         if bundled:
             register_bundled_voices(voices)
