@@ -1,8 +1,8 @@
 """The loop a user runs, end to end on drama3-tiny: a folder of clips of a voice ->
 examples/finetune_voice_lora.py (a few steps) -> `drama3 serve --adapter me=out/adapter` -> the
 official openai client speaks with voice="me": the take is the merged checkpoint's (out/merged),
-differs from the base model's take of the same request, and its speaker similarity to the voice
-is measured beside the base model's (the project's instrument: resemblyzer, recipes/drama3_tiny)."""
+differs from the base model's take of the same request, and is closer to the voice than the base
+model's take (speaker similarity, the project's instrument: resemblyzer, recipes/drama3_tiny)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,13 @@ from transformers_drama3.tiny import shipped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LSB = 1 / 32767
-VOICE = Voice("C", "en-gb", "m4")  # the corpus leaves this espeak voice out: drama3-tiny never heard it
+# drama3-tiny's language model was trained on voices A and B only; its phonetic codec writes the
+# voice of each frame as one label of a fixed set (codebook 1), and this voice (the corpus's F, which
+# the model never heard) gets its own label, "m7 p50": codec resynthesis scores 0.91 to the voice,
+# against 0.79 as A's label and 0.61 as B's. A voice the codec labels as A or B cannot be learnt:
+# en-gb+m4 is coded as A's label ("m1 p50", resemblyzer 0.89 to A), and the base model already
+# speaks it (4 steps: adapter 0.849 against base 0.841; 10 steps at 2e-3: 0.727 against 0.724).
+VOICE = Voice("F", "en-029", "m7")
 TRAINING = (
     "Could you hand me that blue towel on the rack?",
     "What time does your shift end tonight?",
@@ -39,7 +45,14 @@ TRAINING = (
 )
 HELD_OUT = ("The old fisherman carried a heavy lantern to the harbour.", "Please open the window before breakfast.")
 SPOKEN = ("My cousin keeps forty two pebbles in a wooden box.", "Why did the sleepy donkey wander across the valley?")
-STEPS = 4
+STEPS = 12  # 4 steps left the adapter's voice label unsettled (it spoke "f4 p55 whisper" with the clip)
+# Measured with these clips, 12 steps at 5e-3, rank 8 (float32, four takes each, training seeds 0 and
+# 1): the adapter with the clip 0.914 +- 0.009 and 0.910 +- 0.007 (lowest take 0.897), the base
+# model with the same clip 0.690 +- 0.035 (highest 0.732; it speaks A's label). The gain, 0.22, is
+# six spreads of the base's takes; the test asks for 0.1 on the mean and every adapter take above
+# every base take. The adapter with no clip ("plain") 0.882 +- 0.028 and 0.872 +- 0.026 (lowest
+# 0.841): the fine-tuned voice alone beats the base model given a clip of the voice by the same rule.
+MIN_GAIN = 0.1
 
 needs_tools = pytest.mark.skipif(
     not espeak_available() or importlib.util.find_spec("resemblyzer") is None,
@@ -82,7 +95,9 @@ def test_a_voice_fine_tuned_with_the_example_is_served_to_the_openai_client(tmp_
     clip = f"{voice / 'clip0.wav'}:{voice / 'clip0.txt'}"
     # drama3 serve --adapter me=out/adapter --voice me=clip (the adapter with a reference clip of the
     # voice) --voice ref=clip (the same clip on the base model: the same prompt without the adapter)
-    args = build_parser().parse_args(["serve", "--adapter", f"me={out / 'adapter'}", "--voice", f"me={clip}", "--voice", f"ref={clip}"])
+    # --adapter plain=out/adapter (the same adapter with no clip: the fine-tuned voice alone)
+    args = build_parser().parse_args(["serve", "--adapter", f"me={out / 'adapter'}", "--voice", f"me={clip}", "--voice", f"ref={clip}",
+                                      "--adapter", f"plain={out / 'adapter'}"])
     check_adapter_flags(args)
     service = SpeechService.load(None, str(tmp_path / "voices"), voice_specs=args.voice, adapter_specs=args.adapter,
                                  max_adapters=args.max_adapters, adapter_rank=args.adapter_rank)
@@ -93,14 +108,14 @@ def test_a_voice_fine_tuned_with_the_example_is_served_to_the_openai_client(tmp_
     merged.set_experts_implementation("eager")
     merged.double()
     centroid = I.voice_centroid([I.speaker_embedding(synthesize(s, VOICE), SAMPLING_RATE) for s in HELD_OUT])
-    scores = {"me": [], "ref": []}
+    scores = {"me": [], "ref": [], "plain": []}
     app = create_app(lambda: service, ServerSettings(request_timeout=300))
     try:
         with serving_on_loopback(app) as port:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
             for seed, text in enumerate(SPOKEN):
                 takes = {}
-                for name in ("me", "ref"):
+                for name in ("me", "ref", "plain"):
                     response = client.audio.speech.create(model="drama3-tiny", input=text, voice=name, response_format="pcm",
                                                           extra_body={"seed": seed})
                     takes[name] = pcm_samples(response.content)
@@ -118,7 +133,11 @@ def test_a_voice_fine_tuned_with_the_example_is_served_to_the_openai_client(tmp_
                 np.testing.assert_allclose(takes["me"], expected, atol=2 * LSB, rtol=0)
     finally:
         service.engine.stop()
-    adapted, base = float(np.mean(scores["me"])), float(np.mean(scores["ref"]))
-    record_property("speaker_similarity", {"adapter": adapted, "base": base, "steps": STEPS})
-    print(f"speaker similarity to the voice after {STEPS} steps: adapter {adapted:.3f}, base {base:.3f}")
-    assert all(-1.0 <= score <= 1.0 for score in scores["me"] + scores["ref"])
+    adapted, base, plain = (float(np.mean(scores[name])) for name in ("me", "ref", "plain"))
+    record_property("speaker_similarity", {"adapter": adapted, "adapter_without_clip": plain, "base": base, "steps": STEPS})
+    print(f"speaker similarity to the voice after {STEPS} steps: adapter {adapted:.3f} (without the clip {plain:.3f}), "
+          f"base with the clip {base:.3f}")
+    assert all(-1.0 <= score <= 1.0 for score in scores["me"] + scores["ref"] + scores["plain"])
+    for name, mean in (("me", adapted), ("plain", plain)):
+        assert mean - base > MIN_GAIN, f"{name}: the fine-tuned voice is not closer to the voice: {scores[name]}, base {scores['ref']}"
+        assert min(scores[name]) > max(scores["ref"]), f"{name}: {scores[name]}, base {scores['ref']}"
