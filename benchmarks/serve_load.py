@@ -141,7 +141,8 @@ def attack_round(base: str, args, samples_per_frame: int, long_prompts: int) -> 
 
 def attack(args) -> None:
     with tempfile.TemporaryDirectory() as voices:
-        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=64)
+        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=64,
+                                     prefill_chunk=args.prefill_chunk)
         server, thread, base = start_server(service)
         try:
             spf = service.processor.samples_per_frame
@@ -345,6 +346,7 @@ def main() -> None:
     parser.add_argument("--attack", action="store_true", help="run the attack mix (long prompts beside streams)")
     parser.add_argument("--streams", type=int, default=4, help="--attack: streams running when the long prompts come")
     parser.add_argument("--long-prompts", type=int, default=3, help="--attack: long prompts sent together")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="--attack: the engine's prefill_chunk (rows per step)")
     parser.add_argument("--adapters", type=int, default=None,
                         help="run the fine-tuned-voice mix: N adapters, mixes of 0, 1, 4, 16 (up to N) against the base")
     parser.add_argument("--adapter-rank", type=int, default=16, help="--adapters: the adapters' LoRA rank")

@@ -46,8 +46,10 @@ def test_serve_refuses_quant_with_adapters_before_loading(tmp_path, capsys):
 
 
 def test_the_service_loads_quantised_weights_and_refuses_them_with_adapters(tmp_path):
-    service = SpeechService.load(voices_dir=str(tmp_path / "voices"), quant="int8", start_engine=False, threads=1)
+    service = SpeechService.load(voices_dir=str(tmp_path / "voices"), quant="int8", start_engine=False, threads=1,
+                                 prefill_chunk=64)
     assert expert_weight_type(service.model) not in {"Parameter", "Tensor"}
+    assert service.engine.prefill_chunk == 64  # --prefill-chunk reaches the engine
     with pytest.raises(ValueError, match="quant='int8' with adapters"):
         SpeechService.load(voices_dir=str(tmp_path / "voices"), quant="int8", adapter_root=str(tmp_path), start_engine=False)
 

@@ -227,7 +227,8 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     from transformers_drama3.serving import app as app_module
 
     started = {}
-    monkeypatch.setattr(app_module, "serve_in_background", lambda *args, **kwargs: ((lambda: None), None))
+    monkeypatch.setattr(app_module, "serve_in_background",
+                        lambda *args, **kwargs: (started.setdefault("load", kwargs), ((lambda: None), None))[1])
     monkeypatch.setattr(app_module, "create_app", lambda get_service, settings: started.setdefault("settings", settings))
     monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: started.setdefault("run", kwargs))
     monkeypatch.delenv("DRAMA3_API_KEY", raising=False)
@@ -235,7 +236,8 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     key_file.write_text("s3cret\n")
     assert main(["serve", "--host", "0.0.0.0", "--api-key-file", str(key_file), "--header-timeout", "2.5",
                  "--voice-alias", "alloy=B", "--voice-alias", "echo=A", "--max-input-chars", "100",
-                 "--max-body-mb", "2", "--max-text-streams", "1"]) == 0
+                 "--max-body-mb", "2", "--max-text-streams", "1", "--prefill-chunk", "64"]) == 0
+    assert started["load"]["prefill_chunk"] == 64
     assert started["settings"].api_key == "s3cret" and "warning" not in capsys.readouterr().err.lower()
     assert started["settings"].voice_aliases.aliases == {"alloy": "B", "echo": "A"}
     settings = started["settings"]
@@ -249,5 +251,7 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     assert "--voice-alias 'alloy'" in capsys.readouterr().err
     assert main(["serve", "--max-body-mb", "0"]) == 2
     assert "--max-body-mb 0" in capsys.readouterr().err
+    assert main(["serve", "--prefill-chunk", "1"]) == 2
+    assert "--prefill-chunk 1" in capsys.readouterr().err
     assert main(["serve", "--voice-alias", "alloy"]) == 2
     assert "--voice-alias 'alloy'" in capsys.readouterr().err

@@ -277,6 +277,8 @@ def run_serve(args) -> int:
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
+    if args.prefill_chunk < 2:
+        raise CommandError(f"--prefill-chunk {args.prefill_chunk}: expected at least 2 rows")
     for name, value in (("--max-batch", args.max_batch), ("--port", args.port), ("--max-input-chars", args.max_input_chars),
                         ("--max-body-mb", args.max_body_mb), ("--max-text-streams", args.max_text_streams)):
         if value < 1:
@@ -309,7 +311,7 @@ def run_serve(args) -> int:
         args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
         voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
         adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
-        adapter_rank=args.adapter_rank, quant=args.quant, offload=args.offload_experts,
+        adapter_rank=args.adapter_rank, quant=args.quant, offload=args.offload_experts, prefill_chunk=args.prefill_chunk,
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,

@@ -122,6 +122,11 @@ def add_serve(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible /v1/audio/speech endpoint")
     add_quant_argument(parser, "; not with --adapter / --adapter-root")
     add_offload_argument(parser, " or --compile")
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=512, metavar="ROWS",
+        help="rows of prompt prefilled per scheduler step, between two frames of every running stream (default 512; "
+             "smaller: shorter stalls of running streams beside a long prompt, which then takes longer)",
+    )
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)

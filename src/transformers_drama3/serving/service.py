@@ -71,7 +71,7 @@ class SpeechService:
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
              start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False,
              adapter_specs=(), adapter_root: str | None = None, max_adapters: int = 8, adapter_rank: int = 16,
-             quant: str | None = None, offload: int | None = None):
+             quant: str | None = None, offload: int | None = None, prefill_chunk: int = 512):
         """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
@@ -85,7 +85,8 @@ class SpeechService:
         uploaded adapters are kept in `voices_dir`/.adapters. `quant` (`--quant`): the weights loaded
         quantised (`checkpoint.quantization.WEIGHT_OPTIONS`); adapters need unquantised weights.
         `offload` (`--offload-experts K`): the routed experts in CPU RAM, K of each layer cached on
-        `device` (`offload.offload_experts`); the engine then steps eagerly."""
+        `device` (`offload.offload_experts`); the engine then steps eagerly. `prefill_chunk`
+        (`--prefill-chunk`): rows of prompt prefilled per scheduler step (`Drama3Engine`)."""
         named_adapters = [parse_adapter_spec(spec) for spec in adapter_specs]  # a bad flag is refused before loading
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
@@ -114,7 +115,8 @@ class SpeechService:
         metrics.prefix_cache = cache
         engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
                               on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads,
-                              compile_config=default_compile_config() if compile else None, adapters=adapters)
+                              compile_config=default_compile_config() if compile else None, adapters=adapters,
+                              prefill_chunk=prefill_chunk)
         if start_engine:
             engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
