@@ -24,19 +24,9 @@ def expert_weight_type(model) -> str:
 
 
 def test_say_quant_speaks_with_quantised_experts(tmp_path, monkeypatch):
-    loaded = {}
-    real = cli.load_model_and_processor
-
-    def spy(*args, **kwargs):
-        loaded["model"], processor = real(*args, **kwargs)
-        return loaded["model"], processor
-
-    monkeypatch.setattr(cli, "load_model_and_processor", spy)
-    output = tmp_path / "q.wav"
-    assert cli.main(["say", "Hello there.", "-o", str(output), "--quant", "int8", "--quiet", "--seed", "0"]) == 0
-    audio, rate = soundfile.read(output)
-    assert rate > 0 and audio.size > 0 and torch.isfinite(torch.from_numpy(audio)).all()
-    assert expert_weight_type(loaded["model"]) not in {"Parameter", "Tensor"}
+    audio, model = say(tmp_path, monkeypatch, "q.wav", "--quant", "int8")
+    assert audio.size > 0 and torch.isfinite(torch.from_numpy(audio)).all()
+    assert expert_weight_type(model) not in {"Parameter", "Tensor"}
 
 
 def test_serve_refuses_quant_with_adapters_before_loading(tmp_path, capsys):
