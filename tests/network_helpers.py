@@ -16,13 +16,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving_on_loopback(app, start_timeout: float = 30.0):
+def serving_on_loopback(app, start_timeout: float = 30.0, http="auto"):
     """Run an ASGI app with uvicorn in a background thread on a free loopback port; yields the port
-    once the server has started, and stops it on exit."""
+    once the server has started, and stops it on exit. `http`: uvicorn's HTTP protocol (a name or
+    a class, e.g. the CLI's `header_timeout_protocol`)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning", http=http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + start_timeout

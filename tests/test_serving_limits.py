@@ -3,15 +3,13 @@ and its connection closed after `--header-timeout` (uvicorn alone holds it open 
 malformed request gets its 400 as JSON; a WebSocket's error closes carry a reason; the key can come
 from a file. Each test bounds its waits."""
 
-import contextlib
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-from network_helpers import LOOPBACK, free_port
+from network_helpers import LOOPBACK, serving_on_loopback
 
 uvicorn = pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
@@ -26,21 +24,9 @@ HEADER_TIMEOUT = 0.5
 WAIT = 30
 
 
-@contextlib.contextmanager
 def serving(app, http="h11"):
     """uvicorn on a free loopback port with the given HTTP protocol (the CLI's, or uvicorn's own)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning", http=http))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serving_on_loopback(app, http=http)
 
 
 @pytest.fixture(scope="module")
