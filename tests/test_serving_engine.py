@@ -441,14 +441,49 @@ def test_a_short_prompt_behind_a_long_one_starts_before_the_long_one_is_prefille
     engine.step()
     assert engine.state_of(second) is not None  # the short one runs from the first step on
     filled = []
-    while engine._prefilling is not None:  # the long one is still being prefilled
-        filled.append(engine._prefilling[1].cache.backbone_part.filled)
+    while engine._prefilling:  # the long one is still being prefilled
+        filled.append(engine._prefilling[0][1].cache.backbone_part.filled)
         engine.step()
     assert len(filled) >= 2 and all(b > a for a, b in zip(filled, filled[1:]))  # never starved
     while not engine.idle:
         engine.step()
     for request, handle in ((long, first), (short, second)):
         assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+
+def test_the_fewest_rows_left_go_first_even_past_one_chunk_and_a_cancelled_prompt_leaves(model):
+    """A request whose prompt is twice the chunk, arriving while a longer prompt is being prefilled,
+    is prefilled over a few steps (after the long prompt's quarter of each chunk) and runs before the
+    long one is whole; both get their codes alone. A prompt in part prefilled that is cancelled
+    leaves at the next step."""
+    ids, codes = prompt(seed=74, tail_rows=40)
+    long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=3, max_new_tokens=MAX_FRAMES)
+    short = job(seed=4, prompt_seed=75)
+    chunk = 8
+    assert 2 * chunk == short.input_ids.shape[1] < long.input_ids.shape[1] - chunk
+    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
+    first = engine.submit(long)
+    engine.step()
+    second = engine.submit(short)
+    steps = 0
+    while engine.state_of(second) is None:
+        engine.step()
+        steps += 1
+    assert steps == 3  # 16 rows at 6 a step (the long prompt takes 2 of each 8)
+    assert [handle for handle, _ in engine._prefilling] == [first]  # still in part prefilled
+    while not engine.idle:
+        engine.step()
+    for request, handle in ((long, first), (short, second)):
+        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
+
+    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
+    first = engine.submit(long)
+    engine.step()
+    assert [handle for handle, _ in engine._prefilling] == [first]
+    first.cancel()
+    engine.step()
+    assert engine._prefilling == [] and engine.idle
+    assert first.result(timeout=1).kind == "cancelled"
 
 
 def test_a_prefill_chunk_under_two_rows_is_refused(model):

@@ -242,7 +242,7 @@ class Drama3Engine:
         if prefill_chunk < 2:
             raise ValueError(f"prefill_chunk={prefill_chunk}; expected at least 2 rows")
         self.prefill_chunk = prefill_chunk
-        self._prefilling = None  # (handle, DecodeRun) of a prompt being prefilled chunk by chunk
+        self._prefilling: list[tuple[RequestHandle, DecodeRun]] = []  # prompts prefilled chunk by chunk, oldest first
         self.separator_id = audio_separator_token_id
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
             probe = torch.zeros(1, 2, dtype=torch.long)
@@ -281,8 +281,8 @@ class Drama3Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        prefilling = [] if self._prefilling is None else [self._prefilling[0]]
-        self._prefilling = None
+        prefilling = [handle for handle, _ in self._prefilling]
+        self._prefilling = []
         for handle in [*self._waiting, *prefilling, *(slot.handle for slot in self._slots)]:
             self._finish(handle, "error", ErrorEvent("error", "the engine stopped"))
         self._waiting = []
@@ -365,72 +365,98 @@ class Drama3Engine:
     @property
     def idle(self) -> bool:
         """No request waits or runs."""
-        return not self._waiting and not self._slots and self._prefilling is None
+        return not self._waiting and not self._slots and not self._prefilling
 
     def _admit(self) -> None:
-        """Drop waiting requests that were cancelled or ran out of time, then prefill waiting
-        requests into free slots: at most `prefill_chunk` rows of prompt per scheduler step, so a
-        long prompt is prefilled over several steps, each followed by a frame of every running
-        request.
+        """Drop waiting requests that were cancelled or ran out of time, then prefill prompts: at
+        most `prefill_chunk` rows per scheduler step, so a long prompt is prefilled over several
+        steps, each followed by a frame of every running request.
 
-        Prompts that fit whole in three quarters of the chunk go first (oldest first), so a short
-        request does not wait behind the chunks of a long prompt that arrived before it; the rest of
-        the chunk (at least a quarter) goes to the oldest remaining request, one at a time, so a
-        run of short requests cannot starve a long one."""
+        The prompt with the fewest rows left goes first (a waiting one, or one part prefilled), so a
+        short request does not wait behind the chunks of a long prompt that arrived before it; the
+        oldest prompt in part prefilled gets a quarter of every chunk first, so a run of short
+        requests cannot starve it. Prompts are started only while the batch has room for them."""
         self._drop_abandoned()
         budget = self.prefill_chunk
-        short = budget - budget // 4
-        while len(self._slots) < self.max_batch:
-            handle = self._take_waiting(lambda rows: rows <= short)
-            if handle is None:
-                break
-            run = self._start_prefill(handle, short)
-            if run is not None:
-                short -= run.cache.backbone_part.filled
-                budget -= run.cache.backbone_part.filled
-                self._join_prefilled(handle, run)
-        while len(self._slots) < self.max_batch and budget > 0:
-            if self._prefilling is None:
-                handle = self._take_waiting(lambda rows: True)
-                if handle is None:
-                    return
+        if self._prefilling:
+            budget -= self._prefill_some(self._prefilling[0], max(1, budget // 4))
+        while budget > 0:
+            waiting = self._fewest_rows_waiting() if len(self._slots) + len(self._prefilling) < self.max_batch else None
+            partial = min(self._prefilling, key=lambda entry: entry[0].job.input_ids.shape[1] - entry[1].cache.backbone_part.filled,
+                          default=None)
+            if waiting is None and partial is None:
+                return
+            if partial is None or (waiting is not None and waiting[1] < self._rows_left(partial)):
+                handle = self._take(waiting[0])
                 run = self._start_prefill(handle, budget)
                 if run is None:
                     continue
-                self._prefilling = (handle, run)
                 budget -= run.cache.backbone_part.filled
+                self._prefilling.append((handle, run))
+                self._join_if_prefilled((handle, run))
             else:
-                handle, run = self._prefilling
-                if handle.cancelled.is_set() or self._timed_out(handle):
-                    self._prefilling = None
-                    kind = "cancelled" if handle.cancelled.is_set() else "timeout"
-                    self._finish(handle, kind, ErrorEvent(kind, f"the request was {'cancelled' if kind == 'cancelled' else 'past its time limit'}"))
-                    continue
-                done = run.cache.backbone_part.filled
-                started = time.perf_counter()
-                try:
-                    end = min(handle.job.input_ids.shape[1], done + budget)
-                    with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
-                        run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
-                except Exception as error:
-                    self._prefilling = None
-                    self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-                    continue
-                self.stats.prefill_seconds += time.perf_counter() - started
-                budget -= end - done
-            handle, run = self._prefilling
-            if run.cache.backbone_part.filled < handle.job.input_ids.shape[1]:
-                return  # the rest of this prompt after the next decode step
-            self._prefilling = None
-            self._join_prefilled(handle, run)
+                budget -= self._prefill_some(partial, budget)
 
-    def _take_waiting(self, fits) -> RequestHandle | None:
-        """The oldest waiting request whose prompt length (rows) `fits`, taken off the queue."""
+    def _rows_left(self, entry) -> int:
+        handle, run = entry
+        return handle.job.input_ids.shape[1] - run.cache.backbone_part.filled
+
+    def _fewest_rows_waiting(self) -> tuple[RequestHandle, int] | None:
+        """The waiting request with the shortest prompt (the oldest among equals) and its rows."""
         with self._lock:
-            for index, handle in enumerate(self._waiting):
-                if fits(handle.job.input_ids.shape[1]):
-                    return self._waiting.pop(index)
-        return None
+            if not self._waiting:
+                return None
+            handle = min(self._waiting, key=lambda waiting: waiting.job.input_ids.shape[1])
+        return handle, handle.job.input_ids.shape[1]
+
+    def _take(self, handle: RequestHandle) -> RequestHandle:
+        with self._lock:
+            self._waiting.remove(handle)
+        return handle
+
+    def _prefill_some(self, entry, rows: int) -> int:
+        """Prefill up to `rows` more rows of a prompt in part prefilled (joining the batch once it is
+        whole); the rows used. A cancelled, timed-out or failed prompt is dropped (its handle ends)."""
+        handle, run = entry
+        if self._dropped_if_abandoned(entry):
+            return 0
+        done = run.cache.backbone_part.filled
+        end = min(handle.job.input_ids.shape[1], done + rows)
+        started = time.perf_counter()
+        try:
+            with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
+                run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
+        except Exception as error:
+            self._prefilling.remove(entry)
+            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+            return end - done
+        self.stats.prefill_seconds += time.perf_counter() - started
+        self._join_if_prefilled(entry)
+        return end - done
+
+    def _dropped_if_abandoned(self, entry) -> bool:
+        """Drop a prompt in part prefilled whose request was cancelled or ran out of time."""
+        handle = entry[0]
+        if not (handle.cancelled.is_set() or self._timed_out(handle)):
+            return False
+        self._prefilling.remove(entry)
+        kind = "cancelled" if handle.cancelled.is_set() else "timeout"
+        self._finish(handle, kind, ErrorEvent(kind, f"the request was {'cancelled' if kind == 'cancelled' else 'past its time limit'}"))
+        return True
+
+    def _join_if_prefilled(self, entry) -> None:
+        """A prompt prefilled whole leaves the prefilling list and takes a slot of the batch."""
+        handle, run = entry
+        if run.cache.backbone_part.filled < handle.job.input_ids.shape[1]:
+            return
+        self._prefilling.remove(entry)
+        try:
+            slot = self._new_slot(handle)
+        except Exception as error:
+            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+            return
+        self.stats.prefills += 1
+        self._join(run, slot)
 
     def _start_prefill(self, handle: RequestHandle, rows: int) -> DecodeRun | None:
         """Prefill at most `rows` rows of a request's prompt (all of it when it fits); None when the
@@ -448,16 +474,6 @@ class Drama3Engine:
         self.stats.prefill_seconds += time.perf_counter() - started
         return run
 
-    def _join_prefilled(self, handle: RequestHandle, run: DecodeRun) -> None:
-        """A request whose whole prompt is prefilled takes a slot of the batch."""
-        try:
-            slot = self._new_slot(handle)
-        except Exception as error:
-            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-            return
-        self.stats.prefills += 1
-        self._join(run, slot)
-
     def _drop_abandoned(self) -> None:
         with self._lock:
             waiting, self._waiting = self._waiting, []
@@ -471,6 +487,8 @@ class Drama3Engine:
                 kept.append(handle)
         with self._lock:
             self._waiting = kept + self._waiting
+        for entry in list(self._prefilling):
+            self._dropped_if_abandoned(entry)
 
     def _new_slot(self, handle: RequestHandle) -> _Slot:
         """The budgets and sampling of a request, as `generate()` resolves them for a batch of one."""
