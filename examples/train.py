@@ -7,6 +7,9 @@
     # full fine-tuning sharded with FSDP2 (the model does not fit one GPU): a shipped accelerate config
     accelerate launch --config_file examples/accelerate/fsdp2_single_node_8gpu.yaml examples/train.py \
         --model fishaudio/drama-3 --data PREPARED --output out --optimizer muon
+    # or DeepSpeed ZeRO-3 (pip install deepspeed; AdamW only)
+    accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml examples/train.py \
+        --model fishaudio/drama-3 --data PREPARED --output out
 
 `--data` is a dataset saved by `prepare_dataset(...)[0].save_to_disk(PREPARED)`, or a raw source
 (folder / manifest / Hub name) together with `--codec DIR` to prepare it first (cached under
@@ -79,10 +82,19 @@ def main(argv=None):
 
 def check_args(args) -> None:
     """Refuse what cannot run, before any work."""
-    if args.optimizer == "muon" and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if args.optimizer == "muon" and deepspeed:
         raise SystemExit("--optimizer muon cannot run under DeepSpeed ZeRO-3: it partitions each parameter flat, "
                          "so no rank holds a whole matrix to orthogonalise; use --optimizer adamw, or an FSDP config "
                          "(examples/accelerate/fsdp2_*.yaml)")
+    if deepspeed and not args.cpu:
+        import torch
+
+        if not torch.accelerator.is_available():
+            # accelerate would count one process while DeepSpeed counts them all, and DeepSpeed would
+            # refuse the batch size after the model has loaded
+            raise SystemExit("a DeepSpeed launch on a machine without GPUs needs --cpu (DeepSpeed's CPU accelerator "
+                             "on a gloo process group)")
 
 
 def train(args) -> None:
@@ -147,6 +159,8 @@ def train(args) -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     if is_sharded(trainer) and trainer.is_world_process_zero():
         print(sharding_summary(trainer), flush=True)
+    if trainer.is_deepspeed_enabled and trainer.is_world_process_zero():
+        print(zero_summary(trainer), flush=True)
     final = os.path.join(args.output, "final")
     if is_sharded(trainer):
         save_sharded_model(trainer, final)
@@ -159,6 +173,19 @@ def train(args) -> None:
         with open(args.loss_log, "w") as handle:
             json.dump(losses, handle)
     trainer.accelerator.wait_for_everyone()  # no rank tears the group down while another still uses it
+
+
+def zero_summary(trainer) -> str:
+    """One line: how many of the model's parameter elements this process holds under DeepSpeed
+    (ZeRO-3 keeps each parameter's partition in `ds_tensor` and its full size in `ds_numel`)."""
+    held = total = 0
+    for parameter in trainer.model_wrapped.module.parameters():
+        partition = getattr(parameter, "ds_tensor", None)
+        total += getattr(parameter, "ds_numel", parameter.numel())
+        held += partition.numel() if partition is not None else parameter.numel()
+    stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
+    return (f"DeepSpeed ZeRO-{stage} ({type(trainer.model_wrapped).__name__}) over "
+            f"{trainer.accelerator.num_processes} processes: this process holds {held} of {total} parameter elements")
 
 
 def close_process_group() -> None:

@@ -14,11 +14,16 @@ Resuming needs nothing special: checkpoints are written in the published layout 
 `load_state_dict` reads that layout back (under FSDP, as accelerate's sharded checkpoints).
 
 Under `accelerate launch` with an FSDP config the model is sharded by accelerate (FSDP2); on CPU
-processes too (`distributed.shard_on_cpu`), so the sharded path can be tested without a GPU.
+processes too (`distributed.shard_on_cpu`), so the sharded path can be tested without a GPU. A
+DeepSpeed config (ZeRO-3) runs on CPU processes as it is, given `use_cpu=True`; without it, on a
+machine with no GPU, accelerate counts one process while DeepSpeed counts all of them, which
+`check_deepspeed_world_size` refuses with a message instead of DeepSpeed's batch-size assertion.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
+from accelerate.utils import DistributedType
 from transformers import Trainer
 from transformers.modeling_utils import unwrap_model
 from transformers.utils.generic import is_flash_attention_requested
@@ -33,6 +38,23 @@ def masks_documents(model) -> bool:
     implementation but flash attention, which takes no 4-D mask."""
     config = unwrap_model(model).config
     return not is_flash_attention_requested(getattr(config, "text_config", config))
+
+
+def check_deepspeed_world_size(args) -> None:
+    """Refuse a DeepSpeed launch whose process count accelerate got wrong.
+
+    On a machine without GPUs and without `use_cpu`, accelerate 1.16 finds no process-group backend
+    of its own and counts one process (`args.world_size == 1`), while DeepSpeed's own group (its CPU
+    accelerator, gloo) holds all of them; transformers fills DeepSpeed's `train_batch_size` from the
+    former and `deepspeed.initialize` then fails its batch check. With `use_cpu=True` accelerate
+    starts a gloo group over all the processes and DeepSpeed runs on it."""
+    state = getattr(args, "distributed_state", None)
+    if state is None or state.distributed_type != DistributedType.DEEPSPEED or not dist.is_initialized():
+        return
+    if state.num_processes != dist.get_world_size():
+        raise ValueError(
+            f"DeepSpeed runs {dist.get_world_size()} processes but accelerate counts {state.num_processes} "
+            f"(no GPU on this machine): pass use_cpu=True in TrainingArguments (examples/train.py: --cpu)")
 
 
 def drama3_loss(model, inputs: dict, pad_id: int = 0):
@@ -61,6 +83,7 @@ class Drama3Trainer(Trainer):
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
+        check_deepspeed_world_size(self.args)
         super().create_accelerator_and_postprocess()
         if shard_on_cpu(self.accelerator):
             self.is_fsdp_enabled = True
