@@ -23,7 +23,7 @@ import datasets
 import pytest
 import torch
 
-from test_fsdp_training import FP8_DTYPE, environment, requantised, stored, train, write_fp8_checkpoint
+from test_fsdp_training import FP8_DTYPE, environment, raw, requantised, stored, train, write_fp8_checkpoint
 from training_helpers import voice_examples
 from transformers_drama3 import Drama3ForSpeechGeneration
 
@@ -89,6 +89,33 @@ def test_zero3_run_of_the_shipped_config_equals_one_process_and_saves_the_publis
     assert weights_one.keys() == weights_two.keys()
     for name in (name for name in weights_one if ".mlp.experts." in name):
         torch.testing.assert_close(weights_two[name], weights_one[name], rtol=0.13, atol=1e-4, msg=name)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_resuming_a_zero3_checkpoint_equals_the_uninterrupted_run(prepared, tmp_path):
+    model_dir, data_dir = prepared
+    steps = ("--max-steps", "4", "--cpu")
+    result, log = zero3(tmp_path / "whole", model_dir, data_dir, *steps, "--save-steps", "2", port=29637)
+    assert result.returncode == 0, result.stderr[-4000:]
+    whole = json.loads(log.read_text())
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    # DeepSpeed's own checkpoint: the partitioned model and optimiser states of each rank
+    assert (checkpoint / "latest").read_text().strip() == "global_step2"
+    assert len(list((checkpoint / "global_step2").glob("*optim_states.pt"))) == 2
+    result, log = zero3(tmp_path / "resumed", model_dir, data_dir, *steps, "--resume", str(checkpoint), port=29639)
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed = json.loads(log.read_text())
+    # the resumed run trained steps 3 and 4 only; its loss history is the checkpoint's two, then its own
+    assert sum(line.startswith("{'loss'") for line in result.stdout.splitlines()) == 2
+    assert len(whole) == 4 and resumed == pytest.approx(whole, rel=1e-6)
+    final_whole, final_resumed = stored(tmp_path / "whole" / "final"), stored(tmp_path / "resumed" / "final")
+    assert final_whole.keys() == final_resumed.keys()
+    for name, tensor in final_whole.items():
+        if tensor.dtype == FP8_DTYPE:
+            assert raw(final_resumed[name]) == raw(tensor), name
+        else:
+            torch.testing.assert_close(final_resumed[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
 
 
 @needs_deepspeed
