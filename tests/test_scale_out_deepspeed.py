@@ -119,6 +119,7 @@ def test_resuming_a_zero3_checkpoint_equals_the_uninterrupted_run(prepared, tmp_
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_a_zero3_launch_without_gpus_or_cpu_flag_is_refused_before_loading(tmp_path):
     """Without `--cpu` on a machine with no GPU, accelerate counts 1 process and DeepSpeed 2: refused
     before any work (the model folder does not even exist)."""
@@ -131,6 +132,7 @@ def test_a_zero3_launch_without_gpus_or_cpu_flag_is_refused_before_loading(tmp_p
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_drama3_trainer_refuses_a_process_count_accelerate_got_wrong(prepared, tmp_path):
     """A user's script without `use_cpu` under the ZeRO-3 launch on a machine with no GPU: accelerate
     counts 1 process, DeepSpeed 2; `Drama3Trainer` says so instead of DeepSpeed's batch assertion."""
