@@ -346,7 +346,8 @@ def main() -> None:
     parser.add_argument("--attack", action="store_true", help="run the attack mix (long prompts beside streams)")
     parser.add_argument("--streams", type=int, default=4, help="--attack: streams running when the long prompts come")
     parser.add_argument("--long-prompts", type=int, default=3, help="--attack: long prompts sent together")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="--attack: the engine's prefill_chunk (rows per step)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="--attack: the engine's prefill_chunk (rows per step; default: the server's for the device)")
     parser.add_argument("--adapters", type=int, default=None,
                         help="run the fine-tuned-voice mix: N adapters, mixes of 0, 1, 4, 16 (up to N) against the base")
     parser.add_argument("--adapter-rank", type=int, default=16, help="--adapters: the adapters' LoRA rank")

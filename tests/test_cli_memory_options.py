@@ -12,7 +12,7 @@ from transformers_drama3 import cli
 from transformers_drama3.checkpoint.quantization.experts import Drama3RoutedExperts
 from transformers_drama3.decoding.request import has_offloaded_experts, resolve_decoding
 from transformers_drama3.offload import OffloadedExperts, offload_experts
-from transformers_drama3.serving.service import SpeechService
+from transformers_drama3.serving.service import SpeechService, default_prefill_chunk
 
 from generation_helpers import tiny_model
 
@@ -40,6 +40,8 @@ def test_the_service_loads_quantised_weights_and_refuses_them_with_adapters(tmp_
                                  prefill_chunk=64)
     assert expert_weight_type(service.model) not in {"Parameter", "Tensor"}
     assert service.engine.prefill_chunk == 64  # --prefill-chunk reaches the engine
+    unset = SpeechService.load(voices_dir=str(tmp_path / "voices"), start_engine=False, threads=1)
+    assert unset.engine.prefill_chunk == default_prefill_chunk("cpu") == 128 < default_prefill_chunk("cuda") == 512
     with pytest.raises(ValueError, match="quant='int8' with adapters"):
         SpeechService.load(voices_dir=str(tmp_path / "voices"), quant="int8", adapter_root=str(tmp_path), start_engine=False)
 

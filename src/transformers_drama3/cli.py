@@ -277,7 +277,7 @@ def run_serve(args) -> int:
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
-    if args.prefill_chunk < 2:
+    if args.prefill_chunk is not None and args.prefill_chunk < 2:
         raise CommandError(f"--prefill-chunk {args.prefill_chunk}: expected at least 2 rows")
     for name, value in (("--max-batch", args.max_batch), ("--port", args.port), ("--max-input-chars", args.max_input_chars),
                         ("--max-body-mb", args.max_body_mb), ("--max-text-streams", args.max_text_streams)):

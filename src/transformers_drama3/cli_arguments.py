@@ -123,9 +123,9 @@ def add_serve(subparsers) -> None:
     add_quant_argument(parser, "; not with --adapter / --adapter-root")
     add_offload_argument(parser, " or --compile")
     parser.add_argument(
-        "--prefill-chunk", type=int, default=512, metavar="ROWS",
-        help="rows of prompt prefilled per scheduler step, between two frames of every running stream (default 512; "
-             "smaller: shorter stalls of running streams beside a long prompt, which then takes longer)",
+        "--prefill-chunk", type=int, default=None, metavar="ROWS",
+        help="rows of prompt prefilled per scheduler step, between two frames of every running stream (default 512 "
+             "on a GPU, 128 on a CPU; smaller: shorter stalls of running streams beside a long prompt)",
     )
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
