@@ -34,3 +34,23 @@ def serving_on_loopback(app, start_timeout: float = 30.0, http="auto"):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def wait_for_health(base: str, process, timeout: float = 120.0) -> None:
+    """Poll `base`/health until the server subprocess `process` answers 200; fail when it exits or
+    does not answer within `timeout` seconds."""
+    import httpx
+    import pytest
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            error = process.stderr.read().decode() if process.stderr is not None else ""
+            pytest.fail(f"drama3 serve exited: {error[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"drama3 serve did not answer /health within {timeout:.0f} s")

@@ -63,15 +63,19 @@ def write_fp8_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fsdp")
+def prepare_run(root: Path) -> tuple[Path, Path]:
+    """The block-FP8 tiny checkpoint and 8 training examples under `root`: (model folder, data folder)."""
     write_fp8_checkpoint(root / "model")
     # equal-length examples: each process's batch has the same rows in every loss bucket, so the
     # mean of the per-process means is the global mean (as in test_training_distributed.py)
     examples = [{k: v for k, v in e.items() if k != "index"} for e in voice_examples(0, 8, frames=6)]
     datasets.Dataset.from_list(examples).save_to_disk(root / "data")
     return root / "model", root / "data"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> tuple[Path, Path]:
+    return prepare_run(tmp_path_factory.mktemp("fsdp"))
 
 
 def train(output: Path, model_dir: Path, data_dir: Path, *extra: str, sharded: bool, port: int = 29611):

@@ -23,8 +23,7 @@ import datasets
 import pytest
 import torch
 
-from test_fsdp_training import FP8_DTYPE, environment, raw, requantised, stored, train, write_fp8_checkpoint
-from training_helpers import voice_examples
+from test_fsdp_training import FP8_DTYPE, environment, prepare_run, raw, requantised, stored, train
 from transformers_drama3 import Drama3ForSpeechGeneration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +33,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("zero3")
-    write_fp8_checkpoint(root / "model")
-    # equal-length examples: each process's batch has the same rows in every loss bucket, so the
-    # mean of the per-process means is the global mean
-    examples = [{k: v for k, v in e.items() if k != "index"} for e in voice_examples(0, 8, frames=6)]
-    datasets.Dataset.from_list(examples).save_to_disk(root / "data")
-    return root / "model", root / "data"
+    return prepare_run(tmp_path_factory.mktemp("zero3"))
 
 
 def zero3(output: Path, model_dir: Path, data_dir: Path, *extra: str, port: int = 29631) -> tuple[list, str]:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from network_helpers import LOOPBACK, free_port
+from network_helpers import LOOPBACK, free_port, wait_for_health
 
 pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc (Linux)")
@@ -48,17 +48,7 @@ def server(tmp_path_factory):
                                stderr=subprocess.DEVNULL)
     base = f"http://{LOOPBACK}:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert process.poll() is None, "drama3 serve exited"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("drama3 serve did not answer /health within 120 s")
+        wait_for_health(base, process)
         yield base, process.pid
     finally:
         process.terminate()

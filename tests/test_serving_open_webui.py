@@ -15,12 +15,11 @@ import io
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
-from network_helpers import LOOPBACK, free_port
+from network_helpers import LOOPBACK, free_port, wait_for_health
 
 pytest.importorskip("uvicorn")
 av = pytest.importorskip("av")
@@ -42,18 +41,8 @@ def base(tmp_path_factory):
                "--max-batch", "2", "--threads", "1"]
     server = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://{LOOPBACK}:{port}"
-    deadline = time.time() + 120
     try:
-        while time.time() < deadline:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("drama3 serve did not answer /health within 120 s")
+        wait_for_health(url, server)
         yield url + "/v1"
     finally:
         server.terminate()

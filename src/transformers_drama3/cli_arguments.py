@@ -53,12 +53,9 @@ def thread_count(value: str):
     if value == "auto":
         return value
     try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or a positive number of threads")
-    return count
+        return positive_count(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected auto or a positive number of threads") from None
 
 
 def add_say(subparsers) -> None:
