@@ -1,59 +1,101 @@
-"""Drama 3 decode speed on one GPU at the published width (random weights), in under ten minutes.
+"""Drama 3 decode speed on one GPU: the published model at its full depth (random weights).
 
-    PYTHONPATH=src python benchmarks/gpu.py                 # on a CUDA machine (one H200: ~5 min)
-    PYTHONPATH=src python benchmarks/gpu.py --dry-run       # the same code at a tiny width, CPU, seconds
+    PYTHONPATH=src python benchmarks/gpu.py                          # one H200: bf16 experts
+    PYTHONPATH=src python benchmarks/gpu.py --experts fp8 --json fp8.json
+    PYTHONPATH=src python benchmarks/gpu.py --dry-run                # the same code, tiny, CPU, seconds
 
-The published model is too large to build at all 40 backbone layers in a few minutes, so each
-measurement builds the published width (hidden 2048, 256 experts of which 8 per token, the
-13-layer tower, the full vocabulary) at two backbone depths (`--depths`, default 4 and 8 layers,
-keeping the 3 Gated DeltaNet : 1 attention pattern) and extrapolates the time per step linearly to
-the published 40 layers: step(40) = step(a) + (40 - a) / (b - a) * (step(b) - step(a)).
+The model is the published config (hidden 2048, 40 backbone layers of 3 Gated DeltaNet : 1
+attention, 256 routed experts of which 8 per token plus a shared expert, the 13-layer tower, the
+full vocabulary), built on the meta device and materialised directly on the GPU in bf16 with the
+model's own random initialisation (`--layers` for a quick run at fewer layers; nothing is
+extrapolated). `--experts fp8` keeps the routed experts in the published block-FP8 (128 x 128
+blocks) through the library's `checkpoint.quantization.fp8_experts.quantize_experts_fp8`.
 
-For each expert format (bf16; FP8: the routed experts stored as float8 e4m3 with one scale per
-output row, the experts each token reaches gathered and dequantised to bf16, so each step reads one
-byte per expert weight it uses - weight-only FP8, not the published block-scaled FP8 matmul) and
-each mode it prints for batch 1 and `--batch`. The modes (`--modes`):
+Each mode (`--modes`) decodes through the library's public loop (`decoding.loop.DecodeRun`, the
+loop `generate()` runs; the sampler made by `decoding.request.make_sampler`, the serving defaults):
 
-  eager     the reference decode loop (dynamic caches that grow by a row per step);
-  static    the static decode step (`cache_implementation="static"`: preallocated caches, fixed
-            shapes), not compiled;
-  graph     the static step captured whole by `torch.compile(fullgraph=True)` with the
-            `cudagraphs` backend: one CUDA graph replayed per step, no code generation, so it
-            builds in seconds (`aot_eager` on the dry run's CPU);
-  compiled  the static step through inductor with CUDA graphs (`mode="reduce-overhead"`, what
-            `generate(cache_implementation="static")` does on a GPU by default); inductor's
-            compile takes minutes per depth and batch size, so it is not in the default modes.
+  compiled  `draw` and `feed` compiled as `generate(cache_implementation="static")` does on a GPU
+            (`default_compile_config()`: inductor, fullgraph, CUDA graphs); on the dry run's CPU
+            the same fullgraph trace through `aot_eager` (no CUDA graphs there);
+  eager     the same step, not compiled.
 
-It prints:
+Every timed shape is warmed first: for each batch size (`--batches`) one whole run of the timed
+length (the prefill of `--prompt-rows` rows, the compile and the CUDA-graph capture, Triton's
+autotuning, the codec at that batch) before the timed run. eos is masked out of the restricted
+logits, so every run makes exactly `--frames` frames. Per mode and batch size it prints one row:
 
-  ms per step, frames/s of all items, and frames/s against the paper's 271 frames/s (one H200,
-  batch 1) and S2's 177,
+  ms/frame      wall time of one decode step (one frame for every item), mean over the frames
+                after the first audio (frames 11 onward), the loop's host work included;
+  frames/s      batch * 1000 / ms per frame (all items);
+  kernels/step  CUDA kernels the profiler (CUPTI) records during one step of the timed mode, at
+                the 4th frame of a fresh run (memcpy and memset not counted): in the compiled mode
+                the kernels the replayed CUDA graphs launch plus any outside them. On the dry
+                run's CPU the column is "aten ops/step": the ATen operators one step calls (the
+                profiler's top-level aten:: events), before any fusion;
+  graphs/step   CUDA-graph launches (`cudaGraphLaunch`) in that step; "n/a (CPU)" on the dry run;
+  GB/step       weights one step reads, from the config: the dense backbone (attention, Gated
+                DeltaNet, router, shared expert, norms; `accounting.account`), the restricted
+                head rows (semantic band + eos) and one embedding row, the tower, and the routed
+                experts the batch reaches at the expert format's bytes (the planner's
+                `plan_memory` bytes of the routed experts, per expert; a batch of B tokens reaches
+                E (1 - (1 - k/E)^B) distinct experts of a layer when routing is uniform, k at B = 1,
+                which makes batch 1 the paper's "weights read per frame", ~6.0 GB with FP8 experts);
+  floor ms      GB/step / the copy bandwidth measured at the start of the run (a large
+                device-to-device copy, counting the bytes it reads and writes: how fast the
+                memory moves bytes; the bandwidth floor of a step that only streams its weights);
+  x floor       ms/frame / floor ms;
+  TTFA ms       time to first audio: from the start of `DecodeRun.prefilled` (cache set up, prompt
+                of `--prompt-rows` rows prefilled) to the 10th frame of every item;
+  +codec ms     the same, plus the S2 codec (`Drama3Processor`'s codec, the published shape,
+                random weights, float32 as the processor keeps it) decoding those 10 frames
+                through its streaming decoder (the serving schedule's first window);
+  captured      compiled on CUDA: "yes" when torch skipped no CUDA graph
+                (`torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` unchanged, no
+                "skipping cudagraphs" log line) and the profiled step replayed a graph for each of
+                `draw` and `feed` and no more (more would be a step cut into partitions around host
+                work); "no" otherwise, naming the graph; "n/a" for eager and on the CPU.
 
-plus the time to first audio of one stream (prefill of `--prompt-rows` rows + 10 frames, without
-the codec) at the published depth (extrapolated the same way). eos is masked out, so every run
-makes exactly `--frames` frames. Prints only; asserts nothing.
+Any graph not captured makes the run exit with status 1 after the table, each failure printed as
+"NOT CAPTURED: <graph> ..." (grep-able, beside torch's own "skipping cudagraphs" lines).
+`--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows).
+Prints and asserts nothing else. The paper's engine: 271 frames/s at batch 1 on one H200, 1,278
+kernels per step, 6.0 GB per frame (the issue's floor: 1.4 ms per frame at 4.3 TB/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import logging
 import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 
 import torch
-
-from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers import CompileConfig
 
+from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
+from transformers_drama3.accounting import account
+from transformers_drama3.codec import Drama3CodecConfig, Drama3CodecModel
 from transformers_drama3.decoding.loop import DecodeRun, default_compile_config
-from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, prompt_window
+from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.sampler import SamplingSettings
+from transformers_drama3.planning import plan_memory
 
 PAPER_FRAMES_PER_SECOND = 271.0
 """The paper's Drama 3 decode speed on one H200 (batch 1)."""
-S2_FRAMES_PER_SECOND = 177.0
-"""The paper's figure for Fish Audio S2 on the same GPU."""
+PAPER_KERNELS_PER_STEP = 1278
 PUBLISHED_LAYERS = 40
 FIRST_AUDIO_FRAMES = 10
+"""Frames of the time to first audio: the serving schedule's first codec window."""
+PROFILED_FRAME = 5
+"""The frame whose step is profiled (a compiled run replays its graphs from the third step on)."""
+FP8_BLOCK = (128, 128)
+EXPERT_FORMATS = ("bf16", "fp8")
+MODES = ("compiled", "eager")
+FP8_MODULE = "transformers_drama3.checkpoint.quantization.fp8_experts"
 
 # A width that runs the same code in seconds on a CPU (--dry-run).
 DRY_RUN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -61,31 +103,45 @@ DRY_RUN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2
                     num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                     vocab_size=512 + 256)
 DRY_RUN_TOWER = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128, vocab_size=256)
-
-MODES = ("eager", "static", "graph", "compiled")
+DRY_RUN_CODEC = dict(encoder_dim=8, encoder_rates=[2, 4], encoder_transformer_layers=[0, 1], encoder_transformer_window=8,
+                     transformer_head_dim=16, quantizer_downsample_factors=[2, 2], quantizer_transformer_layers=1,
+                     quantizer_transformer_dim=32, quantizer_transformer_heads=2,
+                     quantizer_transformer_intermediate_size=64, quantizer_transformer_window=4,
+                     semantic_codebook_size=256, residual_codebook_size=256, codebook_dim=4, decoder_dim=32,
+                     decoder_rates=[4, 2])
+DRY_RUN_LAYERS = 4
+MIN_LAYERS = 4
+"""The fewest backbone layers that hold a full-attention layer (3 Gated DeltaNet : 1 attention)."""
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", nargs=2, type=int, default=[4, 8],
-                        help="two backbone depths to extrapolate from (multiples of 4)")
-    parser.add_argument("--batch", type=int, default=16, help="the batched run's size (batch 1 always runs)")
-    parser.add_argument("--frames", type=int, default=32, help="frames per timed run")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"backbone layers (default: the published {PUBLISHED_LAYERS}; {DRY_RUN_LAYERS} on a dry run)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="batch sizes, measured in this order")
+    parser.add_argument("--frames", type=int, default=64, help="frames per run (the first 10 are the time to first audio)")
     parser.add_argument("--prompt-rows", type=int, default=256)
-    parser.add_argument("--experts", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=list(MODES))
+    parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="the routed experts' format")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="measured in this order")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
-    low, high = arguments.depths
-    if not (0 < low < high and low % 4 == 0 and high % 4 == 0):
-        # whole groups of 3 Gated DeltaNet + 1 attention layers: the mix of the published 40
-        parser.error(f"--depths {low} {high}: expected two multiples of 4, the first smaller")
-    for name in ("batch", "frames", "prompt_rows"):
-        if getattr(arguments, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(arguments, name)}: expected a positive number")
-    if arguments.frames < 2:
-        parser.error("--frames: at least 2 (the first frame includes the prefill)")
+    if arguments.layers is None:
+        arguments.layers = DRY_RUN_LAYERS if arguments.dry_run else PUBLISHED_LAYERS
+    if not MIN_LAYERS <= arguments.layers <= PUBLISHED_LAYERS:
+        parser.error(f"--layers {arguments.layers}: expected {MIN_LAYERS} to {PUBLISHED_LAYERS} (the decode cache "
+                     f"needs a full-attention layer: the {MIN_LAYERS}th of every {MIN_LAYERS})")
+    if any(batch < 1 for batch in arguments.batches):
+        parser.error(f"--batches {' '.join(map(str, arguments.batches))}: expected positive batch sizes")
+    if arguments.prompt_rows < 1:
+        parser.error(f"--prompt-rows {arguments.prompt_rows}: expected a positive number of rows")
+    if arguments.frames < FIRST_AUDIO_FRAMES + 2:
+        # the first audio, then at least two timed steps (the one after the codec is not timed)
+        parser.error(f"--frames {arguments.frames}: expected at least {FIRST_AUDIO_FRAMES + 2}")
     return arguments
+
+
+# ----------------------------------------------------------------------------- the model
 
 
 def published_config(layers: int, dry_run: bool) -> Drama3Config:
@@ -98,142 +154,219 @@ def published_config(layers: int, dry_run: bool) -> Drama3Config:
     return Drama3Config(text_config=text)
 
 
-def build(layers: int, device: str, dtype: torch.dtype, dry_run: bool) -> Drama3ForSpeechGeneration:
-    """A random model at the published width; eos masked out of the restricted logits."""
-    config = published_config(layers, dry_run)
-    with torch.device(device):
-        model = Drama3ForSpeechGeneration(config).to(dtype).eval()
-    eos_index = config.codebook_size
+def materialised(config: Drama3Config, device: str, dtype: torch.dtype, seed: int = 0) -> Drama3ForSpeechGeneration:
+    """The model of `config` built on the meta device (no memory), then given storage on `device`
+    in `dtype` and the model's own random initialisation there (`_init_weights` of every module,
+    rotary tables included): the published shapes without ever holding them anywhere else."""
+    with torch.device("meta"):
+        model = Drama3ForSpeechGeneration._from_config(config, dtype=dtype)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    model.to_empty(device=device)
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            model._init_weights(module)
+    left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
+    return model.eval()
+
+
+def without_eos(model: Drama3ForSpeechGeneration) -> Drama3ForSpeechGeneration:
+    """`model` whose restricted logits never draw eos, so that every run makes all its frames
+    (random weights would end a take at random)."""
+    eos_index = model.config.codebook_size  # the restricted logits: the semantic band, then eos
     speech_logits = model.speech_logits
 
-    def without_eos(hidden):
+    def logits_without_eos(hidden):
         logits = speech_logits(hidden)
-        # a mask on the logits' device: writing the Python scalar into `logits[..., eos]` traced as a
-        # CPU tensor constant, and torch skipped CUDA graphs for the whole step
+        # a mask made on the logits' device: a Python scalar written into `logits[..., eos]` would
+        # be traced as a CPU tensor constant, and inductor would skip CUDA graphs for the step
         is_eos = torch.arange(logits.shape[-1], device=logits.device) == eos_index
         return logits.masked_fill(is_eos, float("-inf"))
 
-    model.speech_logits = without_eos
+    model.speech_logits = logits_without_eos
     return model
 
 
-class Fp8StoredExperts(torch.nn.Module):
-    """The routed experts of one layer stored in float8 e4m3 with one float32 scale per output row;
-    a step dequantises only the experts its tokens reach. Same maths as transformers' eager experts."""
-
-    def __init__(self, experts: torch.nn.Module):
-        super().__init__()
-        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
-        for name in ("gate_up_proj", "down_proj"):
-            weight = getattr(experts, name).data
-            scale = weight.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            self.register_buffer(f"{name}_fp8", (weight.float() / scale).to(torch.float8_e4m3fn))
-            self.register_buffer(f"{name}_scale", scale)
-        self.compute_dtype = experts.gate_up_proj.dtype
-
-    def weight(self, name: str, expert: int) -> torch.Tensor:
-        stored, scale = getattr(self, f"{name}_fp8")[expert], getattr(self, f"{name}_scale")[expert]
-        return (stored.to(torch.float32) * scale).to(self.compute_dtype)
-
-    def gathered(self, name: str, experts: torch.Tensor) -> torch.Tensor:
-        """The weights of `experts` [S] dequantised: [S, out, in] in the compute dtype."""
-        stored, scale = getattr(self, f"{name}_fp8")[experts], getattr(self, f"{name}_scale")[experts]
-        return (stored.to(torch.float32) * scale).to(self.compute_dtype)
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, k]: every (token,
-        expert) pair as one batched matmul, fixed shapes (a graph captures it whole)."""
-        tokens, top_k = top_k_index.shape
-        experts = top_k_index.reshape(-1)
-        pairs = hidden_states.repeat_interleave(top_k, dim=0)  # [S, hidden]
-        gate, up = torch.bmm(self.gathered("gate_up_proj", experts), pairs[..., None])[..., 0].chunk(2, -1)
-        expert_out = torch.bmm(self.gathered("down_proj", experts), (self.act_fn(gate) * up)[..., None])[..., 0]
-        weighted = expert_out * top_k_weights.reshape(-1, 1).to(expert_out.dtype)
-        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+def fp8_quantizer():
+    """The library's block-FP8 expert quantiser; SystemExit naming `--experts fp8` when it is not
+    importable (checked before the model is built)."""
+    try:
+        from transformers_drama3.checkpoint.quantization.fp8_experts import quantize_experts_fp8
+    except ImportError as error:
+        raise SystemExit(f"--experts fp8: {FP8_MODULE}.quantize_experts_fp8 is not importable ({error}); this "
+                         f"benchmark keeps no FP8 experts of its own: run --experts bf16") from None
+    return quantize_experts_fp8
 
 
-def store_experts_in_fp8(model: Drama3ForSpeechGeneration) -> None:
-    for layer in model.backbone.layers:
-        layer.mlp.experts = Fp8StoredExperts(layer.mlp.experts)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def build(config: Drama3Config, device: str, dtype: torch.dtype, experts: str) -> Drama3ForSpeechGeneration:
+    quantize = fp8_quantizer() if experts == "fp8" else None
+    model = materialised(config, device, dtype)
+    if quantize is not None:
+        quantize(model, block_size=FP8_BLOCK)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return without_eos(model)
 
 
-def compile_config_of(mode: str, device: str) -> CompileConfig | None:
-    """The static step's compile options for `mode` on `device` (None: not compiled)."""
-    on_gpu = device.startswith("cuda")
-    if mode == "graph":
-        return CompileConfig(fullgraph=True, dynamic=False, backend="cudagraphs" if on_gpu else "aot_eager", mode=None)
-    if mode == "compiled":
-        return default_compile_config() if on_gpu else CompileConfig(fullgraph=True, dynamic=False, mode=None)
-    return None
+def codec_of(dry_run: bool, device: str) -> Drama3CodecModel:
+    """The S2 codec at the published shape with random weights (the dry run: a tiny one with the
+    same ten codebooks), float32 as `Drama3Processor` keeps it."""
+    config = Drama3CodecConfig(**DRY_RUN_CODEC) if dry_run else Drama3CodecConfig()
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Drama3CodecModel(config).float().eval()
 
 
-def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode: str, device: str):
-    compile_config = None if mode == "eager" else compile_config_of(mode, device)
-    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps()
+# ----------------------------------------------------------------------------- what a step reads
 
 
-OP_COUNT_DEPTHS = (4, 8)
-"""Backbone depths the op count of a step is measured at (whole groups of 3 Gated DeltaNet + 1
-attention layers); the count per layer is their difference, extrapolated to the published 40."""
+def distinct_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts of a layer that `tokens` tokens reach, each routed to `top_k` of
+    `experts` uniformly at random."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def step_reports(model, seed: int = 0, draw: bool = True) -> list:
-    """`capture_check` reports of one decode step of `model` on the CPU, `draw` (unless `draw` is
-    False) then `feed`: batch 1, a 16-row prompt, the serving sampling defaults (top-p 0.9, RAS), seeded."""
-    from transformers_drama3.decoding import step as decode_step
-    from transformers_drama3.decoding.request import make_sampler
-    from transformers_drama3.decoding.request import resolve_request as _resolve_request
-    from transformers_drama3.kernels.capture_check import capture_report
-
-    config = model.config
-    input_ids = torch.randint(3, config.semantic_start_token_id, (1, 16), generator=torch.Generator().manual_seed(seed))
-    audio_codes = torch.zeros(1, 16, config.num_codebooks, dtype=torch.long)
-    mask = torch.ones_like(input_ids)
-    request = _resolve_request(model, SamplingSettings(), input_ids, mask, 20, 1.0, None)
-    sampler = make_sampler(model, request, input_ids, mask, seed)
-    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], config.num_codebooks, input_ids.device)
-    row = torch.full((1,), config.semantic_start_token_id), torch.zeros(1, config.num_codebooks, dtype=torch.long)
-    with torch.no_grad():
-        run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, request.budgets, request.separators,
-                                  compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
-    cache = run.cache
-    reports = []
-    if draw:
-        cache.open_window(cache.tower_part, 1)
-        reports.append(capture_report(decode_step.draw, model, cache, sampler, run.state, noise, None))
-    cache.open_window(cache.backbone_part, 1)
-    return [*reports, capture_report(decode_step.feed, model, cache, run.state, *row)]
+@lru_cache(maxsize=4)
+def _weight_parts(config_json: str, experts: str) -> tuple[int, int]:
+    """(bytes of the dense parts one step reads, bytes of every routed expert of every layer)."""
+    config = Drama3Config(**json.loads(config_json))
+    accounting = account(config)
+    dense = accounting.backbone_bytes_per_frame + accounting.tower_bytes_per_frame
+    quantization = "fp8" if experts == "fp8" else "none"
+    return dense, plan_memory(config, quantization, dtype=torch.bfloat16).routed_experts
 
 
-def print_step_op_count() -> None:
-    """Ops per decode step at the published depth, from `capture_check` on the CPU: the dry run's
-    model (the published structure: 10 codebooks, the published tower and layer pattern, at a tiny
-    width) at two backbone depths, the per-layer count extrapolated to 40 layers. The step has
-    fixed shapes, so the count does not depend on widths or expert counts (the same at twice the
-    width and at 256 experts, 8 per token). Aten ops before inductor fuses them: an upper bound on
-    the kernels of a step, not a kernel count."""
-    low, high = OP_COUNT_DEPTHS
-    capturable = True
-    feeds = {}
-    for depth in OP_COUNT_DEPTHS:
-        torch.manual_seed(0)
-        model = Drama3ForSpeechGeneration(published_config(depth, dry_run=True)).eval()
-        # the draw (restricted head, sampler, tower) does not depend on the backbone's depth
-        reports = step_reports(model, draw=depth == low)
-        if depth == low:
-            draw = reports[0].ops
-        feeds[depth] = reports[-1].ops
-        capturable = capturable and all(report.capturable for report in reports)
-        for line in (line for report in reports for line in report.problems()):
-            print(f"    not capturable: {line}")
-    per_layer = (feeds[high] - feeds[low]) / (high - low)
-    total = draw + extrapolate((low, feeds[low]), (high, feeds[high]))
-    print(f"  ops per decode step (aten ops before fusion, batch 1, top-p + RAS): {total:.0f} at {PUBLISHED_LAYERS} "
-          f"layers = {draw} (draw) + {feeds[low]} (feed at {low} layers) + {per_layer:.2f} per further backbone layer; "
-          f"{'each graph capturable' if capturable else 'NOT capturable'} (the paper: 1,278 kernels)", flush=True)
+def weights_read_per_step(config: Drama3Config, experts: str, batch: int) -> int:
+    """Bytes of weights one decode step of `batch` items reads (see the module docstring): the
+    dense parts once (`accounting.account`: bf16 backbone without routed experts, restricted head,
+    one embedding row, tower), the routed experts the batch reaches at the planner's bytes."""
+    dense, every_expert = _weight_parts(config.to_json_string(), experts)
+    text = config.text_config
+    reached = distinct_experts(text.num_experts, text.num_experts_per_tok, batch)
+    return dense + round(every_expert * reached / text.num_experts)
+
+
+def copy_bandwidth(device: str, megabytes: int, repeats: int = 10) -> float:
+    """Bytes a large device-to-device copy moves per second (each byte read and written: both
+    counted, as bandwidth tests count a copy); best of `repeats`."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    moved = 2 * source.numel()
+    del source, target
+    return moved / best
+
+
+# ----------------------------------------------------------------------------- CUDA-graph capture
+
+
+class GraphsNotCaptured(RuntimeError):
+    """torch ran some graph of the compiled step without capturing it as a CUDA graph."""
+
+
+class CudagraphSkipLog(logging.Handler):
+    """Collects torch's "skipping cudagraphs ..." log lines, each with the step function whose
+    compile or call printed it (read off the call stack: the loop's `_draw` / `_feed` line)."""
+
+    LOGGERS = ("torch", "torch._inductor", "torch._dynamo")
+    """Where the handler listens: torch's loggers for inductor and dynamo do not propagate to "torch"."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self._seen: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "skipping cudagraphs" in message and id(record) not in self._seen:
+            self._seen.add(id(record))
+            self.lines.append(f"{graph_on_stack()}: {message.strip().splitlines()[0]}")
+
+    def __enter__(self):
+        self.lines.clear()
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
+def graph_on_stack() -> str:
+    """Which step function is being compiled or run: "draw" or "feed" from the decode loop's line
+    on the call stack; "a graph of the step" when neither is."""
+    for frame in reversed(traceback.extract_stack()):
+        line = frame.line or ""
+        if frame.filename.endswith("loop.py") and "_draw(" in line:
+            return "draw"
+        if frame.filename.endswith("loop.py") and "_feed(" in line:
+            return "feed"
+    return "a graph of the step"
+
+
+def cudagraph_skips() -> int:
+    """What torch counts as CUDA graphs skipped in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def capture_failures(label: str, skips: int, skip_lines: list[str], graph_launches: int | None,
+                     expected_graphs: int = 2) -> list[str]:
+    """Why the compiled step of `label` was not captured: `skips` CUDA graphs torch counted as
+    skipped (with `skip_lines`, its log lines), or a profiled step that replayed no graph or more
+    than `expected_graphs` (a step cut into partitions around host work). Empty when captured."""
+    failures = [f"{label}, {line}" for line in skip_lines]
+    if skips > len(skip_lines):
+        failures.append(f"{label}: torch counted {skips} CUDA graph(s) skipped (cudagraph_skips), "
+                        f"{len(skip_lines)} with a log line")
+    if graph_launches is not None and graph_launches == 0:
+        failures.append(f"{label}: the profiled step launched no CUDA graph (draw and feed ran uncaptured)")
+    elif graph_launches is not None and graph_launches > expected_graphs:
+        failures.append(f"{label}: the profiled step launched {graph_launches} CUDA graphs, expected "
+                        f"{expected_graphs} (draw, feed): the step is cut into partitions around host work")
+    return failures
+
+
+def check_captured(failures: list[str]) -> None:
+    """GraphsNotCaptured listing every failure, unless there are none."""
+    if failures:
+        raise GraphsNotCaptured("\n".join(f"NOT CAPTURED: {failure}" for failure in failures))
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+
+@dataclass
+class Row:
+    experts: str
+    mode: str
+    batch: int
+    ms_per_frame: float
+    frames_per_second: float
+    ops_per_step: int
+    ops_counted: str
+    graphs_per_step: int | None
+    gb_per_step: float
+    floor_ms: float
+    times_floor: float
+    ttfa_ms: float
+    ttfa_codec_ms: float
+    captured: str
+    failures: list[str] = field(default_factory=list)
 
 
 def synchronize(device: str) -> None:
@@ -241,68 +374,153 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_run(model, batch: int, rows: int, frames: int, device: str, mode: str = "eager") -> tuple[float, float]:
-    """(seconds to the 10th frame from the start, including the prefill; seconds per step after it)."""
-    generator = torch.Generator().manual_seed(0)
+def compile_config_of(mode: str, device: str) -> CompileConfig | None:
+    """The step's compile options for `mode` on `device` (None: eager)."""
+    if mode == "eager":
+        return None
+    if device.startswith("cuda"):
+        return default_compile_config()
+    # the same fullgraph trace on a CPU, run without code generation (no CUDA graphs there)
+    return CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
+
+
+def prompt(model, batch: int, rows: int, device: str):
+    """A random text prompt [batch, rows] (no audio rows), its zero codes and its mask."""
+    generator = torch.Generator().manual_seed(batch)
     input_ids = torch.randint(3, model.config.semantic_start_token_id, (batch, rows), generator=generator).to(device)
     audio_codes = torch.zeros(batch, rows, model.config.num_codebooks, dtype=torch.long, device=device)
-    mask = torch.ones_like(input_ids)
-    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(device), prompt_window(input_ids, mask))
-    budgets = torch.full((batch,), max(frames, FIRST_AUDIO_FRAMES))
-    steps = steps_of(model, input_ids, audio_codes, mask, sampler, budgets, mode, device)
+    return input_ids, audio_codes, torch.ones_like(input_ids)
+
+
+def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str) -> DecodeRun:
+    """A decode run with its prompt prefilled, through the library's public loop."""
+    input_ids, audio_codes, mask = prompt(model, batch, rows, device)
+    request = resolve_request(model, SamplingSettings(), input_ids, mask, frames, frames / model.config.frame_rate)
+    sampler = make_sampler(model, request, input_ids, mask, seed=0)
+    budgets = torch.full((batch,), frames, dtype=torch.long)
+    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, request.separators,
+                               compile_config=compile_config_of(mode, device))
+
+
+def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str) -> tuple[float, float, float]:
+    """(seconds to the 10th frame, the same plus the codec decoding those frames, seconds per
+    step after them). The step after the codec is not timed."""
     synchronize(device)
     started = time.perf_counter()
-    first_audio = float("nan")
-    marks = []
-    for index, _ in enumerate(steps):
+    steps = start_run(model, batch, rows, frames, mode, device).steps()
+    first = []
+    for _ in range(FIRST_AUDIO_FRAMES):
+        first.append(next(steps).frames)
+    synchronize(device)
+    first_audio = time.perf_counter() - started
+    codes = torch.stack(first, dim=-1)  # [batch, num_codebooks, 10]
+    codec.streaming_decoder(batch_size=batch).push(codes)
+    synchronize(device)
+    with_codec = time.perf_counter() - started
+    next(steps)
+    synchronize(device)
+    resumed, timed = time.perf_counter(), 0
+    for _ in steps:
+        timed += 1
+    synchronize(device)
+    return first_audio, with_codec, (time.perf_counter() - resumed) / timed
+
+
+@dataclass
+class StepProfile:
+    kernels: int
+    """CUDA kernels (memcpy / memset not counted)."""
+    aten_ops: int
+    """Top-level ATen operator calls."""
+    graph_launches: int
+
+
+def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: str) -> StepProfile:
+    """What the profiler records during the step that makes frame `PROFILED_FRAME` of a fresh run."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = start_run(model, batch, rows, frames, mode, device).steps()
+    for _ in range(PROFILED_FRAME - 1):
+        next(steps)
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as profiler:
+        next(steps)
         synchronize(device)
-        marks.append(time.perf_counter())
-        if index + 1 == FIRST_AUDIO_FRAMES:
-            first_audio = marks[-1] - started
-    per_step = (marks[-1] - marks[0]) / max(len(marks) - 1, 1)
-    return first_audio, per_step
+    steps.close()
+    events = profiler.events()
+
+    def top_level_aten(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return event.name.startswith("aten::")
+
+    return StepProfile(
+        kernels=sum(1 for event in events
+                    if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))),
+        aten_ops=sum(1 for event in events if event.device_type == DeviceType.CPU and top_level_aten(event)),
+        graph_launches=sum(1 for event in events if event.device_type == DeviceType.CPU and "cudaGraphLaunch" in event.name),
+    )
 
 
-def extrapolate(low: tuple[int, float], high: tuple[int, float], layers: int = PUBLISHED_LAYERS) -> float:
-    """The value at `layers` on the line through (depth, value) pairs `low` and `high`."""
-    (a, at_a), (b, at_b) = low, high
-    return at_a + (layers - a) / (b - a) * (at_b - at_a)
+def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwidth: float, gb_per_step: float) -> Row:
+    """One row: warm the shape (a whole run of the timed length), time a run, profile a step."""
+    rows, frames = arguments.prompt_rows, arguments.frames
+    on_gpu = device.startswith("cuda")
+    skips_before = cudagraph_skips()
+    with torch.no_grad(), CudagraphSkipLog() as skip_log:
+        timed_run(model, codec, batch, rows, frames, mode, device)  # warm-up: compile, capture, autotune
+        first_audio, with_codec, per_step = timed_run(model, codec, batch, rows, frames, mode, device)
+        profiled = profile_step(model, batch, rows, frames, mode, device)
+        skip_lines = list(skip_log.lines)
+    skips = cudagraph_skips() - skips_before
+    label = f"{arguments.experts} {mode} batch {batch}"
+    failures = []
+    if mode == "compiled" and on_gpu:
+        failures = capture_failures(label, skips, skip_lines, profiled.graph_launches)
+        captured = "no" if failures else "yes"
+    else:
+        captured = "n/a (eager)" if mode == "eager" else "n/a (CPU)"
+    floor = gb_per_step * 1e9 / bandwidth
+    return Row(
+        experts=arguments.experts, mode=mode, batch=batch, ms_per_frame=per_step * 1e3,
+        frames_per_second=batch / per_step,
+        ops_per_step=profiled.kernels if on_gpu else profiled.aten_ops,
+        ops_counted="CUDA kernels" if on_gpu else "aten ops",
+        graphs_per_step=profiled.graph_launches if on_gpu else None,
+        gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
+        ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
+    )
 
 
-def measure(arguments, depth: int, experts: str, mode: str, device: str, dtype) -> dict[int, tuple[float, float]]:
-    """{batch: (time to first audio, seconds per step)} of one model."""
-    torch.manual_seed(0)
-    model = build(depth, device, dtype, arguments.dry_run)
-    if experts == "fp8":
-        store_experts_in_fp8(model)
-    results = {}
-    torch._dynamo.reset()  # a fresh model: nothing compiled for another one stays around
-    with torch.no_grad():
-        timed_run(model, 1, 16, 3, device)  # warm-up
-        for batch in sorted({1, arguments.batch}):
-            if mode != "eager":
-                # the same batch and cache length class as the timed run: compiles / captures it
-                timed_run(model, batch, arguments.prompt_rows, 3, device, mode)
-            results[batch] = timed_run(model, batch, arguments.prompt_rows, arguments.frames, device, mode)
-    del model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return results
+# ----------------------------------------------------------------------------- printing
+
+COLUMNS = ("experts", "mode", "batch", "ms/frame", "frames/s", "{ops}/step", "graphs/step", "GB/step", "floor ms",
+           "x floor", "TTFA ms", "+codec ms", "captured")
 
 
-def report(experts: str, mode: str, low_depth: int, high_depth: int, low: dict, high: dict, layers: int) -> None:
-    for batch in low:
-        per_step = extrapolate((low_depth, low[batch][1]), (high_depth, high[batch][1]), layers)
-        first_audio = extrapolate((low_depth, low[batch][0]), (high_depth, high[batch][0]), layers)
-        frames_per_second = batch / per_step
-        print(
-            f"  {experts:>4} {mode:>8} batch {batch:>2}: {per_step * 1e3:7.2f} ms per step at {layers} layers "
-            f"({low[batch][1] * 1e3:.2f} at {low_depth}, {high[batch][1] * 1e3:.2f} at {high_depth}); "
-            f"{frames_per_second:7.1f} frames/s = {frames_per_second / PAPER_FRAMES_PER_SECOND:.2f}x the paper's "
-            f"{PAPER_FRAMES_PER_SECOND:.0f}, {frames_per_second / S2_FRAMES_PER_SECOND:.2f}x S2's {S2_FRAMES_PER_SECOND:.0f}; "
-            f"first audio {first_audio * 1e3:.0f} ms"
-        )
+def table_header(on_gpu: bool) -> str:
+    names = [column.format(ops="kernels" if on_gpu else "aten ops") for column in COLUMNS]
+    return "| " + " | ".join(names) + " |\n|" + "---|" * len(names)
+
+
+def table_row(row: Row) -> str:
+    graphs = "n/a (CPU)" if row.graphs_per_step is None else str(row.graphs_per_step)
+    cells = [row.experts, row.mode, str(row.batch), f"{row.ms_per_frame:.2f}", f"{row.frames_per_second:.1f}",
+             str(row.ops_per_step), graphs, f"{row.gb_per_step:.3f}", f"{row.floor_ms:.3f}", f"{row.times_floor:.1f}",
+             f"{row.ttfa_ms:.1f}", f"{row.ttfa_codec_ms:.1f}", row.captured]
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_json(path: str | None, header: dict, rows: list[Row]) -> None:
+    if path is None:
+        return
+    with open(path, "w", encoding="utf-8") as writer:
+        json.dump({**header, "rows": [asdict(row) for row in rows]}, writer, indent=1)
 
 
 def main(argv=None) -> None:
@@ -310,23 +528,43 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if arguments.dry_run:
         device, dtype = "cpu", torch.float32
-        torch.set_num_threads(1)  # a tiny width gains nothing from threads (see threads.py)
+        torch.set_num_threads(1)  # a tiny width gains nothing from threads (see decoding/threads.py)
     elif torch.cuda.is_available():
         device, dtype = "cuda", torch.bfloat16
     else:
         raise SystemExit("benchmarks/gpu.py: no CUDA device; run with --dry-run to check the script on the CPU")
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: tiny width, float32 for bf16)"
-    low_depth, high_depth = arguments.depths
-    print(f"{name}, torch {torch.__version__}; backbone depths {low_depth} and {high_depth} extrapolated to "
-          f"{PUBLISHED_LAYERS}; prompt {arguments.prompt_rows} rows, {arguments.frames} frames per run")
-    if arguments.dry_run:
-        print_step_op_count()
-    for experts in arguments.experts:
-        for mode in arguments.modes:
-            low = measure(arguments, low_depth, experts, mode, device, dtype)
-            high = measure(arguments, high_depth, experts, mode, device, dtype)
-            report(experts, mode, low_depth, high_depth, low, high, PUBLISHED_LAYERS)
-            print(f"    ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    if arguments.experts == "fp8":
+        fp8_quantizer()  # refused before anything is built
+    on_gpu = device == "cuda"
+    name = torch.cuda.get_device_name() if on_gpu else "CPU (dry run: tiny width, float32 for bf16)"
+    bandwidth = copy_bandwidth(device, 4096 if on_gpu else 64)
+    config = published_config(arguments.layers, arguments.dry_run)
+    header = {"device": name, "torch": torch.__version__, "layers": arguments.layers, "experts": arguments.experts,
+              "prompt_rows": arguments.prompt_rows, "frames": arguments.frames, "copy_bandwidth_gb_per_s": bandwidth / 1e9}
+    print(f"{name}, torch {torch.__version__}; {arguments.layers} backbone layers, {arguments.experts} routed experts; "
+          f"prompt {arguments.prompt_rows} rows, {arguments.frames} frames per run; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s (read + written); the paper: {PAPER_FRAMES_PER_SECOND:.0f} frames/s at batch 1, "
+          f"{PAPER_KERNELS_PER_STEP:,} kernels per step", flush=True)
+    model = build(config, device, dtype, arguments.experts)
+    codec = codec_of(arguments.dry_run, device)
+    print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
+    print(table_header(on_gpu), flush=True)
+    rows, failures = [], []
+    for mode in arguments.modes:
+        torch._dynamo.reset()  # each mode compiles from nothing
+        for batch in arguments.batches:
+            gb_per_step = weights_read_per_step(config, arguments.experts, batch) / 1e9
+            row = measure(model, codec, arguments, mode, batch, device, bandwidth, gb_per_step)
+            rows.append(row)
+            failures += row.failures
+            print(table_row(row), flush=True)
+            write_json(arguments.json, {**header, "seconds": time.perf_counter() - started}, rows)
+    print(f"  ({time.perf_counter() - started:.0f} s in all)", flush=True)
+    try:
+        check_captured(failures)
+    except GraphsNotCaptured as error:
+        print(error, flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

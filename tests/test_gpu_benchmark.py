@@ -1,81 +1,190 @@
-"""benchmarks/gpu.py parses its arguments, extrapolates depth linearly, and runs end to end at a
-tiny width on the CPU (--dry-run), so it is ready when a GPU is at hand."""
+"""benchmarks/gpu.py: its arguments, the model it builds (the full depth, from the meta device),
+the weights a step reads, the CUDA-graph capture check, and a run end to end at a tiny width on the
+CPU (--dry-run) whose table and numbers agree, so it is ready when a GPU is at hand."""
 
 import importlib.util
+import json
+import logging
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+QUICK = ["--dry-run", "--frames", "12", "--prompt-rows", "8"]
 
 
 @pytest.fixture(scope="module")
 def gpu_benchmark():
     spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their module by name
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop(spec.name, None)
 
 
-def test_the_defaults_measure_bf16_and_fp8_eager_and_graph_at_batch_1_and_16(gpu_benchmark):
+def table(output: str) -> tuple[list[str], list[list[str]]]:
+    """(header cells, data rows' cells) of the markdown table a run printed."""
+    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return cells[0], cells[1:]
+
+
+def test_the_defaults_measure_the_published_depth_compiled_and_eager_at_batches_1_8_32_64(gpu_benchmark):
     arguments = gpu_benchmark.parse_arguments([])
-    assert arguments.experts == ["bf16", "fp8"] and arguments.modes == ["eager", "graph"]
-    assert arguments.batch == 16 and arguments.depths == [4, 8] and not arguments.dry_run
+    assert arguments.layers == 40 and arguments.batches == [1, 8, 32, 64]
+    assert arguments.modes == ["compiled", "eager"] and arguments.experts == "bf16"
+    assert arguments.prompt_rows == 256 and not arguments.dry_run
+    assert gpu_benchmark.parse_arguments(["--dry-run"]).layers == gpu_benchmark.DRY_RUN_LAYERS
 
 
-@pytest.mark.parametrize("bad", [["--depths", "8", "4"], ["--depths", "0", "4"], ["--depths", "2", "4"], ["--batch", "0"],
-                                 ["--frames", "1"],
-                                 ["--experts", "int4"]])
+@pytest.mark.parametrize("bad", [["--layers", "3"], ["--layers", "41"], ["--batches", "1", "0"], ["--frames", "11"],
+                                 ["--prompt-rows", "0"], ["--experts", "int4"], ["--modes", "graph"]])
 def test_bad_arguments_are_refused_naming_the_flag(gpu_benchmark, bad, capsys):
     with pytest.raises(SystemExit):
         gpu_benchmark.parse_arguments(bad)
     assert bad[0] in capsys.readouterr().err
 
 
-def test_depth_is_extrapolated_along_the_line_through_the_two_measurements(gpu_benchmark):
-    assert gpu_benchmark.extrapolate((4, 10.0), (8, 18.0), 40) == pytest.approx(82.0)
-
-
-def test_the_published_config_keeps_the_published_width_at_fewer_layers(gpu_benchmark):
+def test_the_benchmarked_config_is_the_published_one_at_full_depth(gpu_benchmark):
     from transformers_drama3 import Drama3Config
 
-    config, published = gpu_benchmark.published_config(4, dry_run=False), Drama3Config()
-    assert config.text_config.num_hidden_layers == 4
-    assert config.text_config.layer_types == published.text_config.layer_types[:4]
-    assert config.hidden_size == published.hidden_size and config.text_config.num_experts == published.text_config.num_experts
+    config, published = gpu_benchmark.published_config(40, dry_run=False), Drama3Config()
+    assert config.to_dict() == published.to_dict()
+    assert gpu_benchmark.published_config(8, dry_run=False).text_config.layer_types == published.text_config.layer_types[:8]
 
 
-def test_fp8_stored_experts_compute_what_the_bf16_experts_do_within_fp8_error(gpu_benchmark):
-    import torch
+def test_the_model_materialised_from_the_meta_device_has_every_tensor_a_built_model_has(gpu_benchmark):
+    from transformers_drama3 import Drama3ForSpeechGeneration
 
-    model = gpu_benchmark.build(4, "cpu", torch.float32, dry_run=True)
-    experts = model.backbone.layers[0].mlp.experts
-    generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(5, model.config.hidden_size, generator=generator)
-    index = torch.randint(0, experts.num_experts, (5, 2), generator=generator)
-    weights = torch.rand(5, 2, generator=generator)
-    with torch.no_grad():
-        expected = experts(hidden, index, weights)
-        stored = gpu_benchmark.Fp8StoredExperts(experts)(hidden, index, weights)
-    # e4m3 keeps 3 mantissa bits: a relative error of ~6% per weight, averaged over each sum
-    torch.testing.assert_close(stored, expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))
-
-
-def test_a_dry_run_prints_every_measurement_against_the_papers_figures(gpu_benchmark, capsys):
-    gpu_benchmark.main(["--dry-run", "--depths", "4", "8", "--frames", "2", "--prompt-rows", "4", "--batch", "2",
-                        "--modes", "eager", "static"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "frames/s" in line]
-    assert len(lines) == 8  # bf16 and fp8, the eager loop and the static step, batch 1 and 2
-    assert all("the paper's 271" in line and "S2's 177" in line and "first audio" in line for line in lines)
+    config = gpu_benchmark.published_config(4, dry_run=True)
+    model = gpu_benchmark.materialised(config, "cpu", torch.bfloat16)
+    built = Drama3ForSpeechGeneration._from_config(config, dtype=torch.bfloat16)
+    parameters, expected = dict(model.named_parameters()), dict(built.named_parameters())
+    assert parameters.keys() == expected.keys()
+    assert all(parameters[name].shape == expected[name].shape and parameters[name].dtype == expected[name].dtype
+               for name in expected)
+    assert all(parameter.device.type == "cpu" and parameter.isfinite().all() for parameter in parameters.values())
+    # random, not left empty: the initialisation ran (weights of std 0.02, zero-centred norms)
+    assert 0.01 < float(model.lm_head.weight.detach().float().std()) < 0.04
+    for name, buffer in built.named_buffers():  # rotary tables computed as a built model's
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=0, atol=0)
 
 
-def test_the_graph_modes_capture_the_static_step_whole(gpu_benchmark):
-    """graph: CUDA graphs without code generation (aot_eager traces the same graph on a CPU);
-    compiled: inductor with CUDA graphs, what generate(cache_implementation="static") does on a GPU.
-    (The compiled static step itself is tested in test_static_decode.py.)"""
-    graph, compiled = gpu_benchmark.compile_config_of("graph", "cuda"), gpu_benchmark.compile_config_of("compiled", "cuda")
-    assert graph.fullgraph and graph.backend == "cudagraphs"
-    assert compiled.fullgraph and compiled.backend == "inductor" and compiled.mode == "reduce-overhead"
-    assert gpu_benchmark.compile_config_of("graph", "cpu").backend == "aot_eager"
-    assert gpu_benchmark.compile_config_of("compiled", "cpu").mode is None  # no CUDA graphs on a CPU
-    assert gpu_benchmark.compile_config_of("eager", "cuda") is None and gpu_benchmark.compile_config_of("static", "cuda") is None
+def test_one_step_reads_the_papers_weights_per_frame_at_batch_1_and_more_experts_for_a_batch(gpu_benchmark):
+    from transformers_drama3.accounting import account
+    from transformers_drama3.planning import plan_memory
+
+    config = gpu_benchmark.published_config(40, dry_run=False)
+    accounting = account(config)
+    fp8 = gpu_benchmark.weights_read_per_step(config, "fp8", 1)
+    assert fp8 == accounting.weights_bytes_per_frame  # the paper's ~6.0 GB: FP8 experts, their scales
+    assert round(fp8 / 1e9, 1) == 5.9
+    # bf16 experts: 2 bytes per expert weight, no scales
+    bf16 = gpu_benchmark.weights_read_per_step(config, "bf16", 1)
+    assert bf16 - fp8 == accounting.routed_expert_parameters_per_frame - accounting.routed_expert_scales_per_frame * 4
+    # a batch reaches more distinct experts, never more than every expert of every layer
+    every = plan_memory(config, "fp8").routed_experts
+    sizes = [gpu_benchmark.weights_read_per_step(config, "fp8", batch) for batch in (1, 8, 32, 64, 10_000)]
+    assert sizes == sorted(sizes) and sizes[-1] == pytest.approx(fp8 - every * 8 / 256 + every, rel=1e-6)
+    assert gpu_benchmark.distinct_experts(256, 8, 1) == pytest.approx(8)
+
+
+def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_benchmark, tmp_path, capsys):
+    path = tmp_path / "numbers.json"
+    gpu_benchmark.main([*QUICK, "--modes", "eager", "--batches", "1", "2", "--json", str(path)])
+    header, rows = table(capsys.readouterr().out)
+    assert header == ["experts", "mode", "batch", "ms/frame", "frames/s", "aten ops/step", "graphs/step", "GB/step",
+                      "floor ms", "x floor", "TTFA ms", "+codec ms", "captured"]
+    assert [(row[0], row[1], row[2]) for row in rows] == [("bf16", "eager", "1"), ("bf16", "eager", "2")]
+    numbers = json.loads(path.read_text())
+    bandwidth = numbers["copy_bandwidth_gb_per_s"] * 1e9
+    config = gpu_benchmark.published_config(numbers["layers"], dry_run=True)
+    for printed, row in zip(rows, numbers["rows"]):
+        batch = row["batch"]
+        assert row["frames_per_second"] == pytest.approx(batch * 1000 / row["ms_per_frame"])
+        assert row["gb_per_step"] * 1e9 == pytest.approx(gpu_benchmark.weights_read_per_step(config, "bf16", batch))
+        assert row["floor_ms"] == pytest.approx(row["gb_per_step"] * 1e9 / bandwidth * 1e3)
+        assert row["times_floor"] == pytest.approx(row["ms_per_frame"] / row["floor_ms"])
+        assert 0 < row["ttfa_ms"] <= row["ttfa_codec_ms"]
+        assert row["ops_counted"] == "aten ops" and row["ops_per_step"] > 100 and row["graphs_per_step"] is None
+        assert row["captured"] == "n/a (eager)" and row["failures"] == []
+        assert float(printed[3]) == pytest.approx(row["ms_per_frame"], abs=0.006)
+        assert float(printed[4]) == pytest.approx(row["frames_per_second"], abs=0.06)
+        assert printed[5] == str(row["ops_per_step"]) and printed[6] == "n/a (CPU)"
+
+
+@pytest.mark.slow
+def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, capsys):
+    """compiled: the step's fullgraph trace (aot_eager on a CPU, inductor + CUDA graphs on a GPU)."""
+    gpu_benchmark.main([*QUICK, "--modes", "compiled", "--batches", "1"])
+    _, rows = table(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0][1] == "compiled" and rows[0][-1] == "n/a (CPU)"
+
+
+def test_the_compiled_mode_is_what_generate_compiles_on_a_gpu(gpu_benchmark):
+    from transformers_drama3.decoding.loop import default_compile_config
+
+    assert gpu_benchmark.compile_config_of("compiled", "cuda") == default_compile_config()
+    on_cpu = gpu_benchmark.compile_config_of("compiled", "cpu")
+    assert on_cpu.fullgraph and on_cpu.backend == "aot_eager" and on_cpu.mode is None  # no CUDA graphs on a CPU
+    assert gpu_benchmark.compile_config_of("eager", "cuda") is None
+
+
+def test_a_skipped_cuda_graph_is_a_failure_naming_the_graph(gpu_benchmark):
+    label = "bf16 compiled batch 8"
+    assert gpu_benchmark.capture_failures(label, 0, [], graph_launches=2) == []
+    counted = gpu_benchmark.capture_failures(label, 1, [], graph_launches=2)
+    assert len(counted) == 1 and label in counted[0] and "cudagraph_skips" in counted[0]
+    logged = gpu_benchmark.capture_failures(label, 1, ["feed: skipping cudagraphs due to cpu device (_tensor_constant0)"], 2)
+    assert logged == [f"{label}, feed: skipping cudagraphs due to cpu device (_tensor_constant0)"]
+    assert "no CUDA graph" in gpu_benchmark.capture_failures(label, 0, [], graph_launches=0)[0]
+    assert "partitions" in gpu_benchmark.capture_failures(label, 0, [], graph_launches=5)[0]
+    with pytest.raises(gpu_benchmark.GraphsNotCaptured, match=f"NOT CAPTURED: {label}, feed: skipping cudagraphs"):
+        gpu_benchmark.check_captured(logged)
+    gpu_benchmark.check_captured([])
+
+
+def test_the_skip_log_keeps_torchs_skipping_cudagraphs_lines(gpu_benchmark):
+    inductor = logging.getLogger("torch._inductor.cudagraph_utils")
+    with gpu_benchmark.CudagraphSkipLog() as skips:
+        inductor.warning("skipping cudagraphs due to cpu device (_tensor_constant0)")
+        inductor.warning("something else")
+    inductor.warning("skipping cudagraphs due to mutated inputs")  # after the watch: not collected
+    assert skips.lines == ["a graph of the step: skipping cudagraphs due to cpu device (_tensor_constant0)"]
+
+
+def test_a_run_with_a_graph_not_captured_exits_non_zero_after_its_table(gpu_benchmark, monkeypatch, capsys):
+    def skipped(model, codec, arguments, mode, batch, device, bandwidth, gb_per_step):
+        return gpu_benchmark.Row("bf16", mode, batch, 1.0, batch * 1000.0, 10, "CUDA kernels", 3, gb_per_step, 0.5, 2.0,
+                                 5.0, 6.0, "no", [f"bf16 {mode} batch {batch}, draw: skipping cudagraphs due to test"])
+
+    monkeypatch.setattr(gpu_benchmark, "measure", skipped)
+    with pytest.raises(SystemExit) as exited:
+        gpu_benchmark.main([*QUICK, "--modes", "compiled", "--batches", "1"])
+    assert exited.value.code == 1
+    output = capsys.readouterr().out
+    assert "NOT CAPTURED: bf16 compiled batch 1, draw: skipping cudagraphs due to test" in output
+    assert output.index("| bf16 | compiled | 1 |") < output.index("NOT CAPTURED")
+
+
+def test_fp8_experts_are_refused_before_building_when_the_quantiser_is_missing(gpu_benchmark, monkeypatch):
+    monkeypatch.setitem(sys.modules, gpu_benchmark.FP8_MODULE, None)  # import fails
+    monkeypatch.setattr(gpu_benchmark, "materialised", lambda *args: pytest.fail("built before the refusal"))
+    with pytest.raises(SystemExit, match=r"--experts fp8: .*fp8_experts\.quantize_experts_fp8 is not importable"):
+        gpu_benchmark.main([*QUICK, "--experts", "fp8"])
+
+
+def test_a_dry_run_with_fp8_experts_reads_the_fp8_bytes(gpu_benchmark, tmp_path):
+    try:
+        gpu_benchmark.fp8_quantizer()
+    except SystemExit as refused:
+        pytest.skip(str(refused))
+    path = tmp_path / "numbers.json"
+    gpu_benchmark.main([*QUICK, "--experts", "fp8", "--modes", "eager", "--batches", "1", "--json", str(path)])
+    row = json.loads(path.read_text())["rows"][0]
+    config = gpu_benchmark.published_config(gpu_benchmark.DRY_RUN_LAYERS, dry_run=True)
+    assert row["experts"] == "fp8"
+    assert row["gb_per_step"] * 1e9 == pytest.approx(gpu_benchmark.weights_read_per_step(config, "fp8", 1))
