@@ -9,6 +9,8 @@ internal when an upgrade moves it:
 1. the device router: four module-level functions of transformers' Qwen3.5-MoE modeling
    (`ROUTED_FUNCTIONS`) are replaced, process-wide, by routers from `kernels.device_dispatch`
    (opt out with `DRAMA3_DEVICE_DISPATCH=0` before the import, or `uninstall_device_dispatch()`);
+   on a CUDA decode row two of them run the package's own one-op kernels (`kernels.short_conv`,
+   `kernels.recurrent_decode`), which a compiled decode step holds without a graph break;
 2. the closure variable `implementation` of transformers' kernel wrapper (which kernel it bound),
    and from transformers 5.25 the closure variable `func` of the kernels package's function module
    that holds that wrapper (`kernel_wrapper`);
@@ -25,7 +27,10 @@ internal when an upgrade moves it:
    `from_pretrained` reads the resolved checkpoint files (`PreTrainedModelWithLoadedFiles` tells
    the model which files it was loaded from), and the Hub-upload helpers `save_pretrained(...,
    push_to_hub=True)` uses (`PushToHubMixin._get_files_timestamps` / `_upload_modified_files`,
-   `transformers.utils.hub.hf_api` / `create_and_tag_model_card`; `start_hub_upload`).
+   `transformers.utils.hub.hf_api` / `create_and_tag_model_card`; `start_hub_upload`);
+8. `PreTrainedModel._can_set_experts_implementation`, the private classmethod through which
+   transformers decides whether a model may take an `experts_implementation`
+   (`PreTrainedModelWithComposedExperts`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -258,12 +263,25 @@ def device_dispatch_requested(environ=os.environ) -> bool:
 
 def kernel_report() -> dict[str, str]:
     """Which implementation each routed function uses for CUDA tensors (the CPU always uses PyTorch
-    while the router is installed)."""
+    while the router is installed): transformers' choice, preceded, where the router runs the
+    package's own kernel on a CUDA decode row (Triton installed), by that kernel's op."""
     report = {}
     for name in ROUTED_FUNCTIONS:
-        implementation = kernel_implementation(_original(getattr(qwen3_5_moe, name)))
-        report[name] = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
+        current = getattr(qwen3_5_moe, name)
+        implementation = kernel_implementation(_original(current))
+        bound = f"{getattr(implementation, '__module__', '?')}.{getattr(implementation, '__name__', '?')}"
+        decode_op = _decode_op(current)
+        report[name] = bound if decode_op is None else f"{decode_op} on a decode row, else {bound}"
     return report
+
+
+def _decode_op(routed) -> str | None:
+    """`torch.ops.drama3.<name>`, the op a router runs on a CUDA decode row, when it can run one."""
+    kernel = getattr(routed, "drama3_decode_kernel", None)
+    module = sys.modules.get(getattr(kernel, "__module__", ""), None)
+    if kernel is None or not module.triton_available():
+        return None
+    return f"torch.ops.drama3.{kernel.__name__}"
 
 
 # ----------------------------------------------------------------------------- 4. ProcessorMixin
@@ -468,3 +486,36 @@ def start_hub_upload(model, directory, token, hub_kwargs: dict):
         )
 
     return upload
+
+
+# ----------------------------------------------------------------------------- 8. experts implementation
+
+
+def check_experts_implementation_hook() -> None:
+    """transformers still asks the private classmethod `_can_set_experts_implementation` whether a
+    model may take an `experts_implementation` (from `_grouped_mm_can_dispatch` and
+    `set_experts_implementation`)."""
+    hook = inspect.getattr_static(PreTrainedModel, "_can_set_experts_implementation", None)
+    if not isinstance(hook, classmethod):
+        raise _changed("PreTrainedModel._can_set_experts_implementation", "a classmethod")
+    for caller in ("_grouped_mm_can_dispatch", "set_experts_implementation"):
+        if "_can_set_experts_implementation" not in getattr(PreTrainedModel, caller).__code__.co_names:
+            raise _changed(f"PreTrainedModel.{caller}", "a call of _can_set_experts_implementation")
+
+
+class PreTrainedModelWithComposedExperts(PreTrainedModel):
+    """A `PreTrainedModel` whose MoE experts live in a transformers model it composes (the
+    Qwen3.5-MoE backbone): it takes `experts_implementation` (`from_pretrained`'s keyword,
+    `set_experts_implementation`) and hands it on to that model.
+
+    transformers decides whether a model may set its experts implementation by looking for
+    `@use_experts_implementation` in the source of the model's own module (the private classmethod
+    `_can_set_experts_implementation`). A composing module has no experts of its own, so
+    transformers refuses `experts_implementation="grouped_mm"` for it by name, although the backbone
+    it composes runs grouped_mm by default. The override answers for the composed model, and is
+    checked by `check_experts_implementation_hook` whenever it is asked."""
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        check_experts_implementation_hook()
+        return True

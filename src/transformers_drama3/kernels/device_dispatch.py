@@ -15,6 +15,14 @@ so the routers honour them here: the delta rule runs on each document alone, fro
 (fla's varlen kernel on CUDA, the reference once per document otherwise), and the causal
 convolution drops every tap that reaches back into an earlier document, on every device
 (transformers' convolution kernels take no document boundaries).
+
+Decode rows. On a CUDA decode row (one row per item, no packed documents) the two per-row functions
+of a Gated DeltaNet layer run the package's own kernels, each one custom op that a compiled decode
+step holds without a graph break: `causal_conv1d_update` -> `short_conv.short_conv_update` (transformers
+would run its PyTorch reference, several kernels, unless the `causal_conv1d` package is installed)
+and `torch_recurrent_gated_delta_rule` -> `recurrent_decode.gated_delta_rule_decode` (transformers
+would run fla's fused recurrent kernel, through its autograd function, or the reference). Every other
+call keeps the route above.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from . import recurrent_decode, short_conv
 
 # The names of the module-level functions of transformers' Qwen3.5-MoE modeling that get a router.
 ROUTED_FUNCTIONS = (
@@ -190,6 +200,46 @@ def route_causal_conv1d(kernel, reference):
     return routed
 
 
+def route_short_conv_update(kernel, reference):
+    """Device router for `causal_conv1d_update`: a CUDA decode row runs `short_conv.short_conv_update`
+    (one op, the conv state updated in place); anything else takes `route_by_device`."""
+    plain = route_by_device(kernel, reference)
+
+    @functools.wraps(reference)
+    def routed(hidden_states, conv_state, weight, bias=None, activation=None):
+        if short_conv.kernel_serves(hidden_states, activation):
+            return short_conv.short_conv_update(hidden_states, conv_state, weight, bias, activation)
+        return plain(hidden_states, conv_state, weight, bias, activation=activation)
+
+    routed.drama3_kernel = kernel
+    routed.drama3_reference = reference
+    routed.drama3_decode_kernel = short_conv.short_conv_update
+    return routed
+
+
+def route_recurrent_delta_rule(kernel, reference):
+    """Device router for `torch_recurrent_gated_delta_rule`: a CUDA decode row (one row, no
+    `cu_seqlens`) runs `recurrent_decode.gated_delta_rule_decode` (one op); anything else takes
+    `route_by_device`."""
+    plain = route_by_device(kernel, reference)
+
+    @functools.wraps(reference)
+    def routed(query, key, value, g, beta, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, **kwargs):
+        if recurrent_decode.kernel_serves(query, kwargs.get("cu_seqlens")):
+            out, state = recurrent_decode.gated_delta_rule_decode(
+                query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel
+            )
+            return out, state if output_final_state else None
+        return plain(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+    routed.drama3_kernel = kernel
+    routed.drama3_reference = reference
+    routed.drama3_decode_kernel = recurrent_decode.gated_delta_rule_decode
+    return routed
+
+
 def router_for(name: str, kernel, reference, implementation):
     """The router that replaces transformers' function `name` (one of ROUTED_FUNCTIONS).
 
@@ -201,4 +251,6 @@ def router_for(name: str, kernel, reference, implementation):
         return route_chunk_delta_rule(kernel, reference, kernel_is_reference=implementation is reference)
     if name == "causal_conv1d_fn":
         return route_causal_conv1d(kernel, reference)
-    return route_by_device(kernel, reference)
+    if name == "causal_conv1d_update":
+        return route_short_conv_update(kernel, reference)
+    return route_recurrent_delta_rule(kernel, reference)
