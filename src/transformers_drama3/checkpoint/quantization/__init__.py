@@ -1,5 +1,5 @@
 """Quantised weights: the published checkpoint's block-FP8 experts (`block_fp8`, `checkpoint`,
-`transformers_fp8`), and the model through transformers' weight quantisers, torchao and
+`transformers_fp8`; held and computed in FP8 by `fp8_experts`), and the model through transformers' weight quantisers, torchao and
 bitsandbytes, routed experts included (`quantized_loading`, `experts`).
 
 The bytes a weight takes under each option, for memory plans: `weights.quantized_bytes(shape,
@@ -28,6 +28,7 @@ from .block_fp8 import (
     weight_block_size,
 )
 from .checkpoint import quantize_saved_experts
+from .fp8_experts import Drama3FP8Experts, quantize_experts_fp8, replace_transformers_fp8_experts
 from .experts import Drama3RoutedExperts, routed_experts_from_fused, split_routed_experts
 from .quantized_loading import (
     DEFAULT_MODULES_TO_NOT_CONVERT,
@@ -48,6 +49,7 @@ from .transformers_fp8 import (
 __all__ = [
     "DEFAULT_BLOCK",
     "DEFAULT_MODULES_TO_NOT_CONVERT",
+    "Drama3FP8Experts",
     "Drama3RoutedExperts",
     "QuantizationRefused",
     "WEIGHT_OPTIONS",
@@ -56,6 +58,7 @@ __all__ = [
     "quantization_config_for",
     "quantized_bytes",
     "quantized_lora_config",
+    "replace_transformers_fp8_experts",
     "routed_experts_from_fused",
     "split_routed_experts",
     "FP8_DTYPE",
@@ -72,6 +75,7 @@ __all__ = [
     "is_routed_expert_weight",
     "quantize_block_fp8",
     "quantize_block_fp8_power_of_two",
+    "quantize_experts_fp8",
     "quantize_saved_experts",
     "quantize_state_dict",
     "quantizer_for_rule",

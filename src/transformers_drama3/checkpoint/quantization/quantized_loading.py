@@ -55,6 +55,7 @@ import torch
 
 from .block_fp8 import dequantize_block_fp8, weight_block_size
 from .experts import routed_experts_split
+from .fp8_experts import replace_transformers_fp8_experts
 
 WEIGHT_OPTIONS = ("int8", "int4", "nf4", "bnb-int8")
 """Options loaded and quantised on the fly (`quantization_config_for`)."""
@@ -424,10 +425,16 @@ def quantized_load_active() -> bool:
 def load_pretrained_weights(default_loader, plain_loader, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
     """transformers' weight loading for a quantised load: a block-FP8 checkpoint's files through
     `dequantizing_state_dict`, other files as they are, and no record of the files for a
-    byte-exact published save (`plain_loader`, transformers' own). Any other load: `default_loader`."""
+    byte-exact published save (`plain_loader`, transformers' own). Any other load: `default_loader`,
+    then every routed experts module transformers kept in FP8 (`FP8Experts`) becomes a
+    `fp8_experts.Drama3FP8Experts` holding the same tensors."""
     request = _REQUEST.get()
     if request is None:
-        return default_loader(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        loaded = default_loader(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+        # Experts transformers kept in FP8 (CUDA) are computed by the package's own FP8 kernels,
+        # not by transformers' FP8Experts, whose matmuls need kernels fetched from the Hub.
+        replace_transformers_fp8_experts(model)
+        return loaded
     if request.fp8_block is not None and state_dict is None and checkpoint_files:
         if not all(str(file).endswith(".safetensors") for file in checkpoint_files):
             raise ValueError("a block-FP8 checkpoint is read from safetensors files only")

@@ -11,7 +11,9 @@ correctly:
   `gate_up_proj: [E, 2I, H]` and `down_proj: [E, H, I]` in FP8, with `*_scale_inv` grids);
   the per-expert weights AND scales are merged by the qwen3_5_moe_text conversion mapping.
   Its matmuls come from the `kernels` package (DeepGEMM or the `kernels-community/finegrained-fp8`
-  Triton kernel, fetched from the Hub on first use); there is no pure-torch FP8 path.
+  Triton kernel, fetched from the Hub on first use), so a Drama 3 load puts the package's own
+  `fp8_experts.Drama3FP8Experts` (same tensors, Triton kernels beside a PyTorch reference) in
+  their place.
 - anywhere else (CPU, older GPUs) transformers sets `dequantize=True` itself and loads dense
   weights, dequantised per block and fused by the same mapping.
 
