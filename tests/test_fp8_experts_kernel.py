@@ -147,6 +147,14 @@ def test_kernel_equals_reference_when_every_token_picks_the_same_experts(interpr
     assert_float32_close(out, reference)
 
 
+def test_kernel_takes_int32_expert_ids_and_bfloat16_routing_weights(interpreted):
+    experts = fp8_weights(8, 64, 32)
+    hidden = torch.randn(4, 64, generator=generator(14))
+    index, weights = routing(4, 8, 2)
+    out, reference = kernel_and_reference(interpreted, hidden, index.int(), weights.bfloat16(), experts)
+    assert_float32_close(out, reference)
+
+
 def test_routing_weights_scale_each_slots_contribution(interpreted):
     """The output is the routing-weighted sum of the slots: each slot alone (the others' weights
     zeroed) sums to the whole, and unit weights give something else (a kernel dropping the weights
@@ -203,6 +211,16 @@ def test_a_decode_row_over_8_of_256_experts_makes_8_tiles():
     _, tiles = kernel.routing_tiles(index, 256, block_m)
     assert tiles.shape == (3, 8)
     assert ((tiles[2] - tiles[1]) == 1).all()
+
+
+def test_the_kernels_routing_runs_on_the_device_without_a_host_sync():
+    """What the kernels' launcher computes with torch (the sort by expert and the tiles) traces as
+    one graph with no host sync, data-dependent shape or tensor constant: capturable."""
+    from transformers_drama3.kernels.capture_check import check_capturable
+
+    index, _ = routing(5, 16, 4)
+    report = check_capturable(lambda top_k_index: kernel.routing_tiles(top_k_index, 16, 16), index)
+    assert not report.host_syncs and not report.tensor_constants
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -289,6 +307,17 @@ def test_the_ops_fake_implementation_passes_torch_librarys_check():
         torch.ops.drama3.fp8_experts.default, (torch.randn(5, 64), index, weights, *experts, *BLOCK, 8),
         test_utils=("test_faketensor",),
     )
+
+
+def test_a_moe_layer_with_fp8_experts_is_capturable():
+    """The router, the shared expert and the FP8 experts as one op: no break, constant or host sync."""
+    from transformers_drama3.kernels.capture_check import check_capturable
+
+    model = tiny_model(0, text=TEXT)
+    quantize_experts_fp8(model, BLOCK)
+    with torch.no_grad():
+        report = check_capturable(model.backbone.layers[0].mlp, torch.randn(1, 3, 64))
+    assert report.op_counts["drama3.fp8_experts.default"] == 1
 
 
 def test_compiled_with_fullgraph_the_layer_is_one_opaque_op():

@@ -25,9 +25,11 @@ Weight-only: activations stay in their dtype (bfloat16 or float32), products acc
   kernel computes `silu(gate) * up` of each tile, the second the down projection times the
   routing weight, written per assignment and summed over the k slots in a fixed order
   (deterministic, no atomics). Every shape depends only on `tokens`, `k` and the weights' shapes,
-  and nothing is read back to the host: a decode step holding it captures in a CUDA graph.
-- `fp8_experts`: both as one op, `torch.ops.drama3.fp8_experts` (the kernel for CUDA tensors with
-  Triton installed, the reference elsewhere), so that `torch.compile(fullgraph=True)` holds the
+  and nothing is read back to the host, so a decode step holding it can be captured in a CUDA
+  graph (the launcher's torch part is checked on the CPU by `capture_check`; the tests capture
+  the layer on CUDA where there is a GPU).
+- `fp8_experts`: both as one op, `torch.ops.drama3.fp8_experts` (the kernels for CUDA tensors on a
+  GPU with e4m3 support, `kernel_serves`; the reference elsewhere), so that `torch.compile(fullgraph=True)` holds the
   whole layer as one opaque call. With a gradient wanted it runs the reference outside the op
   (the op has no backward).
 
@@ -183,7 +185,7 @@ def routing_tiles(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
     assignment `token * k + slot` at each sorted position, stable; tiles [3, n] int32: each tile's
     expert, first sorted position and end position, n = `tile_count`; a tile with start == end is
     unused). Device ops of fixed shapes only: nothing is read back to the host."""
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).long()
     assignments = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -338,12 +340,13 @@ def fp8_experts_triton(
     shared = dict(BLOCK_M=block_m, BLOCK_K=inner_tile(block[1]),
                   DOT_IN_FLOAT32=hidden.dtype == torch.float32 or interpreting())
     _gate_up_kernel[lambda meta: (tile_total, triton.cdiv(intermediate, meta["BLOCK_N"]))](
-        hidden.contiguous(), sorted_tokens, tiles, gate_up, gate_up_scale, activation,
+        hidden.contiguous(), sorted_tokens, tiles, gate_up.contiguous(), gate_up_scale.contiguous(), activation,
         hidden_size, intermediate, tile_total, gate_up_scale.shape[1] // 2, gate_up_scale.shape[2], block[0], block[1],
         **shared,
     )
     _down_kernel[lambda meta: (tile_total, triton.cdiv(hidden_size, meta["BLOCK_N"]))](
-        activation, order, top_k_weights.reshape(-1).float().contiguous(), tiles, down, down_scale, per_assignment,
+        activation, order, top_k_weights.reshape(-1).float().contiguous(), tiles, down.contiguous(),
+        down_scale.contiguous(), per_assignment,
         hidden_size, intermediate, tile_total, down_scale.shape[1], down_scale.shape[2], block[0], block[1],
         **shared,
     )
