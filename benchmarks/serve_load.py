@@ -2,7 +2,8 @@
 voice-prefix cache.
 
     PYTHONPATH=src python benchmarks/serve_load.py [--clients 64] [--frames 64] [--time-limit 120]
-                                                   [--max-batch 16] [--model PATH]
+                                                   [--max-batch 16] [--model PATH] [--device cuda] [--compile]
+    PYTHONPATH=src python benchmarks/serve_load.py --random-model published --device cuda --realtime --clients 32
 
 First times the prefill of one voice prompt whole and from its cached voice prefix. Then starts
 `drama3 serve`'s app in this process (drama3-tiny by default) on 127.0.0.1, once with the
@@ -10,7 +11,24 @@ voice-prefix cache and once without. Each run first times one stream alone, then
 `--clients` streaming requests at once (each `--frames` frames at most, seeds and voices
 varied); no client starts after `--time-limit` seconds and every client gives up at it. Prints
 per run: errors (must be 0), time to first audio p50/p95, aggregate frames/s and its ratio to the
-single stream's frames/s, and the engine's batch occupancy (mean requests per decode step).
+single stream's frames/s, the engine's batch occupancy (mean requests per decode step), and how many
+streams ran faster than real time: a player that starts on a stream's first chunk never waits
+(every chunk arrives before the audio received before it has played out, at the codec's rate:
+real time is 21.5 frames/s for the S2 codec).
+
+`--realtime` runs the concurrent real-time streams instead: 1, 2, 4, ... up to `--clients`
+streams at once (each `--frames` frames), one level after another on one server; per level it
+prints errors, time to first audio p50/p95, the slowest stream's speed against real time and
+whether every stream was faster than real time, then "concurrent real-time streams: N", the most
+streams at once of the levels run that were all faster than real time (0 when even one alone was not).
+
+`--device` (default cpu) and `--compile` (the engine steps the compiled decode step, one graph per
+batch-size bucket; CUDA graphs on a GPU) are `drama3 serve`'s. `--random-model published` serves
+the published model at `--layers` backbone layers (default 40) with random weights, built in
+memory on `--device` (the meta-device build of `benchmarks/gpu.py`; nothing to download or load:
+the GPU machine holds no checkpoint), with a tokenizer carrying every Drama 3 special token and a
+random S2 codec at the published shape, and one voice "A" from a synthetic clip; `--random-model
+tiny` is the same at `benchmarks/gpu.py --dry-run`'s width (a CPU check).
 
 `--attack` runs the attack mix instead (issue 47): `--streams` streams run (`--frames` frames each);
 a second later `--long-prompts` requests of 4,096 characters of input and 4,096 of instructions
@@ -39,9 +57,11 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import httpx
 import numpy as np
+import torch
 import uvicorn
 
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app
@@ -53,7 +73,8 @@ TEXTS = [
     "The weather is lovely this morning.",
     "Please read the next line slowly and clearly.",
 ]
-VOICES = sorted(shipped.voices())  # drama3-tiny's bundled voices
+VOICES = sorted(shipped.voices()) or ["A"]  # drama3-tiny's bundled voices; a random model's one voice "A"
+RANDOM_MODELS = ("published", "tiny")
 
 
 def free_port() -> int:
@@ -73,14 +94,14 @@ def start_server(service: SpeechService):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int) -> dict:
+def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int, voices=VOICES) -> dict:
     """Stream one request; returns its time to first audio, frames received and error (if any)."""
     body = {
-        "model": "drama3", "input": TEXTS[index % len(TEXTS)], "voice": VOICES[index % len(VOICES)],
+        "model": "drama3", "input": TEXTS[index % len(TEXTS)], "voice": voices[index % len(voices)],
         "response_format": "pcm", "stream_format": "audio", "seed": index, "max_new_tokens": frames,
     }
     started = time.perf_counter()
-    first, received, last, worst_gap = None, 0, None, 0.0
+    first, received, last, worst_gap, chunks = None, 0, None, 0.0, []
     try:
         timeout = max(1.0, deadline - time.perf_counter())
         with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=timeout) as response:
@@ -92,22 +113,113 @@ def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_
                     first = now - started
                 if chunk:
                     worst_gap, last = (max(worst_gap, now - last) if last is not None else 0.0), now
+                    chunks.append((now - started, len(chunk)))
                 received += len(chunk)
                 if time.perf_counter() > deadline:
                     return {"error": "time limit"}
     except httpx.HTTPError as error:
         return {"error": type(error).__name__}
     return {"ttfa": first, "frames": received / 2 / samples_per_frame, "seconds": time.perf_counter() - started,
-            "worst_gap": worst_gap}
+            "worst_gap": worst_gap, "chunks": chunks}
+
+
+def playback_stall(result: dict, sampling_rate: float) -> float:
+    """The longest a player of the stream would have waited for audio, in seconds: playing from the
+    first chunk's arrival, each chunk (16-bit PCM at `sampling_rate`) must arrive before the audio
+    received before it has played out. <= 0: the stream ran faster than real time, never stalling;
+    inf for a stream that failed."""
+    if "error" in result or not result.get("chunks"):
+        return float("inf")
+    first_arrival, buffered, worst = result["chunks"][0][0], 0.0, float("-inf")
+    for arrival, size in result["chunks"]:
+        worst = max(worst, (arrival - first_arrival) - buffered)
+        buffered += size / 2 / sampling_rate
+    return worst
+
+
+def realtime_streams(results: list[dict], sampling_rate: float) -> int:
+    """How many of `results` (streams that ran at once) ran faster than real time (no stall)."""
+    return sum(playback_stall(result, sampling_rate) <= 0 for result in results)
+
+
+def voices_of(service: SpeechService) -> list[str]:
+    return sorted(service.voices.ids())
+
+
+# ----------------------------------------------------------------------------- the served model
+
+
+@lru_cache(maxsize=1)
+def random_model_and_processor(width: str, layers: int, device: str):
+    """(model, processor) of random weights built in memory: the published config (`width`
+    "published") or the dry run's tiny width ("tiny") of `benchmarks/gpu.py`, at `layers` backbone
+    layers, with token ids from a tokenizer carrying every Drama 3 special token (a small text
+    vocabulary: its embedding and head are smaller than the published ones, the semantic band and
+    eos are the same size) and a random S2 codec (`gpu.codec_of`)."""
+    import gpu  # benchmarks/gpu.py, this script's neighbour: the same config, meta-device build and codec
+
+    from transformers_drama3 import Drama3Config, Drama3Processor
+    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+
+    tiny = width == "tiny"
+    shape = gpu.published_config(layers, dry_run=tiny)
+    codebook_size = shape.codebook_size
+    tokenizer = build_drama3_tokenizer(codebook_size=codebook_size)
+    codec = gpu.codec_of(tiny, device)
+    start = tokenizer.convert_tokens_to_ids("<|semantic:0|>")
+    config = Drama3Config(
+        text_config={**(gpu.DRY_RUN_TEXT if tiny else {}), "num_hidden_layers": layers, "vocab_size": len(tokenizer)},
+        audio_decoder_config=gpu.DRY_RUN_TOWER if tiny else None,
+        semantic_start_token_id=start, semantic_end_token_id=start + codebook_size - 1,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        sampling_rate=codec.sampling_rate, frame_size=codec.hop_length,
+    )
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = gpu.materialised(config, device, dtype)
+    processor = Drama3Processor(tokenizer, codec=codec, codebook_size=codebook_size, min_reference_fraction=0.0)
+    return model, processor
+
+
+def synthetic_clip(folder: str, sampling_rate: int, seconds: float = 3.0) -> str:
+    """A voiced-sounding clip (harmonics under a syllable-rate envelope) and its transcript in
+    `folder`, as a `--voice` spec "A=clip.wav:clip.txt"."""
+    import soundfile
+
+    time_axis = np.arange(int(seconds * sampling_rate)) / sampling_rate
+    tone = sum(np.sin(2 * np.pi * 140 * harmonic * time_axis) / harmonic for harmonic in range(1, 8))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * time_axis)
+    soundfile.write(f"{folder}/A.wav", (0.2 * tone * envelope).astype(np.float32), sampling_rate)
+    with open(f"{folder}/A.txt", "w", encoding="utf-8") as writer:
+        writer.write(TEXTS[0])
+    return f"A={folder}/A.wav:{folder}/A.txt"
+
+
+def load_service(args, voices_dir: str, **options) -> SpeechService:
+    """`SpeechService.load` of `--model` (or of `--random-model`, built in memory and handed to the
+    same load in place of the checkpoint it would read) on `--device`, compiled with `--compile`."""
+    options.update(device=args.device, compile=args.compile)
+    if args.random_model is None:
+        return SpeechService.load(args.model, voices_dir, **options)
+    from transformers_drama3.serving import service as service_module
+
+    model, processor = random_model_and_processor(args.random_model, args.layers, args.device)
+    loader = service_module.load_model_and_processor  # AttributeError here if the service stops loading this way
+    service_module.load_model_and_processor = lambda source, device, dtype, **kwargs: (model, processor)
+    try:
+        with tempfile.TemporaryDirectory() as clip_folder:
+            voice = synthetic_clip(clip_folder, processor.sampling_rate)
+            return SpeechService.load(f"random-{args.random_model}", voices_dir, voice_specs=[voice], **options)
+    finally:
+        service_module.load_model_and_processor = loader
 
 
 LONG_CHARS = 4096
 
 
-def long_prompt(base: str, index: int, deadline: float) -> dict:
+def long_prompt(base: str, index: int, deadline: float, voices=VOICES) -> dict:
     """One attack request: 4,096 characters of input and 4,096 of instructions, one frame."""
     text = " ".join(TEXTS[(index + n) % len(TEXTS)] for n in range(200))[:LONG_CHARS]
-    body = {"input": text, "instructions": ("Slowly, warmly, " * 300)[:LONG_CHARS], "voice": VOICES[0],
+    body = {"input": text, "instructions": ("Slowly, warmly, " * 300)[:LONG_CHARS], "voice": voices[0],
             "response_format": "pcm", "max_new_tokens": 1, "seed": index}
     started = time.perf_counter()
     try:
@@ -119,15 +231,15 @@ def long_prompt(base: str, index: int, deadline: float) -> dict:
     return {"seconds": time.perf_counter() - started}
 
 
-def attack_round(base: str, args, samples_per_frame: int, long_prompts: int) -> dict:
+def attack_round(base: str, args, samples_per_frame: int, long_prompts: int, voices=VOICES) -> dict:
     """Running streams, then (a second later) `long_prompts` long prompts and fresh short streams."""
     deadline = time.perf_counter() + args.time_limit
     with ThreadPoolExecutor(args.streams + long_prompts + args.clients) as pool:
-        running = [pool.submit(one_stream, base, 200 + i, args.frames, deadline, samples_per_frame)
+        running = [pool.submit(one_stream, base, 200 + i, args.frames, deadline, samples_per_frame, voices)
                    for i in range(args.streams)]
         time.sleep(1.0)
-        longs = [pool.submit(long_prompt, base, i, deadline) for i in range(long_prompts)]
-        fresh = [pool.submit(one_stream, base, 300 + i, 8, deadline, samples_per_frame) for i in range(args.clients)]
+        longs = [pool.submit(long_prompt, base, i, deadline, voices) for i in range(long_prompts)]
+        fresh = [pool.submit(one_stream, base, 300 + i, 8, deadline, samples_per_frame, voices) for i in range(args.clients)]
         running, longs, fresh = ([f.result() for f in group] for group in (running, longs, fresh))
     errors = [r["error"] for r in running + longs + fresh if "error" in r]
     ttfa = np.array([r["ttfa"] for r in fresh if r.get("ttfa") is not None])
@@ -141,13 +253,12 @@ def attack_round(base: str, args, samples_per_frame: int, long_prompts: int) -> 
 
 def attack(args) -> None:
     with tempfile.TemporaryDirectory() as voices:
-        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=64,
-                                     prefill_chunk=args.prefill_chunk)
+        service = load_service(args, voices, max_batch=args.max_batch, max_queue=64, prefill_chunk=args.prefill_chunk)
         server, thread, base = start_server(service)
         try:
-            spf = service.processor.samples_per_frame
-            one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf)  # warm-up
-            rounds = {count: attack_round(base, args, spf, count) for count in (0, args.long_prompts)}
+            spf, names = service.processor.samples_per_frame, voices_of(service)
+            one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf, names)  # warm-up
+            rounds = {count: attack_round(base, args, spf, count, names) for count in (0, args.long_prompts)}
         finally:
             server.should_exit = True
             thread.join(timeout=10)
@@ -179,9 +290,9 @@ def prefill_times(args, repeats: int = 5) -> None:
     from transformers_drama3.serving.protocol import Limits, parse_speech
 
     with tempfile.TemporaryDirectory() as voices:
-        service = SpeechService.load(args.model, voices, max_batch=1, prefix_cache=False)
+        service = load_service(args, voices, max_batch=1, prefix_cache=False)
         service.engine.stop()
-        params = parse_speech({"input": TEXTS[1], "voice": "A"}, Limits(), lambda voice: voice in service.voices)
+        params = parse_speech({"input": TEXTS[1], "voice": voices_of(service)[0]}, Limits(), lambda voice: voice in service.voices)
         job = service.job(params, None)
         cache = PrefixCache()
         cache.prefill(service.model, job)  # warm
@@ -203,19 +314,20 @@ def prefill_times(args, repeats: int = 5) -> None:
 
 def run(args, prefix_cache: bool) -> None:
     with tempfile.TemporaryDirectory() as voices:
-        service = SpeechService.load(args.model, voices, max_batch=args.max_batch, max_queue=max(64, args.clients),
-                                     prefix_cache=prefix_cache)
+        service = load_service(args, voices, max_batch=args.max_batch, max_queue=max(64, args.clients),
+                               prefix_cache=prefix_cache)
         server, thread, base = start_server(service)
         try:
-            spf = service.processor.samples_per_frame
+            spf, names, rate = service.processor.samples_per_frame, voices_of(service), service.processor.sampling_rate
             deadline = time.perf_counter() + args.time_limit
-            one_stream(base, 0, args.frames, deadline, spf)  # warm-up (and the voice's prefix, when cached)
-            alone = one_stream(base, 1, args.frames, deadline, spf)
+            one_stream(base, 0, args.frames, deadline, spf, names)  # warm-up (and the voice's prefix, when cached)
+            alone = one_stream(base, 1, args.frames, deadline, spf, names)
             single_rate = alone.get("frames", 0) / alone["seconds"] if "seconds" in alone else float("nan")
             steps_before = service.engine.stats.steps, service.engine.stats.occupied
             started = time.perf_counter()
             with ThreadPoolExecutor(args.clients) as pool:
-                results = list(pool.map(lambda i: one_stream(base, 100 + i, args.frames, deadline, spf), range(args.clients)))
+                results = list(pool.map(lambda i: one_stream(base, 100 + i, args.frames, deadline, spf, names),
+                                        range(args.clients)))
             elapsed = time.perf_counter() - started
             stats = service.engine.stats
             steps = stats.steps - steps_before[0]
@@ -236,6 +348,57 @@ def run(args, prefix_cache: bool) -> None:
               f"one stream alone {alone.get('ttfa', float('nan')):.3f} s")
     print(f"  frames/s: {aggregate:.1f} aggregate vs {single_rate:.1f} one stream ({aggregate / single_rate:.2f}x)")
     print(f"  batch occupancy: {occupancy:.2f} requests per decode step")
+    worst = max((playback_stall(result, rate) for result in results), default=float("nan"))
+    print(f"  faster than real time (never stalling a player): {realtime_streams(results, rate)} of {args.clients} "
+          f"streams at once; worst playback stall {max(worst, 0.0):.3f} s")
+
+
+def realtime_levels(clients: int) -> list[int]:
+    """1, 2, 4, ... below `clients`, then `clients`."""
+    levels = [1]
+    while levels[-1] * 2 < clients:
+        levels.append(levels[-1] * 2)
+    return sorted(set(levels) | {clients})
+
+
+def most_realtime_streams(levels: dict[int, list[dict]], sampling_rate: float) -> int:
+    """The most streams at once, of the levels run (level -> its streams' results), that all ran
+    faster than real time with no error; 0 when no level did."""
+    return max((level for level, results in levels.items()
+                if len(results) == level and realtime_streams(results, sampling_rate) == level), default=0)
+
+
+def realtime(args) -> None:
+    """Concurrent real-time streams: levels of 1, 2, 4, ... `--clients` streams at once on one server."""
+    with tempfile.TemporaryDirectory() as voices:
+        service = load_service(args, voices, max_batch=args.max_batch, max_queue=max(64, args.clients))
+        server, thread, base = start_server(service)
+        try:
+            spf, names, rate = service.processor.samples_per_frame, voices_of(service), service.processor.sampling_rate
+            one_stream(base, 0, args.frames, time.perf_counter() + args.time_limit, spf, names)  # warm-up
+            levels = {}
+            for level in realtime_levels(args.clients):
+                deadline = time.perf_counter() + args.time_limit
+                with ThreadPoolExecutor(level) as pool:
+                    levels[level] = list(pool.map(lambda i: one_stream(base, 100 + i, args.frames, deadline, spf, names),
+                                                  range(level)))
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            service.engine.stop()
+    print(f"concurrent streams of {args.frames} frames on {args.device}{' (compiled step)' if args.compile else ''}, "
+          f"max batch {args.max_batch}; real time: {rate / spf:.2f} frames/s")
+    print("| streams at once | errors | time to first audio p50 / p95 | worst playback stall | all faster than real time |")
+    print("|---|---|---|---|---|")
+    for level, results in levels.items():
+        ttfa = np.array([r["ttfa"] for r in results if r.get("ttfa") is not None])
+        p50, p95 = (np.percentile(ttfa, 50), np.percentile(ttfa, 95)) if ttfa.size else (float("nan"),) * 2
+        worst = max(playback_stall(result, rate) for result in results)
+        every = realtime_streams(results, rate) == level
+        print(f"| {level} | {sum('error' in r for r in results)} | {p50:.3f} s / {p95:.3f} s | {max(worst, 0.0):.3f} s | "
+              f"{'yes' if every else 'no'} |")
+    print(f"concurrent real-time streams: {most_realtime_streams(levels, rate)} (the most streams at once, of the "
+          f"levels run, that all ran faster than real time)")
 
 
 def write_adapters(model_source, folder, count: int, rank: int) -> list[str]:
@@ -269,7 +432,7 @@ def write_adapters(model_source, folder, count: int, rank: int) -> list[str]:
 def mix_run(args, voices: list[str], **load) -> dict:
     """`--clients` streams at once, client i with voice voices[i mod len(voices)] (each voice warmed first)."""
     with tempfile.TemporaryDirectory() as stored:
-        service = SpeechService.load(args.model, stored, max_batch=args.max_batch, max_queue=max(64, args.clients), **load)
+        service = load_service(args, stored, max_batch=args.max_batch, max_queue=max(64, args.clients), **load)
         server, thread, base = start_server(service)
         try:
             spf = service.processor.samples_per_frame
@@ -336,7 +499,7 @@ def adapter_mix(args) -> None:
               f"{result['rate']:.1f} | {result['ttfa'][0] / alone['ttfa'][0]:.2f}x | {result['rate'] / alone['rate']:.2f}x |")
 
 
-def main() -> None:
+def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--frames", type=int, default=64, help="max_new_tokens of each request")
@@ -351,18 +514,42 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=None,
                         help="run the fine-tuned-voice mix: N adapters, mixes of 0, 1, 4, 16 (up to N) against the base")
     parser.add_argument("--adapter-rank", type=int, default=16, help="--adapters: the adapters' LoRA rank")
-    args = parser.parse_args()
+    parser.add_argument("--realtime", action="store_true",
+                        help="run the concurrent real-time streams: 1, 2, 4, ... --clients streams at once")
+    parser.add_argument("--device", default="cpu", help="where the model runs (drama3 serve's --device): cpu, cuda")
+    parser.add_argument("--compile", action="store_true", help="the engine steps the compiled decode step")
+    parser.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
+                        help="serve a model of random weights built in memory instead of --model")
+    parser.add_argument("--layers", type=int, default=40, help="--random-model: backbone layers (4 to 40)")
+    args = parser.parse_args(argv)
     if not 1 <= args.clients <= 1024:
         parser.error(f"--clients {args.clients}: expected 1..1024")
     if args.attack:
         for name, value in (("--streams", args.streams), ("--long-prompts", args.long_prompts)):
             if not 1 <= value <= 64:
                 parser.error(f"{name} {value}: expected 1..64")
+    if args.adapters is not None and not 1 <= args.adapters <= 64:
+        parser.error(f"--adapters {args.adapters}: expected 1..64")
+    if args.random_model is not None and args.model is not None:
+        parser.error("--random-model with --model: serve one of them")
+    if args.random_model is not None and args.adapters is not None:
+        parser.error("--random-model with --adapters: the adapters are made from a checkpoint (--model)")
+    if not 4 <= args.layers <= 40:
+        parser.error(f"--layers {args.layers}: expected 4 to 40 (the decode cache needs a full-attention layer)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_arguments(argv)
+    if args.realtime:
+        realtime(args)
+        return
+    if args.attack:
         attack(args)
         return
     if args.adapters is not None:
-        if not 1 <= args.adapters <= 64:
-            parser.error(f"--adapters {args.adapters}: expected 1..64")
         adapter_mix(args)
         return
     prefill_times(args)
