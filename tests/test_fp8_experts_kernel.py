@@ -380,10 +380,11 @@ def test_module_computes_the_dense_experts_with_its_dequantised_weights():
 
 
 def test_module_kernel_path_equals_its_reference_path_in_the_whole_model(interpreted, monkeypatch):
-    model = tiny_model(0, text=TEXT)
+    model = tiny_model(0, text=TEXT).to(DEVICE)
     quantize_experts_fp8(model, BLOCK)
-    ids, codes = prompt(0)
+    ids, codes = on_device(*prompt(0))
     with torch.no_grad():
+        monkeypatch.setattr(kernel, "kernel_serves", lambda hidden, block: False)
         reference = model(ids[None], codes[None]).logits
         monkeypatch.setattr(kernel, "kernel_serves", lambda hidden, block: True)
         through_kernel = model(ids[None], codes[None]).logits
