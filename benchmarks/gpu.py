@@ -55,8 +55,14 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
                 `draw` and `feed` and no more (more would be a step cut into partitions around host
                 work); "no" otherwise, naming the graph; "n/a" for eager and on the CPU.
 
-Any graph not captured makes the run exit with status 1 after the table, each failure printed as
-"NOT CAPTURED: <graph> ..." (grep-able, beside torch's own "skipping cudagraphs" lines).
+Any graph not captured makes the run exit with status 1 after the table; each failure is printed
+as "NOT CAPTURED: <mode, batch>, <graph>: ..." under its row and again at the end (grep-able,
+beside torch's own "skipping cudagraphs" lines). Batch sizes are measured in the order given,
+every mode of one batch size before the next (a run cut short keeps whole batch sizes).
+
+Each run sets up its own cache, as every `generate()` call does, so a compiled run records its
+CUDA graphs afresh at its first steps (new static addresses): that is in its time to first audio,
+not in ms/frame.
 `--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows).
 Prints and asserts nothing else. The paper's engine: 271 frames/s at batch 1 on one H200, 1,278
 kernels per step, 6.0 GB per frame (the issue's floor: 1.4 ms per frame at 4.3 TB/s).
@@ -122,7 +128,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=64, help="frames per run (the first 10 are the time to first audio)")
     parser.add_argument("--prompt-rows", type=int, default=256)
     parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="the routed experts' format")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="measured in this order")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="measured in this order for each batch")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
@@ -324,6 +330,13 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def capture_failures(label: str, skips: int, skip_lines: list[str], graph_launches: int | None,
                      expected_graphs: int = 2) -> list[str]:
     """Why the compiled step of `label` was not captured: `skips` CUDA graphs torch counted as
@@ -367,6 +380,10 @@ class Row:
     ttfa_codec_ms: float
     captured: str
     failures: list[str] = field(default_factory=list)
+    graphs_compiled: int = 0
+    """Graphs dynamo compiled during the warm-up run (json only)."""
+    graphs_compiled_after_warm_up: int = 0
+    """Graphs compiled during the timed and profiled runs: should be 0 (json only)."""
 
 
 def synchronize(device: str) -> None:
@@ -435,6 +452,12 @@ class StepProfile:
     graph_launches: int
 
 
+def is_kernel(name: str) -> bool:
+    """Whether a device event of the profiler is a kernel: not a copy, a memset or a synchronisation
+    ("Memcpy DtoD (Device -> Device)", "Memset (Device)", "Stream Sync", "Event Sync", ...)."""
+    return not name.startswith(("Memcpy", "Memset")) and "Sync" not in name and "Wait" not in name
+
+
 def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: str) -> StepProfile:
     """What the profiler records during the step that makes frame `PROFILED_FRAME` of a fresh run."""
     from torch.autograd import DeviceType
@@ -460,8 +483,7 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
         return event.name.startswith("aten::")
 
     return StepProfile(
-        kernels=sum(1 for event in events
-                    if event.device_type == DeviceType.CUDA and not event.name.startswith(("Memcpy", "Memset"))),
+        kernels=sum(1 for event in events if event.device_type == DeviceType.CUDA and is_kernel(event.name)),
         aten_ops=sum(1 for event in events if event.device_type == DeviceType.CPU and top_level_aten(event)),
         graph_launches=sum(1 for event in events if event.device_type == DeviceType.CPU and "cudaGraphLaunch" in event.name),
     )
@@ -471,13 +493,15 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
     """One row: warm the shape (a whole run of the timed length), time a run, profile a step."""
     rows, frames = arguments.prompt_rows, arguments.frames
     on_gpu = device.startswith("cuda")
-    skips_before = cudagraph_skips()
+    skips_before, graphs_before = cudagraph_skips(), compiled_graphs()
     with torch.no_grad(), CudagraphSkipLog() as skip_log:
         timed_run(model, codec, batch, rows, frames, mode, device)  # warm-up: compile, capture, autotune
+        compiled = compiled_graphs() - graphs_before
         first_audio, with_codec, per_step = timed_run(model, codec, batch, rows, frames, mode, device)
         profiled = profile_step(model, batch, rows, frames, mode, device)
         skip_lines = list(skip_log.lines)
     skips = cudagraph_skips() - skips_before
+    recompiled = compiled_graphs() - graphs_before - compiled  # after the warm-up: a shape it did not cover
     label = f"{arguments.experts} {mode} batch {batch}"
     failures = []
     if mode == "compiled" and on_gpu:
@@ -494,6 +518,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         graphs_per_step=profiled.graph_launches if on_gpu else None,
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
         ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
+        graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled,
     )
 
 
@@ -511,7 +536,7 @@ def table_header(on_gpu: bool) -> str:
 def table_row(row: Row) -> str:
     graphs = "n/a (CPU)" if row.graphs_per_step is None else str(row.graphs_per_step)
     cells = [row.experts, row.mode, str(row.batch), f"{row.ms_per_frame:.2f}", f"{row.frames_per_second:.1f}",
-             str(row.ops_per_step), graphs, f"{row.gb_per_step:.3f}", f"{row.floor_ms:.3f}", f"{row.times_floor:.1f}",
+             str(row.ops_per_step), graphs, f"{row.gb_per_step:.4g}", f"{row.floor_ms:.4g}", f"{row.times_floor:.1f}",
              f"{row.ttfa_ms:.1f}", f"{row.ttfa_codec_ms:.1f}", row.captured]
     return "| " + " | ".join(cells) + " |"
 
@@ -548,16 +573,20 @@ def main(argv=None) -> None:
     model = build(config, device, dtype, arguments.experts)
     codec = codec_of(arguments.dry_run, device)
     print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
+    # dynamo keeps 8 compiled variants of a function by default; each batch size is a variant of
+    # `draw` and `feed` (two of `draw`: its first call sees the prompt's last row as a strided view)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arguments.batches))
     print(table_header(on_gpu), flush=True)
     rows, failures = [], []
-    for mode in arguments.modes:
-        torch._dynamo.reset()  # each mode compiles from nothing
-        for batch in arguments.batches:
-            gb_per_step = weights_read_per_step(config, arguments.experts, batch) / 1e9
+    for batch in arguments.batches:  # a run cut short by a time limit has every mode of its first batches
+        gb_per_step = weights_read_per_step(config, arguments.experts, batch) / 1e9
+        for mode in arguments.modes:
             row = measure(model, codec, arguments, mode, batch, device, bandwidth, gb_per_step)
             rows.append(row)
             failures += row.failures
             print(table_row(row), flush=True)
+            for failure in row.failures:
+                print(f"NOT CAPTURED: {failure}", flush=True)
             write_json(arguments.json, {**header, "seconds": time.perf_counter() - started}, rows)
     print(f"  ({time.perf_counter() - started:.0f} s in all)", flush=True)
     try:
