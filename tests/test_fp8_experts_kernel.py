@@ -90,6 +90,15 @@ def assert_float32_close(out, reference):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
 
 
+LAYOUTS = {"rows": kernel.fp8_experts_triton_rows, "tiles": kernel.fp8_experts_triton_tiles}
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def layout(request, interpreted):
+    """Each layout of the kernels (`fp8_experts_triton` picks one by shape), run where they can."""
+    return LAYOUTS[request.param]
+
+
 def kernel_and_reference(interpreted, hidden, index, weights, experts, block=BLOCK):
     out = interpreted(*on_device(hidden, index, weights, *experts), block).cpu()
     return out, kernel.fp8_experts_reference(hidden, index, weights, *experts, block)
@@ -99,10 +108,10 @@ def kernel_and_reference(interpreted, hidden, index, weights, experts, block=BLO
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64], ids=["decode-1", "decode-5", "decode-64"])
-def test_kernel_equals_reference_on_decode_rows(interpreted, tokens):
+def test_kernel_equals_reference_on_decode_rows(layout, tokens):
     experts = fp8_weights(8, 96, 48)
     hidden = torch.randn(tokens, 96, generator=generator(1))
-    out, reference = kernel_and_reference(interpreted, hidden, *routing(tokens, 8, 2), experts)
+    out, reference = kernel_and_reference(layout, hidden, *routing(tokens, 8, 2), experts)
     assert_float32_close(out, reference)
 
 
@@ -113,10 +122,10 @@ def test_kernel_equals_reference_on_a_256_row_prefill_over_8_experts_a_row(inter
     assert_float32_close(out, reference)
 
 
-def test_kernel_equals_reference_in_bfloat16(interpreted):
+def test_kernel_equals_reference_in_bfloat16(layout):
     experts = fp8_weights(8, 64, 64)
     hidden = torch.randn(20, 64, generator=generator(3)).bfloat16()
-    out, reference = kernel_and_reference(interpreted, hidden, *routing(20, 8, 4), experts)
+    out, reference = kernel_and_reference(layout, hidden, *routing(20, 8, 4), experts)
     assert out.dtype == torch.bfloat16
     # bfloat16 rounds the dequantised weights in the reference, the activations in both: each path
     # is ~0.5% (relative L2) off the float32 result, elements a few bfloat16 ulps of the outputs' scale apart
@@ -125,59 +134,59 @@ def test_kernel_equals_reference_in_bfloat16(interpreted):
     torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
 
 
-def test_kernel_equals_reference_with_partial_edge_blocks(interpreted):
+def test_kernel_equals_reference_with_partial_edge_blocks(layout):
     """Widths that are not whole blocks (72 = 2.25 blocks of 32, 40 = 2.5 of 16 rows), and a gate
     grid whose last block row is partial, so the up grid starts at row ceil(40 / 16) = 3."""
     block = (16, 32)
     experts = fp8_weights(4, 72, 40, block)
     assert experts[1].shape == (4, 6, 3) and experts[3].shape == (4, 5, 2)
     hidden = torch.randn(9, 72, generator=generator(4))
-    out, reference = kernel_and_reference(interpreted, hidden, *routing(9, 4, 2), experts, block)
+    out, reference = kernel_and_reference(layout, hidden, *routing(9, 4, 2), experts, block)
     assert_float32_close(out, reference)
 
 
-def test_kernel_equals_reference_when_every_token_picks_the_same_experts(interpreted):
+def test_kernel_equals_reference_when_every_token_picks_the_same_experts(layout):
     """70 rows on two experts: each expert's rows span several tiles (the last one partial), and the
     other experts get none."""
     experts = fp8_weights(8, 64, 32)
     hidden = torch.randn(70, 64, generator=generator(5))
     index = torch.tensor([[5, 2]]).expand(70, 2).contiguous()
     weights = torch.rand(70, 2, generator=generator(6))
-    out, reference = kernel_and_reference(interpreted, hidden, index, weights, experts)
+    out, reference = kernel_and_reference(layout, hidden, index, weights, experts)
     assert_float32_close(out, reference)
 
 
-def test_kernel_takes_int32_expert_ids_and_bfloat16_routing_weights(interpreted):
+def test_kernel_takes_int32_expert_ids_and_bfloat16_routing_weights(layout):
     experts = fp8_weights(8, 64, 32)
     hidden = torch.randn(4, 64, generator=generator(14))
     index, weights = routing(4, 8, 2)
-    out, reference = kernel_and_reference(interpreted, hidden, index.int(), weights.bfloat16(), experts)
+    out, reference = kernel_and_reference(layout, hidden, index.int(), weights.bfloat16(), experts)
     assert_float32_close(out, reference)
 
 
-def test_routing_weights_scale_each_slots_contribution(interpreted):
+def test_routing_weights_scale_each_slots_contribution(layout):
     """The output is the routing-weighted sum of the slots: each slot alone (the others' weights
     zeroed) sums to the whole, and unit weights give something else (a kernel dropping the weights
     fails here)."""
     experts = fp8_weights(8, 64, 32)
     hidden = torch.randn(6, 64, generator=generator(7))
     index, weights = routing(6, 8, 3)
-    whole, _ = kernel_and_reference(interpreted, hidden, index, weights, experts)
+    whole, _ = kernel_and_reference(layout, hidden, index, weights, experts)
     slots = []
     for slot in range(3):
         alone = torch.zeros_like(weights)
         alone[:, slot] = weights[:, slot]
-        slots.append(kernel_and_reference(interpreted, hidden, index, alone, experts)[0])
+        slots.append(kernel_and_reference(layout, hidden, index, alone, experts)[0])
     assert_float32_close(sum(slots), whole)
-    unweighted, _ = kernel_and_reference(interpreted, hidden, index, torch.ones_like(weights), experts)
+    unweighted, _ = kernel_and_reference(layout, hidden, index, torch.ones_like(weights), experts)
     assert (unweighted - whole).abs().max() > 100 * 1e-5 * whole.abs().max()
 
 
-def test_the_kernels_dequantise_no_expert(interpreted, monkeypatch):
+def test_the_kernels_dequantise_no_expert(layout, monkeypatch):
     calls = []
     monkeypatch.setattr(kernel, "dequantize_block_fp8", lambda *args: calls.append(args))
     experts = fp8_weights(8, 64, 32)
-    interpreted(*on_device(torch.randn(16, 64), *routing(16, 8, 2), *experts), BLOCK)
+    layout(*on_device(torch.randn(16, 64), *routing(16, 8, 2), *experts), BLOCK)
     assert calls == []
 
 
@@ -185,6 +194,11 @@ def test_the_kernels_refuse_a_block_whose_inner_width_is_not_a_multiple_of_16():
     experts = fp8_weights(2, 24, 24, (8, 8))
     with pytest.raises(ValueError, match="block_in a multiple of 16"):
         kernel.fp8_experts_triton(torch.randn(2, 24), *routing(2, 2, 1), *experts, (8, 8))
+
+
+def test_a_decode_step_takes_the_rows_layout_and_a_prefill_the_tiles():
+    assert kernel.rows_layout_serves(1 * 8, 256) and kernel.rows_layout_serves(16 * 8, 256)
+    assert not kernel.rows_layout_serves(17 * 8, 256) and not kernel.rows_layout_serves(256 * 8, 256)
 
 
 # ----------------------------------------------------------------------------- routing tiles
@@ -540,24 +554,25 @@ def test_quantizing_with_another_block_than_the_checkpoints_is_refused(fp8_check
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256])
-def test_on_cuda_the_kernels_equal_the_reference_at_the_published_width(interpreted, tokens):
+def test_on_cuda_the_kernels_equal_the_reference_at_the_published_width(layout, tokens):
     block = (128, 128)
     experts = [tensor.cuda() for tensor in fp8_weights(64, 2048, 512, block)]
     hidden = torch.randn(tokens, 2048, generator=generator(13)).bfloat16().cuda()
     index, weights = on_device(*routing(tokens, 64, 8))
-    out = interpreted(hidden, index, weights, *experts, block)
+    out = layout(hidden, index, weights, *experts, block)
     reference = kernel.fp8_experts_reference(hidden.float(), index, weights, *experts, block)
     assert float((out.float() - reference).norm() / reference.norm()) < 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_a_decode_call_captures_in_a_cuda_graph(interpreted):
+@pytest.mark.parametrize("tokens", [1, 4], ids=["rows-layout", "tiles-layout"])
+def test_on_cuda_a_decode_call_captures_in_a_cuda_graph(interpreted, tokens):
     model = tiny_model(0, text=TEXT).cuda()
     quantize_experts_fp8(model, BLOCK)
     experts = model.backbone.layers[0].mlp.experts
-    hidden = torch.randn(4, 64, device="cuda")
-    index, weights = on_device(*routing(4, 4, 2))
+    hidden = torch.randn(tokens, 64, device="cuda")
+    index, weights = on_device(*routing(tokens, 4, 2))
     with torch.no_grad():
         for _ in range(2):  # autotuning and first launches outside the capture
             experts(hidden, index, weights)
@@ -565,8 +580,8 @@ def test_on_cuda_a_decode_call_captures_in_a_cuda_graph(interpreted):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = experts(hidden, index, weights)
-        new_index, new_weights = on_device(*routing(4, 4, 2, seed=5))
-        hidden.copy_(torch.randn(4, 64, device="cuda"))
+        new_index, new_weights = on_device(*routing(tokens, 4, 2, seed=5))
+        hidden.copy_(torch.randn(tokens, 64, device="cuda"))
         index.copy_(new_index)
         weights.copy_(new_weights)
         graph.replay()

@@ -20,11 +20,16 @@ Weight-only: activations stay in their dtype (bfloat16 or float32), products acc
   experts at a time (a 256-row prefill routed to 8 of 256 experts touches every expert; the dense
   copies of one chunk are all that exists at once). It is what runs on the CPU.
 - `fp8_experts_triton`: two kernels over the chosen experts only, each weight tile read as bytes
-  and scaled inside the GEMM; no dense expert is ever formed. The (token, slot) assignments are
-  sorted by expert and cut into tiles of `BLOCK_M` rows of one expert (`routing_tiles`); the first
-  kernel computes `silu(gate) * up` of each tile, the second the down projection times the
-  routing weight, written per assignment and summed over the k slots in a fixed order
-  (deterministic, no atomics). Every shape depends only on `tokens`, `k` and the weights' shapes,
+  and scaled inside the product; no dense expert is ever formed. Two layouts, chosen from shapes:
+  - rows (`fp8_experts_triton_rows`, a decode step: at most one assignment per two experts, so
+    few experts repeat): one program per (token, slot) computes `silu(gate) * up` of its row, then
+    one program per token sums its k experts' down projections times the routing weights and
+    writes the output. Two launches and nothing else: no sort, no buffers to reduce.
+  - tiles (`fp8_experts_triton_tiles`, a prefill): the (token, slot) assignments are sorted by
+    expert and cut into tiles of `BLOCK_M` rows of one expert (`routing_tiles`), so each expert's
+    weights are read once per tile; the first kernel computes `silu(gate) * up` of each tile, the
+    second the down projection times the routing weight, written per assignment and summed over
+    the k slots in a fixed order (deterministic, no atomics). Every shape depends only on `tokens`, `k` and the weights' shapes,
   and nothing is read back to the host, so a decode step holding it can be captured in a CUDA
   graph (the launcher's torch part is checked on the CPU by `capture_check`; the tests capture
   the layer on CUDA where there is a GPU).
@@ -211,6 +216,14 @@ def inner_tile(block_in: int) -> int:
     return size
 
 
+def rows_layout_serves(assignments: int, num_experts: int) -> bool:
+    """Whether `fp8_experts_triton` takes the rows layout: at most one assignment per two experts
+    (a decode step of up to 16 rows over the published 256 experts, 8 each). Then few experts
+    repeat, and re-reading a repeated expert costs less than the sort's dozens of small launches.
+    A shape rule (no data read), set by that reasoning, not by a measurement."""
+    return assignments <= num_experts // 2
+
+
 # ----------------------------------------------------------------------------- kernels
 
 if triton is not None:
@@ -221,6 +234,79 @@ if triton is not None:
             return [triton.Config({"BLOCK_N": 32}, num_warps=4)]
         shapes = ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3))
         return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
+
+    def _row_configs():
+        if interpreting():
+            return [triton.Config({"BLOCK_N": 32}, num_warps=4)]
+        shapes = ((16, 2), (32, 4), (64, 4), (64, 8))
+        return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in shapes]
+
+    @triton.autotune(configs=_row_configs(), key=["hidden_size", "intermediate_size"])
+    @triton.jit
+    def _gate_up_rows_kernel(
+        hidden_ptr, index_ptr, weight_ptr, scale_ptr, activation_ptr,
+        hidden_size, intermediate_size, top_k, scale_rows, scale_columns, block_out, block_in,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """One (token, slot) assignment x BLOCK_N intermediate columns: silu(x W_gate^T) * (x W_up^T)."""
+        assignment = tl.program_id(0)
+        expert = tl.load(index_ptr + assignment).to(tl.int64)
+        row = hidden_ptr + (assignment // top_k).to(tl.int64) * hidden_size
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_columns = columns < intermediate_size
+        weights = weight_ptr + expert * 2 * intermediate_size * hidden_size
+        scales = scale_ptr + expert * 2 * scale_rows * scale_columns
+        gate_scale_rows = (columns // block_out) * scale_columns
+        up_scale_rows = (scale_rows + columns // block_out) * scale_columns
+        gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(0, hidden_size, BLOCK_K):
+            inner = k + tl.arange(0, BLOCK_K)
+            in_inner = inner < hidden_size
+            x = tl.load(row + inner, mask=in_inner, other=0.0).to(tl.float32)
+            in_weight = in_columns[:, None] & in_inner[None, :]
+            gate_bytes = tl.load(weights + columns[:, None] * hidden_size + inner[None, :], mask=in_weight, other=0.0)
+            up_bytes = tl.load(weights + (intermediate_size + columns)[:, None] * hidden_size + inner[None, :],
+                               mask=in_weight, other=0.0)
+            gate_scale = tl.load(scales + gate_scale_rows + k // block_in, mask=in_columns, other=0.0)
+            up_scale = tl.load(scales + up_scale_rows + k // block_in, mask=in_columns, other=0.0)
+            gate += tl.sum(gate_bytes.to(tl.float32) * x[None, :], axis=1) * gate_scale
+            up += tl.sum(up_bytes.to(tl.float32) * x[None, :], axis=1) * up_scale
+        activation = gate * tl.sigmoid(gate) * up
+        tl.store(activation_ptr + assignment.to(tl.int64) * intermediate_size + columns,
+                 activation.to(activation_ptr.dtype.element_ty), mask=in_columns)
+
+    @triton.autotune(configs=_row_configs(), key=["hidden_size", "intermediate_size"])
+    @triton.jit
+    def _down_rows_kernel(
+        activation_ptr, index_ptr, routing_ptr, weight_ptr, scale_ptr, out_ptr,
+        hidden_size, intermediate_size, top_k, scale_rows, scale_columns, block_out, block_in,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """One token x BLOCK_N hidden columns: the sum over its k slots of routing weight *
+        activation W_down^T, in slot order, written in the output's dtype."""
+        token = tl.program_id(0)
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_columns = columns < hidden_size
+        scale_row = (columns // block_out) * scale_columns
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for slot in range(top_k):
+            assignment = token * top_k + slot
+            expert = tl.load(index_ptr + assignment).to(tl.int64)
+            weights = weight_ptr + expert * hidden_size * intermediate_size
+            scales = scale_ptr + expert * scale_rows * scale_columns
+            activation_row = activation_ptr + assignment.to(tl.int64) * intermediate_size
+            projected = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k in range(0, intermediate_size, BLOCK_K):
+                inner = k + tl.arange(0, BLOCK_K)
+                in_inner = inner < intermediate_size
+                a = tl.load(activation_row + inner, mask=in_inner, other=0.0).to(tl.float32)
+                down_bytes = tl.load(weights + columns[:, None] * intermediate_size + inner[None, :],
+                                     mask=in_columns[:, None] & in_inner[None, :], other=0.0)
+                scale = tl.load(scales + scale_row + k // block_in, mask=in_columns, other=0.0)
+                projected += tl.sum(down_bytes.to(tl.float32) * a[None, :], axis=1) * scale
+            out += projected * tl.load(routing_ptr + assignment).to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * hidden_size + columns, out.to(out_ptr.dtype.element_ty), mask=in_columns)
 
     @triton.jit
     def _scaled_dot(x, weight, DOT_IN_FLOAT32: tl.constexpr):
@@ -320,11 +406,51 @@ def fp8_experts_triton(
     block: tuple[int, int],
 ) -> torch.Tensor:
     """The kernels of `fp8_experts` (any device Triton runs on); `fp8_experts_reference`'s result.
-    `block[1]` must be a multiple of 16 (`kernel_takes_block`)."""
+    `block[1]` must be a multiple of 16 (`kernel_takes_block`). The rows layout for a decode step,
+    the tiles layout otherwise (`rows_layout_serves`)."""
+    layout = (
+        fp8_experts_triton_rows
+        if rows_layout_serves(top_k_index.numel(), down.shape[0])
+        else fp8_experts_triton_tiles
+    )
+    return layout(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block)
+
+
+def _check_kernel_block(block: tuple[int, int]) -> None:
     if triton is None:
-        raise RuntimeError("fp8_experts_triton needs Triton (install the package's [gpu] extra)")
+        raise RuntimeError("the FP8 experts kernels need Triton (install the package's [gpu] extra)")
     if not kernel_takes_block(block):
         raise ValueError(f"block {tuple(block)}: the kernels need block_in a multiple of {MIN_DOT}")
+
+
+def fp8_experts_triton_rows(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block):
+    """The rows layout of `fp8_experts_triton` (any number of rows; meant for a decode step)."""
+    _check_kernel_block(block)
+    tokens, hidden_size = hidden.shape
+    top_k = top_k_index.shape[1]
+    intermediate = down.shape[2]
+    if tokens * top_k == 0:
+        return torch.zeros_like(hidden)
+    index = top_k_index.reshape(-1).contiguous()
+    activation = torch.empty(tokens * top_k, intermediate, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty_like(hidden)
+    block_k = inner_tile(block[1])
+    _gate_up_rows_kernel[lambda meta: (tokens * top_k, triton.cdiv(intermediate, meta["BLOCK_N"]))](
+        hidden.contiguous(), index, gate_up.contiguous(), gate_up_scale.contiguous(), activation,
+        hidden_size, intermediate, top_k, gate_up_scale.shape[1] // 2, gate_up_scale.shape[2], block[0], block[1],
+        BLOCK_K=block_k,
+    )
+    _down_rows_kernel[lambda meta: (tokens, triton.cdiv(hidden_size, meta["BLOCK_N"]))](
+        activation, index, top_k_weights.reshape(-1).contiguous(), down.contiguous(), down_scale.contiguous(), out,
+        hidden_size, intermediate, top_k, down_scale.shape[1], down_scale.shape[2], block[0], block[1],
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def fp8_experts_triton_tiles(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block):
+    """The tiles layout of `fp8_experts_triton` (any number of rows; meant for a prefill)."""
+    _check_kernel_block(block)
     tokens, hidden_size = hidden.shape
     top_k = top_k_index.shape[1]
     num_experts, intermediate = down.shape[0], down.shape[2]
@@ -415,9 +541,12 @@ __all__ = [
     "fp8_experts",
     "fp8_experts_reference",
     "fp8_experts_triton",
+    "fp8_experts_triton_rows",
+    "fp8_experts_triton_tiles",
     "kernel_serves",
     "kernel_takes_block",
     "routing_tiles",
+    "rows_layout_serves",
     "rows_per_tile",
     "tile_count",
 ]
