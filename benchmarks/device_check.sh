@@ -32,10 +32,11 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND bounded by SECONDS, note i
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__)"
 
-# 1. The published model at all 40 layers: bf16 experts, then FP8 experts (a new process each).
-part "gpu.py bf16" 250 python3 benchmarks/gpu.py --experts bf16 --batches 1 8 32 64 --modes compiled eager \
+# 1. The published model at all 40 layers: bf16 experts, then FP8 experts (a new process each);
+#    per batch size eager first (seconds), then compiled (inductor took minutes per batch size even at 4 and 8 layers).
+part "gpu.py bf16" 240 python3 benchmarks/gpu.py --experts bf16 --batches 1 8 32 64 --modes eager compiled \
   --frames 40 --json "$OUT/gpu_bf16.json"
-part "gpu.py fp8" 140 python3 benchmarks/gpu.py --experts fp8 --batches 1 8 32 64 --modes compiled eager \
+part "gpu.py fp8" 130 python3 benchmarks/gpu.py --experts fp8 --batches 1 8 32 64 --modes eager compiled \
   --frames 40 --json "$OUT/gpu_fp8.json"
 
 # 2. The CUDA tests: in every test file that asks for CUDA, the tests marked gpu or skipped without CUDA.
@@ -53,13 +54,13 @@ def pytest_collection_modifyitems(config, items):
     config.hook.pytest_deselected(items=deselected)
 PLUGIN
 mapfile -t cuda_files < <(grep -l "cuda.is_available" tests/test_*.py)
-PYTHONPATH="$plugin:${PYTHONPATH:-}" part "CUDA tests" 90 python3 -m pytest -q -rs -m "not slow" -p cuda_tests_only \
+PYTHONPATH="$plugin:${PYTHONPATH:-}" part "CUDA tests" 80 python3 -m pytest -q -rs -m "not slow" -p cuda_tests_only \
   --maxfail 10 "${cuda_files[@]}"
 
 # 3. The served model (published shape, 40 layers, random weights, eager engine): 1, 2, 4, ... 32
 #    streams at once, how many ran faster than real time, time to first audio p50 / p95.
-part "serve_load.py realtime" 60 python3 benchmarks/serve_load.py --random-model published --layers 40 --device cuda \
-  --realtime --clients 32 --max-batch 32 --frames 48 --time-limit 30
+part "serve_load.py realtime" 90 python3 benchmarks/serve_load.py --random-model published --layers 40 --device cuda \
+  --realtime --clients 32 --max-batch 32 --frames 32 --time-limit 20
 
 echo "=== summary ($(( $(date +%s) - started )) s)"
 printf '  %s\n' "${statuses[@]}"

@@ -27,9 +27,10 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
   ms/frame      wall time of one decode step (one frame for every item), mean over the frames
                 after the first audio (frames 11 onward), the loop's host work included;
   frames/s      batch * 1000 / ms per frame (all items);
-  kernels/step  CUDA kernels the profiler (CUPTI) records during one step of the timed mode, at
-                the 4th frame of a fresh run (memcpy and memset not counted): in the compiled mode
-                the kernels the replayed CUDA graphs launch plus any outside them. On the dry
+  kernels/step  CUDA kernels the profiler (CUPTI) records during one step of the timed mode, the
+                one that makes the 5th frame of a fresh run (copies, memsets and synchronisations
+                not counted): in the compiled mode the kernels the replayed CUDA graphs launch
+                (CUPTI reports each kernel node of a graph launch) plus any outside them. On the dry
                 run's CPU the column is "aten ops/step": the ATen operators one step calls (the
                 profiler's top-level aten:: events), before any fusion;
   graphs/step   CUDA-graph launches (`cudaGraphLaunch`) in that step; "n/a (CPU)" on the dry run;
@@ -63,7 +64,8 @@ every mode of one batch size before the next (a run cut short keeps whole batch 
 Each run sets up its own cache, as every `generate()` call does, so a compiled run records its
 CUDA graphs afresh at its first steps (new static addresses): that is in its time to first audio,
 not in ms/frame.
-`--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows).
+`--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows),
+with the graphs dynamo compiled in each warm-up and after it (0 when the warm-up covered the shape).
 Prints and asserts nothing else. The paper's engine: 271 frames/s at batch 1 on one H200, 1,278
 kernels per step, 6.0 GB per frame (the issue's floor: 1.4 ms per frame at 4.3 TB/s).
 """

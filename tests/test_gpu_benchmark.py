@@ -147,6 +147,13 @@ def test_a_skipped_cuda_graph_is_a_failure_naming_the_graph(gpu_benchmark):
     gpu_benchmark.check_captured([])
 
 
+def test_kernels_are_the_profilers_device_events_but_copies_memsets_and_synchronisations(gpu_benchmark):
+    kernels = ["triton_poi_fused_add_mul_0", "void at::native::vectorized_elementwise_kernel<4>", "nvjet_tst_64x8"]
+    others = ["Memcpy DtoD (Device -> Device)", "Memset (Device)", "Stream Sync", "Event Sync", "Stream Wait Event"]
+    assert all(gpu_benchmark.is_kernel(name) for name in kernels)
+    assert not any(gpu_benchmark.is_kernel(name) for name in others)
+
+
 def test_the_skip_log_keeps_torchs_skipping_cudagraphs_lines(gpu_benchmark):
     inductor = logging.getLogger("torch._inductor.cudagraph_utils")
     with gpu_benchmark.CudagraphSkipLog() as skips:
