@@ -118,24 +118,30 @@ DRY_RUN_CODEC = dict(encoder_dim=8, encoder_rates=[2, 4], encoder_transformer_la
                      semantic_codebook_size=256, residual_codebook_size=256, codebook_dim=4, decoder_dim=32,
                      decoder_rates=[4, 2])
 DRY_RUN_LAYERS = 4
+DEFAULTS = {"layers": (PUBLISHED_LAYERS, DRY_RUN_LAYERS), "batches": ((1, 8, 32, 64), (1, 2)), "frames": (64, 16),
+            "prompt_rows": (256, 16)}
+"""Each option's default: (measured, dry run)."""
 MIN_LAYERS = 4
 """The fewest backbone layers that hold a full-attention layer (3 Gated DeltaNet : 1 attention)."""
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=None,
-                        help=f"backbone layers (default: the published {PUBLISHED_LAYERS}; {DRY_RUN_LAYERS} on a dry run)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="batch sizes, measured in this order")
-    parser.add_argument("--frames", type=int, default=64, help="frames per run (the first 10 are the time to first audio)")
-    parser.add_argument("--prompt-rows", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=None, help="backbone layers (default: the published 40; a dry run 4)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes, measured in this order (default 1 8 32 64; a dry run 1 2)")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="frames per run, the first 10 the time to first audio (default 64; a dry run 16)")
+    parser.add_argument("--prompt-rows", type=int, default=None, help="rows of each prompt (default 256; a dry run 16)")
     parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="the routed experts' format")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="measured in this order for each batch")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
-    if arguments.layers is None:
-        arguments.layers = DRY_RUN_LAYERS if arguments.dry_run else PUBLISHED_LAYERS
+    for name, (measured, dry) in DEFAULTS.items():
+        if getattr(arguments, name) is None:
+            value = dry if arguments.dry_run else measured
+            setattr(arguments, name, list(value) if isinstance(value, tuple) else value)
     if not MIN_LAYERS <= arguments.layers <= PUBLISHED_LAYERS:
         parser.error(f"--layers {arguments.layers}: expected {MIN_LAYERS} to {PUBLISHED_LAYERS} (the decode cache "
                      f"needs a full-attention layer: the {MIN_LAYERS}th of every {MIN_LAYERS})")

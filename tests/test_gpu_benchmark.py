@@ -37,7 +37,9 @@ def test_the_defaults_measure_the_published_depth_compiled_and_eager_at_batches_
     assert arguments.layers == 40 and arguments.batches == [1, 8, 32, 64]
     assert arguments.modes == ["compiled", "eager"] and arguments.experts == "bf16"
     assert arguments.prompt_rows == 256 and not arguments.dry_run
-    assert gpu_benchmark.parse_arguments(["--dry-run"]).layers == gpu_benchmark.DRY_RUN_LAYERS
+    dry_run = gpu_benchmark.parse_arguments(["--dry-run"])
+    assert (dry_run.layers, dry_run.batches, dry_run.frames, dry_run.prompt_rows) == (4, [1, 2], 16, 16)
+    assert gpu_benchmark.parse_arguments(["--dry-run", "--batches", "3", "--layers", "8"]).batches == [3]
 
 
 @pytest.mark.parametrize("bad", [["--layers", "3"], ["--layers", "41"], ["--batches", "1", "0"], ["--frames", "11"],
