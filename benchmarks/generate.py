@@ -191,8 +191,7 @@ def graph_of_one_step(model) -> tuple[int, int, int]:
     run.cache.mark_static()
     for part in run.cache.parts:
         run.cache.open_window(part, 1)
-    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, input_ids.device)
-    draw = torch._dynamo.explain(decode_step.draw)(model, run.cache, sampler, run.state, noise, None)
+    draw = torch._dynamo.explain(decode_step.draw)(model, run.cache, sampler, run.state, None)
     frames = torch.zeros(1, model.config.num_codebooks, dtype=torch.long)
     feed = torch._dynamo.explain(decode_step.feed)(model, run.cache, run.state, torch.tensor([1]), frames)
     return draw.graph_count + feed.graph_count, draw.graph_break_count + feed.graph_break_count, draw.op_count + feed.op_count

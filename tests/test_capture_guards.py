@@ -128,9 +128,8 @@ def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separ
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
                               compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
     cache, state = run.cache, run.state
-    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], model.config.num_codebooks, ids.device)
     cache.open_window(cache.tower_part, 1)
-    assert_capturable(check_capturable(decode_step.draw, model, cache, sampler, state, noise, run.separator_id))
+    assert_capturable(check_capturable(decode_step.draw, model, cache, sampler, state, run.separator_id))
     cache.open_window(cache.backbone_part, 1)
     frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
     main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)

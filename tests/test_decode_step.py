@@ -129,14 +129,14 @@ def test_the_capacity_does_not_change_what_is_drawn(model):
     """cache_implementation="static" (eagerly on the CPU, a power-of-two capacity) draws what the
     default run draws: greedy, seeded (RAS second draws included), and with line boundaries."""
     ids, codes, mask = left_pad([prompt(4), prompt(5, audio_rows=2), prompt(6)])
-    for options in (dict(do_sample=False), dict(seed=[11, 12, 13], **SAMPLED)):
+    for options in (dict(do_sample=False), dict(seed=[17, 18, 19], **SAMPLED)):
         runs = [model.generate(ids, codes, mask, max_new_tokens=24, return_dict_in_generate=True,
                                cache_implementation=name, **options) for name in ("dynamic", "static")]
         assert min(runs[0].lengths.tolist()) > 4
         assert_same_takes(*runs)
     lines = line_model(seed=0)
     ids, codes, mask = left_pad([line_prompt(1), prompt(2), line_prompt(3, lines=2)])
-    runs = [lines.generate(ids, codes, mask, seed=[5, 6, 7], audio_separator_token_id=SEPARATOR, max_new_tokens=12,
+    runs = [lines.generate(ids, codes, mask, seed=[8, 9, 10], audio_separator_token_id=SEPARATOR, max_new_tokens=12,
                            return_dict_in_generate=True, cache_implementation=name, **SAMPLED) for name in ("dynamic", "static")]
     assert any(runs[0].line_boundaries)
     assert_same_takes(*runs)
@@ -188,8 +188,7 @@ def test_draw_and_feed_are_one_graph_each_without_a_break(model, settings, seed,
     for part in run.cache.parts:
         run.cache.open_window(part, 1)
     sampler = run.sampler
-    noise = sampler.step_noise(1, sampler.candidate_ids.shape[0], step_model.config.num_codebooks, torch.device("cpu"))
-    explained = torch._dynamo.explain(decode_step.draw)(step_model, run.cache, sampler, run.state, noise, run.separator_id)
+    explained = torch._dynamo.explain(decode_step.draw)(step_model, run.cache, sampler, run.state, run.separator_id)
     assert explained.graph_break_count == 0, [reason.reason for reason in explained.break_reasons]
     assert explained.graph_count == 1
     frames = torch.zeros(1, step_model.config.num_codebooks, dtype=torch.long)
@@ -222,7 +221,7 @@ def test_the_compiled_step_equals_the_eager_step(model):
     assert compiled_functions(compile_config)[0] is not decode_step.draw
 
     ids, codes = prompt(1)
-    settings = dict(seed=6, top_k=8, max_new_tokens=20, return_dict_in_generate=True, cache_implementation="static")
+    settings = dict(seed=7, top_k=8, max_new_tokens=20, return_dict_in_generate=True, cache_implementation="static")
     plain = model.generate(ids[None], codes[None], **settings)
     through_graph = model.generate(ids[None], codes[None], compile_config=compile_config, **settings)
     assert plain.lengths.tolist()[0] > 4

@@ -5,7 +5,8 @@ import pytest
 import torch
 from generation_helpers import tiny_model
 
-from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, race_noise
+from transformers_drama3.decoding.counter_noise import codebook_stream, exponentials, seed_keys
+from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings
 from transformers_drama3.kernels import fused_step
 
 pytest.importorskip("triton")
@@ -168,7 +169,7 @@ def test_filtered_race_kernel_samples_the_filtered_distribution(interpreted):
 
 def test_filtered_race_kernel_matches_the_reference_where_noise_is_infinite(interpreted):
     logits, noise = race_inputs(10, rows=4, vocab=50)
-    noise[:, 20:] = float("inf")  # what race_noise gives candidates past an item's width
+    noise[:, 20:] = float("inf")  # what `counter_noise.exponentials` gives candidates past an item's width
     logits[:2, 30] = 50.0  # rows 0-1: the only kept candidate lies past the width (every score is 0)
     drawn = interpreted.filtered_race_triton(logits, noise, 1.0, 30, 0.9, False)
     assert torch.equal(drawn, fused_step.filtered_race_reference(logits, noise, 1.0, 30, 0.9, False))
@@ -179,9 +180,10 @@ def test_seeded_codebook_draws_use_the_reference_path_on_cpu():
     logits = torch.randn(3, 1, 64, generator=generator(11))
     settings = SamplingSettings()
     window = torch.full((3, 16), -1)
-    sampler = Drama3Sampler(settings, torch.arange(65), window, [generator(s) for s in range(3)])
+    keys = seed_keys(range(3))
+    sampler = Drama3Sampler(settings, torch.arange(65), window, keys)
     drawn = sampler.codebook(logits, 1)[:, 0]
-    noise = race_noise(torch.empty(3, 64), [generator(s) for s in range(3)])
+    noise = exponentials(keys, torch.zeros(3, dtype=torch.long), codebook_stream(1), 64)
     expected = fused_step.filtered_race_reference(logits[:, -1], noise, 1.0, settings.codebook_top_k, settings.top_p, False)
     assert torch.equal(drawn, expected)
 

@@ -56,7 +56,7 @@ def test_generate_with_a_streamer_puts_waveform_chunks_and_reports_time_to_first
     ids, codes = prompt(seed=2)
     streamer = Collector()
     out = model.generate(
-        ids[None], codes[None], seed=6, max_new_tokens=22, codec=codec, streamer=streamer, return_dict_in_generate=True
+        ids[None], codes[None], seed=3, max_new_tokens=22, codec=codec, streamer=streamer, return_dict_in_generate=True
     )
     assert streamer.ended
     assert [value.shape[0] for value in streamer.values][:2] == [10 * codec.hop_length] * 2

@@ -183,16 +183,13 @@ class KeepSpeaking:
     def __init__(self, model):
         self.candidate_ids = model.speech_token_ids()
 
-    def main_token(self, logits, noise=None, active=None):
+    def main_token(self, logits, active=None):
         return self.candidate_ids[logits[:, -1, :-1].argmax(-1)][:, None]  # eos is the last candidate
 
-    def codebook(self, logits, codebook_index, drawing=None, noise=None):
+    def codebook(self, logits, codebook_index):
         return logits[:, -1].argmax(-1, keepdim=True)
 
-    def step_noise(self, *shape):
-        return None
-
-    def rewind(self, *drawn):
+    def advance(self):
         pass
 
 

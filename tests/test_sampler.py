@@ -4,7 +4,7 @@ rank 0 always kept, and repetition-aware sampling (RAS)."""
 
 import torch
 
-from transformers_drama3.decoding.sampler import CODEBOOK_TOP_K, Drama3Sampler, EMPTY_WINDOW_SLOT, RAS_WINDOW, SamplingSettings, exponential_race, filtered_probabilities, item_generators, prompt_window
+from transformers_drama3.decoding.sampler import CODEBOOK_TOP_K, Drama3Sampler, EMPTY_WINDOW_SLOT, RAS_WINDOW, SamplingSettings, filtered_probabilities, item_keys, prompt_window
 
 PROBABILITIES = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBABILITIES.log()
@@ -60,18 +60,20 @@ def test_filtering_works_on_unsorted_logits():
     assert torch.allclose(kept, torch.tensor([0.0, 0.5, 0.0, 0.3]) / 0.8)
 
 
-def test_exponential_race_draws_in_proportion_to_the_probabilities():
-    probabilities = torch.tensor([0.6, 0.3, 0.1, 0.0]).expand(20000, 4).contiguous()
-    torch.manual_seed(0)
-    counts = torch.bincount(exponential_race(probabilities, None), minlength=4).float() / 20000
-    assert torch.allclose(counts, torch.tensor([0.6, 0.3, 0.1, 0.0]), atol=0.015)
-
-
-def test_per_item_generators_make_an_item_independent_of_the_batch():
-    probabilities = torch.softmax(torch.randn(3, 50), dim=-1)
-    batch = exponential_race(probabilities, item_generators([7, 8, 9], 3, torch.device("cpu")))
-    alone = exponential_race(probabilities[1:2], item_generators([8], 1, torch.device("cpu")))
-    assert int(batch[1]) == int(alone[0])
+def test_a_seeded_item_draws_what_it_draws_alone_whatever_else_is_in_the_batch():
+    logits = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    window = torch.full((3, RAS_WINDOW), EMPTY_WINDOW_SLOT)
+    candidates = torch.arange(50)
+    batch = Drama3Sampler(SamplingSettings(top_p=1.0), candidates, window, item_keys([7, 8, 9], 3, torch.device("cpu")))
+    alone = Drama3Sampler(SamplingSettings(top_p=1.0), candidates, window[1:2], item_keys([8], 1, torch.device("cpu")))
+    drawn, drawn_alone = [], []
+    for _ in range(20):  # 20 steps: the counters move on together
+        drawn.append(int(batch.codebook(logits, 1)[1]))
+        drawn_alone.append(int(alone.codebook(logits[1:2], 1)[0]))
+        batch.advance()
+        alone.advance()
+    assert drawn == drawn_alone
+    assert len(set(drawn)) > 5  # the steps draw different numbers (a flat-ish distribution over 50)
 
 
 # ---- RAS ---------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def ras_sampler(batch: int, window_tokens: list[int], temperature: float = 0.01,
     if window_tokens:
         window[:, -len(window_tokens):] = torch.tensor(window_tokens)
     settings = SamplingSettings(temperature=temperature, top_p=0.9)
-    return Drama3Sampler(settings, CANDIDATES, window, item_generators(seed, batch, torch.device("cpu")))
+    return Drama3Sampler(settings, CANDIDATES, window, item_keys(seed, batch, torch.device("cpu")))
 
 
 def main_logits(batch: int, probabilities: list[float]) -> torch.Tensor:

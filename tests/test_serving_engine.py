@@ -274,7 +274,7 @@ def test_the_engine_steps_a_request_as_the_decode_run_of_generate_steps_it_alone
     """The backbone output of a request's open row after each engine step (other requests joining
     and leaving around it) equals the decode run `generate()` makes of its prompt alone."""
     from transformers_drama3.decoding.loop import DecodeRun
-    from transformers_drama3.decoding.sampler import Drama3Sampler, item_generators, prompt_window
+    from transformers_drama3.decoding.sampler import Drama3Sampler, item_keys, prompt_window
 
     request = job(seed=4, prompt_seed=83)
     arrivals = {0: [job(seed=5, prompt_seed=84, audio_rows=1), request], 2: [job(seed=6, prompt_seed=85)]}
@@ -283,7 +283,7 @@ def test_the_engine_steps_a_request_as_the_decode_run_of_generate_steps_it_alone
     mask = torch.ones_like(ids)
     _, budget, _ = _budget_of(model, request)
     sampler = Drama3Sampler(request.settings, model.speech_token_ids(), prompt_window(ids, mask),
-                            item_generators([request.seed], 1, ids.device))
+                            item_keys([request.seed], 1, ids.device))
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor([budget]))
     reference = [run.state.hidden[0, 0].clone() for index, _ in enumerate(run.steps()) if index]
     assert len(states) == len(reference) > 3
@@ -379,7 +379,7 @@ def test_line_by_line_prompts_draw_their_boundaries_in_the_engine_as_generate_dr
     results = [handle.result(timeout=1) for handle in handles]
     for request, result in zip(jobs, results):
         settings = request.settings
-        alone = lines.generate(request.input_ids, request.audio_codes, seed=request.seed, max_new_tokens=12,
+        alone = lines.generate(request.input_ids, request.audio_codes, seed=request.seed, max_new_tokens=request.max_new_tokens,
                                do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
                                audio_separator_token_id=SEPARATOR, return_dict_in_generate=True)
         assert torch.equal(result.codes, alone.audio_codes[0, : int(alone.lengths[0])])
@@ -402,7 +402,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_k
     from transformers_drama3.serving.prefix_cache import PrefixCache
 
     for prefill in (None, PrefixCache().prefill):
-        running = job(seed=1, prompt_seed=70, text_rows=12)  # draws 30 frames: it outlasts the prefill
+        running = job(seed=3, prompt_seed=70, text_rows=12)  # draws 40 frames: it outlasts the prefill
         running.max_new_tokens = 40
         ids, codes = prompt(seed=71, tail_rows=30)  # a long turn to speak after a short system turn
         long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=2, max_new_tokens=MAX_FRAMES, prefix="voice")

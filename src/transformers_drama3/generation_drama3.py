@@ -318,8 +318,9 @@ def generate(
         streamer: an object with `put(value)` and `end()` (a transformers `BaseStreamer`); batch 1.
             It receives waveform chunks `[samples]` when `codec` is given, else frames
             `[1, frames, num_codebooks]`, as soon as they are final.
-        seed: an int (item b uses seed + b) or one per item; each item draws from its own
-            generator, so a batch reproduces each prompt alone. None: torch's global generator.
+        seed: an int (item b uses seed + b) or one per item; each item draws its own
+            random numbers (`decoding.counter_noise`), so a batch reproduces each prompt alone.
+            None: random keys from torch's global generator (`torch.manual_seed` repeats a run).
         preset: "serving" (the default settings) or "paper-eval" (0.7 / 0.7 / 30), or settings.
         codec: a `Drama3CodecModel`; the output then carries waveforms.
         expected_seconds: expected duration of each take; default from the text of the turn to

@@ -24,7 +24,7 @@ What the context keeps of a take is the take as drawn (`ChunkSpoken.take`): when
 a `<|semantic:0|>` frame right before eos, the audio drops that frame (as `generate()` drops it),
 but the cache already holds it, and a hybrid cache cannot take a row back.
 
-Turn k samples with its own generator, seeded `seed + k * SEED_STRIDE`: `generate(seed=that)` on
+Turn k samples with its own key, from the seed `seed + k * SEED_STRIDE`: `generate(seed=that)` on
 the turn's rows draws the same numbers. Budgets are `generate()`'s, from the text of the turn.
 """
 
@@ -45,7 +45,7 @@ from .decoding.sampler import (
     SEED_STRIDE,
     Drama3Sampler,
     SamplingSettings,
-    item_generators,
+    item_keys,
     prompt_window,
     resolve_settings,
 )
@@ -230,7 +230,7 @@ def stream_text(
         seconds = expected_seconds_of_tokens(speak_span_tokens(torch.tensor([rows.speak_span])), text_tokens_per_second(model))
         sampler = Drama3Sampler(
             settings, model.speech_token_ids(device), prompt_window(recent, torch.ones_like(recent)),
-            item_generators(_turn_seed(seed, turn), 1, device),
+            item_keys(_turn_seed(seed, turn), 1, device),
         )
         drawn = _Turn(int(frame_budgets(seconds, model.config.frame_rate, max_new_tokens)[0]))
         last_turn = stream.ended and turn + 1 == len(chunks)

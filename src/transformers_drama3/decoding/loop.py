@@ -222,18 +222,14 @@ class DecodeRun:
     def steps(self) -> Iterator[FrameStep]:
         """One `FrameStep` per step until every item has ended."""
         model, cache, sampler = self.model, self.cache, self.sampler
-        batch, device = self.state.batch, self.state.key_mask.device
-        candidates, num_codebooks = sampler.candidate_ids.shape[0], model.config.num_codebooks
         backbone, tower = cache.parts
         self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
         index = 0
         while True:
             cache.open_window(tower, 1)
-            noise = sampler.step_noise(batch, candidates, num_codebooks, device)
             self._mark_step()
-            output, self.state = self._owned(self._draw(model, cache, sampler, self.state, noise, self.separator_id))
+            output, self.state = self._owned(self._draw(model, cache, sampler, self.state, self.separator_id))
             cache.advance(tower, 1)
-            sampler.rewind(noise, output.speaking, output.boundary)
             yield FrameStep(index, output.main_ids, output.frames, output.speaking, output.ended, output.eos, output.boundary)
             if not bool(self.state.active.any()):
                 if not bool((output.speaking | output.boundary).any()):
@@ -268,8 +264,7 @@ class DecodeRun:
         it) together with the sampler's RAS window and counters that the draw replaced."""
         if not self.compiled:
             return value
-        self.sampler.window = self.sampler.window.clone()
-        self.sampler.ras_replacements = self.sampler.ras_replacements.clone()
+        self.sampler.owned()
         if self.state.alignment is not None:
             self.state.alignment.owned()
         return owned(value)

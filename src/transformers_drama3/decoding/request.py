@@ -17,7 +17,7 @@ from ..prompting.bare_rows import boundaries_left_of_rows
 from .alignment import AlignmentTracker
 from .budget import expected_seconds_of_tokens, frame_budgets, overlong_factor, speak_span_tokens, target_text_tokens, text_tokens_per_second
 from .loop import LineSeparators, check_cache_implementation, default_compile_config
-from .sampler import Drama3Sampler, SamplingSettings, item_generators, prompt_window
+from .sampler import Drama3Sampler, SamplingSettings, item_keys, prompt_window
 
 
 @dataclass
@@ -120,7 +120,7 @@ def line_separators(
 
 def make_sampler(model, request: DecodeRequest, input_ids, attention_mask, seed) -> Drama3Sampler:
     """The sampler of one run; with line separators the separator is the last candidate, and only
-    the items that may draw it draw a random number for it."""
+    the items that may draw it have a number for it."""
     device = input_ids.device
     candidates = model.speech_token_ids(device)
     codebook_size = candidates.shape[0] - 1
@@ -130,7 +130,7 @@ def make_sampler(model, request: DecodeRequest, input_ids, attention_mask, seed)
         widths = codebook_size + 1 + (request.separators.left > 0).long()
     return Drama3Sampler(
         request.settings, candidates, prompt_window(input_ids, attention_mask),
-        item_generators(seed, input_ids.shape[0], device), codebook_size, widths,
+        item_keys(seed, input_ids.shape[0], device), codebook_size, widths,
     )
 
 

@@ -7,10 +7,11 @@ first draw is a semantic token that repeats one of the last 16 main tokens (prom
 included), a second draw at temperature 1.0 / top-p 0.95 / top-k 30 replaces it. Both draws
 always run, so the random stream of a request does not depend on its RAS window.
 
-Randomness: with `seed`, each item of a batch has its own `torch.Generator`, so an item draws the
-same numbers whatever else is in the batch; a draw is an exponential race (argmax p_i / E_i with
-E_i ~ Exp(1), which picks i with probability p_i) over the whole candidate set. The decode step
-takes each step's numbers drawn ahead (`Drama3Sampler.step_noise`), in the order it consumes them.
+Randomness: a draw is an exponential race (argmax p_i / E_i with E_i ~ Exp(1), which picks i with
+probability p_i) over the whole candidate set, whose numbers come from a counter-based generator
+(`counter_noise`): item b's numbers are a function of its key (from its seed), its step and the
+draw, computed inside the decode step. So an item draws the same numbers whatever else is in the
+batch, and a compiled step holds its draws in its graph.
 
 `check_sampling_values` is the one check of sampling values: `generate()`, the CLI, the HTTP
 protocol and the demo all call it, so the same values are refused everywhere with the same words.
@@ -29,6 +30,7 @@ from ..kernels import fused_step
 # The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
 from ..kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities  # noqa: F401
 from .budget import MAX_FRAMES
+from .counter_noise import MAIN_STREAM, RAS_STREAM, codebook_stream, exponentials, random_keys, seed_keys
 
 # ----------------------------------------------------------------------------- published constants
 
@@ -170,59 +172,9 @@ def check_sampling_values(values: dict) -> None:
 # ----------------------------------------------------------------------------- the sampler
 
 
-def exponential_race(
-    probabilities: torch.Tensor,
-    generators: Sequence[torch.Generator] | None,
-    widths: torch.Tensor | None = None,
-    drawing: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One index per row of `probabilities` `[batch, V]`, row b drawn with `generators[b]`
-    (the global generator when None).
-
-    With generators, row b draws only `widths[b]` numbers (default V; the candidates after them
-    must have probability 0), and nothing at all where `drawing[b]` is False (its index is then
-    meaningless). So what an item draws never depends on what else is in the batch."""
-    return race(probabilities, race_noise(probabilities, generators, widths, drawing))
-
-
 def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`argmax p_i / E_i` over the last dimension: the draw of an exponential race over `noise`."""
     return (probabilities / noise).argmax(dim=-1)
-
-
-def race_noise(
-    probabilities: torch.Tensor,
-    generators: Sequence[torch.Generator] | None,
-    widths: torch.Tensor | None = None,
-    drawing: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The Exp(1) numbers `exponential_race` divides by, `[batch, V]` like `probabilities` (`inf`
-    past an item's width, 1 where it does not draw)."""
-    if generators is None:
-        return torch.empty_like(probabilities).exponential_()
-    size = probabilities.shape[-1]
-    device = probabilities.device
-    rows = []
-    for item, generator in enumerate(generators):
-        if drawing is not None and not bool(drawing[item]):
-            rows.append(torch.ones(size, device=device))
-            continue
-        width = size if widths is None else int(widths[item])
-        row = torch.empty(width, device=device).exponential_(generator=generator)
-        rows.append(torch.cat((row, torch.full((size - width,), float("inf"), device=device))))
-    return torch.stack(rows)
-
-
-@dataclass
-class StepNoise:
-    """The numbers of one decode step, drawn ahead: main / ras `[batch, candidates]` (ras None
-    without RAS), codebooks `[batch, num_codebooks - 1, codebook_size]`, and `marks`: each
-    generator's state after the main draws (`Drama3Sampler.rewind` returns to it)."""
-
-    main: torch.Tensor
-    ras: torch.Tensor | None
-    codebooks: torch.Tensor
-    marks: list[torch.Tensor]
 
 
 class Drama3Sampler:
@@ -236,7 +188,7 @@ class Drama3Sampler:
             optionally `<|audio_separator|>`.
         window: `[batch, RAS_WINDOW]` the last main tokens of each prompt (`EMPTY_WINDOW_SLOT` where
             padding), oldest first.
-        generators: one per item, or None for torch's global generator.
+        keys: long `[batch]`, each item's key (`item_keys`): the seed of its random numbers.
         codebook_size: size of the semantic band (default: all candidates but the last).
         main_widths: `[batch]` candidates item b may ever draw (default: all); an item that may not
             emit the separator draws as if it were not a candidate.
@@ -247,7 +199,7 @@ class Drama3Sampler:
         settings: SamplingSettings | Sequence[SamplingSettings],
         candidate_ids: torch.Tensor,
         window: torch.Tensor,
-        generators: Sequence[torch.Generator] | None = None,
+        keys: torch.Tensor | None = None,
         codebook_size: int | None = None,
         main_widths: torch.Tensor | None = None,
     ):
@@ -258,7 +210,11 @@ class Drama3Sampler:
         self.candidate_ids = candidate_ids
         self.codebook_size = candidate_ids.shape[0] - 1 if codebook_size is None else codebook_size
         self.window = window
-        self.generators = generators
+        self.keys = random_keys(batch, window.device) if keys is None else keys.to(window.device)
+        if self.keys.shape != (batch,):
+            raise ValueError(f"keys has shape {tuple(self.keys.shape)}; expected one key per item ({batch})")
+        self.steps = torch.zeros(batch, dtype=torch.long, device=window.device)
+        """The steps each item has drawn: the counter of its random numbers (`advance`)."""
         self.main_widths = main_widths
         self.ras_replacements = torch.zeros(batch, dtype=torch.long, device=window.device)
         self._grouped = self._group(window.device)  # here, not inside a compiled step: no constant in its graph
@@ -282,15 +238,13 @@ class Drama3Sampler:
         members = [[i for i, row in enumerate(self.row_settings) if row == each] for each in distinct]
         return [(each, torch.tensor(items, device=device), items) for each, items in zip(distinct, members)]
 
-    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, widths=None, drawing=None, noise=None, generators=None):
+    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, noise):
         # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
         if top_k is None:
             probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
         else:
             probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
-        if noise is not None:
-            return race(probabilities, noise)
-        return exponential_race(probabilities, generators, widths, drawing)
+        return race(probabilities, noise)
 
     def _per_group(self, batch_values: torch.Tensor, draw) -> torch.Tensor:
         """`draw(settings, pick, items)` for each group of items (`pick` selects a tensor's rows of
@@ -303,24 +257,18 @@ class Drama3Sampler:
             out[rows] = draw(settings, lambda tensor, rows=rows: None if tensor is None else tensor[rows], items)
         return out
 
-    def _generators(self, items: list[int] | None) -> list[torch.Generator] | None:
-        if self.generators is None or items is None:
-            return self.generators
-        return [self.generators[item] for item in items]
-
     def _rows_of(self, items: list[int]) -> torch.Tensor:
         return next(rows for _, rows, members in self._grouped if members is items)
 
     def main_token(
-        self, logits: torch.Tensor, noise: StepNoise | None = None, active: torch.Tensor | None = None
+        self, logits: torch.Tensor, active: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Restricted main logits `[batch, 1, candidates]` -> main token ids `[batch, 1]`.
 
-        `noise`: the step's numbers drawn ahead (`step_noise`) instead of drawing them now;
         `active` [batch]: the items still speaking (default: all); only their RAS replacements count
         (an item that ended keeps stepping with the batch, on rows nobody hears)."""
         logits = logits[:, -1]
-        first_noise, second_noise = (None, None) if noise is None else (noise.main, noise.ras)
+        candidates = logits.shape[-1]
         counted = torch.zeros_like(self.ras_replacements)
 
         def draw(settings: SamplingSettings, pick, items) -> torch.Tensor:
@@ -328,13 +276,13 @@ class Drama3Sampler:
             group_logits = pick(logits)
             if not settings.do_sample:
                 return group_logits.argmax(dim=-1)
-            widths, generators = pick(self.main_widths), self._generators(items)
-            choice = self._draw(group_logits, settings.temperature, settings.top_k, settings.top_p, True, widths,
-                                noise=pick(first_noise), generators=generators)
+            keys, steps, widths = pick(self.keys), pick(self.steps), pick(self.main_widths)
+            first_noise = exponentials(keys, steps, MAIN_STREAM, candidates, widths)
+            choice = self._draw(group_logits, settings.temperature, settings.top_k, settings.top_p, True, first_noise)
             if not settings.repetition_aware:
                 return choice
-            second = self._draw(group_logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, widths,
-                                noise=pick(second_noise), generators=generators)
+            second_noise = exponentials(keys, steps, RAS_STREAM, candidates, widths)
+            second = self._draw(group_logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, second_noise)
             first_ids = self.candidate_ids[choice]
             repeats = (pick(self.window) == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
             replaced = repeats if active is None else repeats & pick(active)
@@ -347,79 +295,37 @@ class Drama3Sampler:
         self.window = torch.cat((self.window[:, 1:], main_ids[:, None]), dim=1)
         return main_ids[:, None]
 
-    def codebook(
-        self, logits: torch.Tensor, codebook_index: int, drawing: torch.Tensor | None = None, noise: StepNoise | None = None
-    ) -> torch.Tensor:
+    def codebook(self, logits: torch.Tensor, codebook_index: int) -> torch.Tensor:
         """Head logits `[batch, 1, codebook_size]` -> codes `[batch, 1]` (the same settings for
-        every head of an item).
-
-        `drawing` [batch]: the items that make a frame now; the others draw nothing (their code is
-        meaningless). `noise`: the step's numbers drawn ahead (`step_noise`)."""
+        every head of an item). An item that makes no frame draws a meaningless code."""
         logits = logits[:, -1]
-        given_all = None if noise is None else noise.codebooks[:, codebook_index - 1]
 
         def draw(settings: SamplingSettings, pick, items) -> torch.Tensor:
             head = pick(logits)
             if not settings.do_sample:
                 return head.argmax(dim=-1)
-            given, generators = pick(given_all), self._generators(items)
-            if fused_step.use_kernel(head):
-                # one fused kernel for the filtered draw, over the noise the reference would divide by
-                if given is None:
-                    given = race_noise(torch.empty(head.shape, device=head.device), generators, drawing=pick(drawing))
-                return fused_step.filtered_race(head, given, settings.temperature, settings.codebook_top_k, settings.top_p, False)
-            return self._draw(head, settings.temperature, settings.codebook_top_k, settings.top_p, False,
-                              drawing=pick(drawing), noise=given, generators=generators)
+            noise = exponentials(pick(self.keys), pick(self.steps), codebook_stream(codebook_index), head.shape[-1])
+            if fused_step.use_kernel(head):  # one fused kernel for the filtered draw, over the same numbers
+                return fused_step.filtered_race(head, noise, settings.temperature, settings.codebook_top_k, settings.top_p, False)
+            return self._draw(head, settings.temperature, settings.codebook_top_k, settings.top_p, False, noise)
 
         return self._per_group(logits[:, 0].long(), draw)[:, None]
 
-    # -- drawing a step's numbers ahead (the decode step) -----------------------------------------
+    def advance(self) -> None:
+        """Every item has drawn its step: the next draws take the next numbers (out of place, so a
+        compiled step's input stays unmutated)."""
+        self.steps = self.steps + 1
 
-    def step_noise(self, batch: int, candidates: int, num_codebooks: int, device: torch.device) -> StepNoise | None:
-        """Every number one decode step may draw, drawn now, in the order the step would draw them:
-        the main draw (and the RAS draw) over `candidates`, then one row of `codebook_size` per
-        acoustic codebook, for every item that samples (a greedy item or one without RAS draws none
-        of those numbers). None when nothing is drawn (greedy).
+    def owned(self) -> None:
+        """Copy out the tensors a compiled draw replaced (the RAS window, the counters): they live
+        in CUDA-graph memory the next replay overwrites."""
+        self.window, self.ras_replacements, self.steps = self.window.clone(), self.ras_replacements.clone(), self.steps.clone()
 
-        An item that then makes no frame would not have drawn its codebook numbers: `rewind`
-        takes them back, so the generators end where a step that drew on demand leaves them."""
-        sampling = [settings.do_sample for settings in self.row_settings]
-        if not any(sampling):
-            return None
-        with_ras = [settings.do_sample and settings.repetition_aware for settings in self.row_settings]
-
-        def only(flags):  # which items draw; None: all of them (the plain, uniform batch)
-            return None if all(flags) else torch.tensor(flags, device=device)
-
-        shape = torch.empty(batch, candidates, device=device)
-        main = race_noise(shape, self.generators, self.main_widths, only(sampling))
-        ras = race_noise(shape, self.generators, self.main_widths, only(with_ras)) if any(with_ras) else None
-        marks = [generator.get_state() for generator in self._generators_of(device)]
-        row = torch.empty(batch, self.codebook_size, device=device)
-        codebooks = torch.stack([race_noise(row, self.generators, drawing=only(sampling)) for _ in range(num_codebooks - 1)], dim=1)
-        return StepNoise(main, ras, codebooks, marks)
-
-    def rewind(self, noise: StepNoise | None, speaking: torch.Tensor, boundary: torch.Tensor) -> None:
-        """Take back the codebook numbers of `noise` that a step drawing on demand would not have
-        drawn: per item, those of the items not `speaking` [batch]; with torch's global generator
-        (one stream for the batch) all of them when no item made a frame or a boundary."""
-        if noise is None:
-            return
-        generators = self._generators_of(speaking.device)
-        if self.generators is None:
-            if not bool((speaking | boundary).any()):
-                generators[0].set_state(noise.marks[0])
-            return
-        for item in (~speaking).nonzero().flatten().tolist():
-            generators[item].set_state(noise.marks[item])
-
-    def _generators_of(self, device: torch.device) -> list[torch.Generator]:
-        """The generators the draws use: one per item, or torch's global one for `device`."""
-        if self.generators is not None:
-            return list(self.generators)
-        if device.type == "cuda":
-            return [torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]]
-        return [torch.default_generator]
+    def item_state(self, item: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(window `[1, RAS_WINDOW]`, key `[1]`, steps `[1]`) of one item: what it carries into a
+        sampler made anew (the serving engine's, when the batch changes)."""
+        span = slice(item, item + 1)
+        return self.window[span].clone(), self.keys[span].clone(), self.steps[span].clone()
 
 
 def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -440,11 +346,12 @@ def item_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
     return [seed + index for index in range(batch)] if isinstance(seed, int) else list(seed)
 
 
-def item_generators(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> list[torch.Generator] | None:
-    """One generator per item, seeded with `item_seeds(seed, batch)`; None without a seed."""
+def item_keys(seed: int | Sequence[int] | None, batch: int, device: torch.device) -> torch.Tensor:
+    """The key of each item's random numbers, long `[batch]`: from `item_seeds(seed, batch)`, or
+    random keys (torch's global generator) without a seed."""
     if seed is None:
-        return None
+        return random_keys(batch, device)
     seeds = item_seeds(seed, batch)
     if len(seeds) != batch:
         raise ValueError(f"seed has {len(seeds)} values for a batch of {batch}; expected one per item or an int")
-    return [torch.Generator(device=device).manual_seed(int(value)) for value in seeds]
+    return seed_keys(seeds, device)

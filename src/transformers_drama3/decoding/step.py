@@ -12,9 +12,9 @@ through the same ops as one that speaks, its codes masked to zero. The loop feed
 some item is still speaking, so a run leaves its cache as the growing cache of the reference loop
 left it: the open row is the last row fed.
 
-Random numbers come in with the step (`Drama3Sampler.step_noise`, drawn ahead in the order the
-draws consume them; `rewind` takes back what an item that made no frame would not have drawn): a
-seeded item draws the same numbers whatever else is in the batch, eagerly or compiled.
+Random numbers are computed inside the step from each item's key and step count
+(`counter_noise`; `draw` moves the count on): a seeded item draws the same numbers whatever else
+is in the batch, eagerly or compiled, and a compiled step's draws are in its graph.
 
 Phoneme alignment (`alignment.AlignmentMasks`) restricts the main token and the phoneme
 codebooks and follows every drawn phoneme code, in masks and gathers on fixed shapes: a compiled
@@ -58,7 +58,7 @@ def restricted_main_logits(model, hidden: torch.Tensor, separator_id: int | None
     return torch.cat((logits, separator), dim=-1)
 
 
-def draw(model, cache: DecodeCache, sampler, state: DecodeState, noise, separator_id: int | None):
+def draw(model, cache: DecodeCache, sampler, state: DecodeState, separator_id: int | None):
     """Draw the next frame of every item from the open row: the main token, then the tower's codes
     (the tower takes the open row into its cache). Returns (StepOutput, the state with the
     counters moved on: produced, active, separators left; the open row is still the old one)."""
@@ -67,7 +67,7 @@ def draw(model, cache: DecodeCache, sampler, state: DecodeState, noise, separato
     logits = restricted_main_logits(model, state.hidden, separator_id, state.separators_left)
     if aligner is not None:
         logits = aligner.main_logits(logits)
-    main_ids = sampler.main_token(logits, noise, state.active)  # [batch, 1]
+    main_ids = sampler.main_token(logits, state.active)  # [batch, 1]
     eos = main_ids[:, 0] == config.eos_token_id
     boundary = state.active & (main_ids[:, 0] == separator_id) if separator_id is not None else torch.zeros_like(eos)
     speaking = state.active & ~eos & ~boundary
@@ -77,7 +77,7 @@ def draw(model, cache: DecodeCache, sampler, state: DecodeState, noise, separato
 
     def sample(head_logits, codebook_index):
         return draw_within(
-            aligner, lambda head: sampler.codebook(head, codebook_index, speaking, noise), head_logits, codebook_index, speaking
+            aligner, lambda head: sampler.codebook(head, codebook_index), head_logits, codebook_index, speaking
         )
 
     tower = cache.tower_part
@@ -86,6 +86,7 @@ def draw(model, cache: DecodeCache, sampler, state: DecodeState, noise, separato
         state.key_mask[:, None, None, : tower.window], cache.tower, sample,
     )
     tower.next_column.add_(1)
+    sampler.advance()
     frames = frames.masked_fill(~speaking[:, None, None], 0)
     produced = state.produced + speaking.long()
     ended = state.active & (eos | (produced >= state.budgets))

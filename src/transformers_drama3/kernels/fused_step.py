@@ -12,9 +12,9 @@ that one kernel does in a single pass over the row:
   state (`Drama3TowerLayer`); one program per row.
 - `filtered_race`: the codebook heads' draw, temperature -> softmax -> top-p (dropping the token
   that crosses it) -> top-k (at most `MAX_TOP_K`) -> the exponential race `argmax p_i / E_i`
-  over the given noise (`generation_drama3.filtered_probabilities` + `exponential_race`); one
-  program per row. The noise comes in from the caller, drawn by the same generators as the
-  reference, so a seeded request draws the same codes on either path.
+  over the given noise (`filtered_probabilities` + `decoding.sampler.race`); one program per
+  row. The noise comes in from the caller (`decoding.counter_noise`), the same numbers the
+  reference divides by, so a seeded request draws the same codes on either path.
 
 Each public function takes the kernel for CUDA tensors when Triton imports, and the reference
 otherwise (and under `torch.compile`): the references are what the CPU runs. `<name>_triton` launches the kernel on any

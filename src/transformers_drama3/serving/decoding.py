@@ -22,7 +22,7 @@ from ..decoding.loop import FrameStep  # noqa: F401
 from ..decoding.sampler import (  # noqa: F401  (re-exported for the engine)
     Drama3Sampler,
     SamplingSettings,
-    item_generators,
+    item_keys,
     prompt_window,
     resolve_settings,
 )

@@ -16,7 +16,8 @@ request leaves at once (the items after it move up), and waiting requests are pr
 and placed into the next free item, each with its own columns.
 
 One sampler draws for the whole batch, each request with its own settings, RAS window and
-`torch.Generator` (seeded as `generate(seed=s)` seeds a batch of one), so what a request draws
+random-number key and counter (`decoding.counter_noise`, keyed as `generate(seed=s)` keys a batch
+of one; the counter starts when the request joins), so what a request draws
 never depends on what else runs: a request's codes with a given seed are the ones `generate()`
 gives it alone, whether it runs alone or joins a busy batch mid-flight. Budgets, guards and
 phoneme alignment are `generate()`'s.
@@ -49,7 +50,7 @@ from .decoding import (
     detect_anomalies,
     expected_seconds_of_tokens,
     frame_budgets,
-    item_generators,
+    item_keys,
     overlong_factor,
     prompt_window,
     resolve_alignment,
@@ -175,8 +176,9 @@ class _Slot:
     guard_budget: int
     expected_frames: float
     settings: SamplingSettings
-    generator: torch.Generator
+    key: torch.Tensor
     window: torch.Tensor
+    steps: torch.Tensor | None = None
     rows: int = 0
     boundaries_left: int = 0
     line_boundaries: list[int] = field(default_factory=list)
@@ -248,7 +250,6 @@ class Drama3Engine:
             probe = torch.zeros(1, 2, dtype=torch.long)
             line_separators(model, probe, torch.ones_like(probe), audio_separator_token_id, torch.zeros(1))
         self._draw, self._feed = compiled_functions(compile_config)
-        self._free_generator = torch.Generator(device=model.device).manual_seed(0)  # items without a request draw from it
         self.threads = threads
         self.prefill = prefill or prefill_alone
         self.adapters = adapters
@@ -504,7 +505,7 @@ class Drama3Engine:
             guard_budget=int(frame_budgets(seconds, config.frame_rate)[0]),
             expected_frames=float(seconds[0] * config.frame_rate),
             settings=job.settings,
-            generator=item_generators([handle.seed], 1, ids.device)[0],
+            key=item_keys([handle.seed], 1, ids.device),
             window=prompt_window(ids, mask),
             boundaries_left=self._boundaries_left(job, mask),
         )
@@ -595,13 +596,13 @@ class Drama3Engine:
         )
 
     def _keep_windows(self) -> None:
-        """Each running request keeps its RAS window when the batch's sampler is made anew."""
+        """Each running request keeps its RAS window, key and step count when the batch's sampler is made anew."""
         if self._sampler is not None:
             for item, slot in enumerate(self._slots):
-                slot.window = self._sampler.window[item : item + 1].clone()
+                slot.window, slot.key, slot.steps = self._sampler.item_state(item)
 
     def _batch_sampler(self, free: int) -> Drama3Sampler:
-        """One sampler over the step's items: each running request with its settings, generator and
+        """One sampler over the step's items: each running request with its settings, key, step count and
         RAS window; `free` items that hold no request after them."""
         slots = self._slots
         device = self._state.ids.device
@@ -616,10 +617,14 @@ class Drama3Engine:
             candidates = torch.cat((candidates, torch.tensor([self.separator_id], device=device)))
             widths = torch.tensor([codebook_size + 1 + (slot.boundaries_left > 0) for slot in slots] + [codebook_size + 1] * free,
                                   device=device)
-        return Drama3Sampler(
+        zeros = torch.zeros(free, dtype=torch.long, device=device)  # items without a request: any numbers
+        sampler = Drama3Sampler(
             [slot.settings for slot in slots] + [slots[0].settings] * free, candidates, torch.cat(windows),
-            [slot.generator for slot in slots] + [self._free_generator] * free, codebook_size, widths,
+            torch.cat([slot.key for slot in slots] + [zeros]), codebook_size, widths,
         )
+        fresh = torch.zeros(1, dtype=torch.long, device=device)  # a request that joins draws from its step 0
+        sampler.steps = torch.cat([fresh if slot.steps is None else slot.steps for slot in slots] + [zeros])
+        return sampler
 
     def _grow(self) -> None:
         """Double every slot's columns (one copy); the key masks widen with them."""
@@ -670,9 +675,8 @@ class Drama3Engine:
         if self.compile_config is None:
             return function(*args)
         torch.compiler.cudagraph_mark_step_begin()
-        sampler = self._sampler
         result = owned(function(*args))
-        sampler.window, sampler.ras_replacements = sampler.window.clone(), sampler.ras_replacements.clone()
+        self._sampler.owned()
         if self._state.alignment is not None:
             self._state.alignment.owned()
         return result
@@ -681,16 +685,12 @@ class Drama3Engine:
         """One frame for every running request (`draw`); finished requests leave, and the others
         feed their row (`feed`)."""
         model, slots = self.model, self._slots
-        config = model.config
         self.stats.steps += 1
         self.stats.occupied += len(slots)
         longest = max(slot.rows for slot in slots)
         view, sampler = self._open_view(longest, longest - 1), self._sampler
-        items, device = self._state.batch, self._state.ids.device
-        noise = sampler.step_noise(items, sampler.candidate_ids.shape[0], config.num_codebooks, device)
         with self._routed(self._adapter_slots):
-            output, state = self._compiled(self._draw, model, view, sampler, self._state, noise, self.separator_id)
-        sampler.rewind(noise, output.speaking, output.boundary)
+            output, state = self._compiled(self._draw, model, view, sampler, self._state, self.separator_id)
         step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
                          output.eos.cpu(), output.boundary.cpu())
         self._state = state

@@ -21,7 +21,7 @@ import torch
 
 from ..decoding.budget import BUDGET_FACTOR, MAX_FRAMES, frame_budgets
 from ..decoding.loop import DecodeRun, TakeCollector
-from ..decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_generators, prompt_window
+from ..decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_keys, prompt_window
 from ..modeling_drama3 import positions_from_mask
 
 ROLLOUT_SETTINGS = SamplingSettings(do_sample=True, temperature=1.0, top_p=1.0, top_k=None, repetition_aware=False)
@@ -88,7 +88,7 @@ def rollout(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, group_siz
     )
     sampler = Drama3Sampler(
         ROLLOUT_SETTINGS, model.speech_token_ids(ids.device), prompt_window(ids, mask),
-        item_generators(seed, group_size, ids.device),
+        item_keys(seed, group_size, ids.device),
     )
     collector = TakeCollector(group_size)
     for step in DecodeRun.prefilled(model, ids, codes, mask, sampler, budgets).steps():
