@@ -6,13 +6,15 @@ every guard: one graph, no graph break, no tensor constant made inside the graph
 input written in place without a static address. On a GPU any of these keeps torch from capturing
 the step (a CPU constant: "skipping cudagraphs due to cpu device (_tensor_constant0)")."""
 
+import copy
+
 import pytest
 import torch
 from transformers import CompileConfig
 
 from generation_helpers import SEPARATOR, line_model, line_prompt, prompt, tiny_model
 from transformers_drama3.decoding import step as decode_step
-from transformers_drama3.decoding.loop import DecodeRun
+from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.request import make_sampler
 from transformers_drama3.decoding.request import resolve_request as _resolve_request
@@ -129,8 +131,37 @@ def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separ
                               compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
     cache, state = run.cache, run.state
     cache.open_window(cache.tower_part, 1)
-    assert_capturable(check_capturable(decode_step.draw, model, cache, sampler, state, run.separator_id))
-    cache.open_window(cache.backbone_part, 1)
-    frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+    with capturable_experts(model):  # as `compiled_functions` calls the step
+        assert_capturable(check_capturable(decode_step.draw, model, cache, sampler, state, run.separator_id))
+        cache.open_window(cache.backbone_part, 1)
+        frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+        main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
+        assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+
+
+@torch.no_grad()
+def test_float32_experts_read_their_offsets_on_the_host_unless_the_step_switches_them():
+    """transformers' grouped-GEMM experts, compiled in float32, call a fallback op that reads the
+    expert offsets on the host: the guard names it. `capturable_experts` (how the library calls its
+    compiled step) computes them with batched matmuls instead: no host sync, the same row within
+    float32 tolerance, and the model's own setting back afterwards."""
+    model = tiny_model(seed=0)
+    ids, codes = prompt(1)
+    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
+    request = _resolve_request(model, SamplingSettings(do_sample=False), ids, mask, 20, 1.0, None)
+    run = DecodeRun.prefilled(model, ids, codes, mask, make_sampler(model, request, ids, mask, None), request.budgets,
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    run.cache.open_window(run.cache.backbone_part, 1)
     main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
-    assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+    frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+    report = capture_report(decode_step.feed, model, copy.deepcopy(run.cache), run.state, main_ids, frames)
+    assert report.host_syncs and all(finding.what.startswith("transformers.grouped_mm_fallback") for finding in report.host_syncs)
+    grouped = decode_step.feed(model, copy.deepcopy(run.cache), run.state, main_ids, frames).hidden
+    with capturable_experts(model):
+        assert {e.config._experts_implementation for e in model.modules() if hasattr(e, "down_proj") and hasattr(e, "config")} == {"batched_mm"}
+        assert capture_report(decode_step.feed, model, copy.deepcopy(run.cache), run.state, main_ids, frames).host_syncs == []
+        batched = decode_step.feed(model, copy.deepcopy(run.cache), run.state, main_ids, frames).hidden
+    assert model.config.text_config._experts_implementation == "grouped_mm"
+    torch.testing.assert_close(batched, grouped, rtol=1e-5, atol=1e-5)
+    with capturable_experts(model.to(torch.bfloat16)):  # bf16 keeps its grouped GEMM
+        assert model.config.text_config._experts_implementation == "grouped_mm"

@@ -10,7 +10,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.decoding import step as decode_step
-from transformers_drama3.decoding.loop import DecodeRun
+from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
 from transformers_drama3.integrations import (
     InternalsChanged,
     PreTrainedModelWithComposedExperts,
@@ -340,7 +340,8 @@ def test_the_compiled_feed_with_the_ops_is_one_capturable_graph(monkeypatch):
     model = tiny_model(seed=0)
     run = prefilled_run(model, True)
     ops_serve_cpu_rows(monkeypatch)
-    report = check_capturable(decode_step.feed, model, run.cache, run.state, *row(model))
+    with capturable_experts(model):  # float32 experts: as `compiled_functions` calls the step
+        report = check_capturable(decode_step.feed, model, run.cache, run.state, *row(model))
     linear_layers = sum(kind == "linear_attention" for kind in model.config.text_config.layer_types)
     assert report.op_counts[RECURRENT_OP] == linear_layers
     assert "aten.convolution.default" not in report.op_counts  # the short conv went through its op
@@ -412,16 +413,16 @@ def test_the_compiled_feed_in_bfloat16_holds_the_grouped_gemm_and_is_capturable(
     assert grouped == 2 * moe_layers  # gate-up and down projections of each MoE layer
 
 
-def test_a_model_composing_the_backbone_takes_experts_implementation_and_hands_it_on():
+def test_drama3_takes_experts_implementation_and_hands_it_on_to_its_backbone():
     """transformers refuses `experts_implementation` for a model whose own module defines no experts;
-    `PreTrainedModelWithComposedExperts` takes it for the backbone it composes."""
+    Drama 3's models (`PreTrainedModelWithComposedExperts`) take it for the backbone they compose."""
     from transformers_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.tiny import shipped
 
     if not shipped.is_available():
         pytest.skip("this checkout carries no drama3-tiny weights")
-    composed = type("ComposedDrama3", (PreTrainedModelWithComposedExperts, Drama3ForSpeechGeneration), {})
-    model = composed.from_pretrained(shipped.TINY_MODEL_PATH, experts_implementation="grouped_mm")
+    assert issubclass(Drama3ForSpeechGeneration, PreTrainedModelWithComposedExperts)
+    model = Drama3ForSpeechGeneration.from_pretrained(shipped.TINY_MODEL_PATH, experts_implementation="grouped_mm")
     assert model.get_experts_implementation()["text_config"] == "grouped_mm"
     model.set_experts_implementation("eager")
     assert {e.config._experts_implementation for e in backbone_experts(model)} == {"eager"}

@@ -424,7 +424,7 @@ def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
     from transformers import CompileConfig
 
     from transformers_drama3.decoding import step as decode_step
-    from transformers_drama3.decoding.loop import DecodeRun
+    from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
     from transformers_drama3.decoding.request import make_sampler, resolve_request
     from transformers_drama3.kernels.capture_check import check_capturable
 
@@ -441,15 +441,17 @@ def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
                                   compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
         cache, state = run.cache, run.state
         cache.open_window(cache.tower_part, 1)
-        reports = [check_capturable(decode_step.draw, model, cache, sampler, state, None)]
-        cache.open_window(cache.backbone_part, 1)
-        frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
-        main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
-        reports.append(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
-    for report in reports:
+        with capturable_experts(model):  # float32 experts: as `compiled_functions` calls the step
+            reports = [check_capturable(decode_step.draw, model, cache, sampler, state, None)]
+            cache.open_window(cache.backbone_part, 1)
+            frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
+            main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
+            reports.append(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+    moe_layers = sum(1 for module in model.modules() if type(module).__name__ == "Qwen3_5MoeExperts")
+    for report, expert_bmms in zip(reports, (0, 2 * moe_layers)):  # feed's batched experts: 2 bmm per MoE layer
         assert report.graphs == 1 and report.graph_breaks == [] and report.tensor_constants == []
         assert report.host_syncs == [] and report.mutated_inputs == []
-        assert report.op_counts.get("aten.bmm.default", 0) > 0  # the slot layers are in the graph
+        assert report.op_counts.get("aten.bmm.default", 0) > expert_bmms  # the slot layers are in the graph
 
 
 @pytest.mark.parametrize("change, match", [

@@ -42,7 +42,7 @@ from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record
 from .prompting import IGNORE_INDEX
 from .checkpoint.quantization import dequantize_state_dict, fuse_expert_weights
 from .checkpoint.quantization import experts as routed_experts, quantized_loading
-from .integrations import PreTrainedModelWithLoadedFiles
+from .integrations import PreTrainedModelWithComposedExperts, PreTrainedModelWithLoadedFiles
 from .kernels import fused_step
 from .checkpoint.saving import save_model
 from .rope import apply_interleaved_rope, rope_cos_sin
@@ -353,7 +353,7 @@ def check_forward_inputs(config, input_ids, audio_codes, labels, row_weights, at
 # ----------------------------------------------------------------------------- the model
 
 
-class Drama3PreTrainedModel(PreTrainedModelWithLoadedFiles):
+class Drama3PreTrainedModel(PreTrainedModelWithComposedExperts, PreTrainedModelWithLoadedFiles):
     config_class = Drama3Config
     config: Drama3Config
     base_model_prefix = "model"

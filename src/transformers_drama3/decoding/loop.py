@@ -14,7 +14,9 @@ continues a run turn by turn (`extend`, `feed_last_frame`, `next_turn`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -189,7 +191,8 @@ class DecodeRun:
             cache.advance(part, written)
         position = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
         self.state = replace(
-            self.state, hidden=hidden[:, -1:], ids=input_ids[:, -1:], codes=audio_codes[:, -1:], key_mask=key_mask,
+            # copies, not views: a compiled step's guards see the strides of a fed row (one graph per shape)
+            self.state, hidden=hidden[:, -1:].clone(), ids=input_ids[:, -1:].clone(), codes=audio_codes[:, -1:].clone(), key_mask=key_mask,
             position=position,
         )
 
@@ -307,6 +310,49 @@ def default_compile_config() -> CompileConfig:
     return CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="reduce-overhead")
 
 
+_GROUPED_GEMM_DTYPES = (torch.bfloat16,)
+"""The weight dtypes transformers' grouped-GEMM experts run under torch.compile; with any other it
+calls its fallback op, which reads the expert offsets on the host (a CUDA graph cannot hold that)."""
+
+
+def _routed_experts(model) -> list[torch.nn.Module]:
+    """The MoE experts modules of `model` that take an experts implementation (found once)."""
+    found = getattr(model, "_drama3_routed_experts", None)
+    if found is None:
+        found = [module for module in model.modules()
+                 if hasattr(getattr(module, "config", None), "_experts_implementation") and hasattr(module, "down_proj")
+                 and isinstance(getattr(module, "down_proj"), torch.Tensor)]
+        model._drama3_routed_experts = found
+    return found
+
+
+@contextlib.contextmanager
+def capturable_experts(model):
+    """Inside: the routed experts compute with transformers' `batched_mm` (gathers each chosen
+    expert's weights, batched matmuls: no host read) wherever they would take `grouped_mm` in a
+    dtype its compiled form does not take. A compiled step then holds no host sync; bf16 models,
+    and every eager call, keep their grouped GEMM."""
+    switched = [experts.config for experts in _routed_experts(model)
+                if experts.config._experts_implementation == "grouped_mm" and experts.down_proj.dtype not in _GROUPED_GEMM_DTYPES]
+    configs = list({id(config): config for config in switched}.values())
+    for config in configs:
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._experts_implementation = "grouped_mm"
+
+
+def _with_capturable_experts(compiled):
+    @functools.wraps(compiled)
+    def call(model, *args):
+        with capturable_experts(model):
+            return compiled(model, *args)
+
+    return call
+
+
 def compiled_functions(config: CompileConfig | None) -> tuple:
     """(`draw`, `feed`), compiled with `config` (None: as they are), built once per set of
     options; torch recompiles them for a new model, batch size or capacity class."""
@@ -315,5 +361,5 @@ def compiled_functions(config: CompileConfig | None) -> tuple:
     options = compile_options(config)
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = (torch.compile(decode_step.draw, **options), torch.compile(decode_step.feed, **options))
+        _COMPILED[key] = tuple(_with_capturable_experts(torch.compile(function, **options)) for function in (decode_step.draw, decode_step.feed))
     return _COMPILED[key]

@@ -65,6 +65,19 @@ from the device; `aten.repeat_interleave.Tensor` is one too (its length is the r
 
 HOST_SYNC_OVERLOADS = frozenset({"aten.repeat_interleave.Tensor"})
 
+OPAQUE_HOST_SYNC_OPS = frozenset({
+    "transformers.grouped_mm_fallback",  # transformers' grouped GEMM for float32 under torch.compile: reads `offs` on the host
+})
+"""Custom operators that read a tensor on the host inside their own code, which a graph shows only
+as one opaque call."""
+
+_FUNCTIONALIZED = tuple(
+    op for op in (getattr(torch.ops.higher_order, name, None) for name in ("auto_functionalized", "auto_functionalized_v2"))
+    if op is not None
+)
+"""The wrappers functionalisation puts around a custom operator that writes its inputs in place;
+the operator itself is their first argument."""
+
 BOOKKEEPING_OPS = frozenset({
     "aten.sym_size",
     "aten.sym_stride",
@@ -246,11 +259,12 @@ class _CheckingBackend:
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.target in _NOT_OPS:
                 continue
-            packet, name = _packet(node.target), _op_name(node.target)
+            target = node.args[0] if node.target in _FUNCTIONALIZED else node.target
+            packet, name = _packet(target), _op_name(target)
             # an op whose output size or value is a new symbol (unbacked) depends on the data:
             # boolean-mask indexing, nonzero, .item(), ... whichever operator it is
             data_dependent = bool(node.meta.get("unbacked_bindings"))
-            if packet in HOST_SYNC_OPS or name in HOST_SYNC_OVERLOADS or data_dependent:
+            if packet in HOST_SYNC_OPS or packet in OPAQUE_HOST_SYNC_OPS or name in HOST_SYNC_OVERLOADS or data_dependent:
                 self.report.host_syncs.append(Finding(name, _where(node)))
             if packet is None or packet in BOOKKEEPING_OPS:
                 continue
