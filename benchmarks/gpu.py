@@ -18,6 +18,9 @@ loop `generate()` runs; the sampler made by `decoding.request.make_sampler`, the
             (`default_compile_config()`: inductor, fullgraph, CUDA graphs); on the dry run's CPU
             the same fullgraph trace through `aot_eager` (no CUDA graphs there);
   eager     the same step, not compiled.
+  prefill-graphs  (only when asked) compiled, and the prompt prefilled by the compiled prefill of
+            its length bucket too (`generate(..., prefill_graphs=True)`): its TTFA against the
+            compiled row's says what the prefill graphs are worth.
 
 Every timed shape is warmed first: for each batch size (`--batches`) one whole run of the timed
 length (the prefill of `--prompt-rows` rows, the compile and the CUDA-graph capture, Triton's
@@ -103,6 +106,8 @@ PROFILED_FRAME = 5
 FP8_BLOCK = (128, 128)
 EXPERT_FORMATS = ("bf16", "fp8")
 MODES = ("compiled", "eager")
+OTHER_MODES = ("prefill-graphs",)
+"""Measured only when asked (`--modes`): each adds compiles at the published depth."""
 FP8_MODULE = "transformers_drama3.checkpoint.quantization.fp8_experts"
 
 # A width that runs the same code in seconds on a CPU (--dry-run).
@@ -134,7 +139,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="frames per run, the first 10 the time to first audio (default 64; a dry run 16)")
     parser.add_argument("--prompt-rows", type=int, default=None, help="rows of each prompt (default 256; a dry run 16)")
     parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="the routed experts' format")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="measured in this order for each batch")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + OTHER_MODES,
+                        help="measured in this order for each batch (prefill-graphs: compiled, and the prefill too)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
@@ -424,7 +430,7 @@ def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str)
     sampler = make_sampler(model, request, input_ids, mask, seed=0)
     budgets = torch.full((batch,), frames, dtype=torch.long)
     return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, request.separators,
-                               compile_config=compile_config_of(mode, device))
+                               compile_config=compile_config_of(mode, device), prefill_graphs=mode == "prefill-graphs")
 
 
 def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str) -> tuple[float, float, float]:
@@ -512,7 +518,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
     recompiled = compiled_graphs() - graphs_before - compiled  # after the warm-up: a shape it did not cover
     label = f"{arguments.experts} {mode} batch {batch}"
     failures = []
-    if mode == "compiled" and on_gpu:
+    if mode != "eager" and on_gpu:
         failures = capture_failures(label, skips, skip_lines, profiled.graph_launches)
         captured = "no" if failures else "yes"
     else:

@@ -66,7 +66,7 @@ def tower_step_casts(model) -> int:
         run.cache.open_window(run.cache.tower_part, 1)
         counter = CastCounter()
         with counter:
-            decode_step.draw(model, run.cache, sampler, run.state, None, None)
+            decode_step.draw(model, run.cache, sampler, run.state, None)
     return counter.ops[torch.ops.aten._to_copy]
 
 

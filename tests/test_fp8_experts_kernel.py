@@ -184,7 +184,7 @@ def test_routing_weights_scale_each_slots_contribution(layout):
 
 def test_the_kernels_dequantise_no_expert(layout, monkeypatch):
     calls = []
-    monkeypatch.setattr(kernel, "dequantize_block_fp8", lambda *args: calls.append(args))
+    monkeypatch.setattr(kernel, "dequantize_blocks", lambda *args: calls.append(args))
     experts = fp8_weights(8, 64, 32)
     layout(*on_device(torch.randn(16, 64), *routing(16, 8, 2), *experts), BLOCK)
     assert calls == []
@@ -275,7 +275,7 @@ def test_a_256_row_prefill_dequantises_one_chunk_of_experts_at_a_time(monkeypatc
     """256 rows x 8 experts each touch all 32 experts; the dense copies alive at once are one chunk's
     gate, up and down matrices (the whole-layer run shows the count sees every copy)."""
     counter = DenseExpertsAlive()
-    monkeypatch.setattr(kernel, "dequantize_block_fp8", counter.wrap(kernel.dequantize_block_fp8))
+    monkeypatch.setattr(kernel, "dequantize_blocks", counter.wrap(kernel.dequantize_blocks))
     experts = fp8_weights(32, 64, 32)
     index, weights = routing(256, 32, 8)
     kernel.fp8_experts_reference(torch.randn(256, 64), index, weights, *experts, BLOCK, experts_per_chunk=chunk)

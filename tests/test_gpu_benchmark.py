@@ -197,3 +197,17 @@ def test_a_dry_run_with_fp8_experts_reads_the_fp8_bytes(gpu_benchmark, tmp_path)
     config = gpu_benchmark.published_config(gpu_benchmark.DRY_RUN_LAYERS, dry_run=True)
     assert row["experts"] == "fp8"
     assert row["gb_per_step"] * 1e9 == pytest.approx(gpu_benchmark.weights_read_per_step(config, "fp8", 1))
+
+
+def test_the_prefill_graphs_mode_prefills_its_prompt_padded_to_the_bucket(gpu_benchmark):
+    """`--modes prefill-graphs` runs the compiled step with the compiled prefill of the prompt's
+    length bucket (13 rows -> 16), the other modes the prompt as it is."""
+    from transformers_drama3.decoding.loop import prefill_bucket
+
+    config = gpu_benchmark.published_config(4, dry_run=True)
+    model = gpu_benchmark.build(config, "cpu", torch.float32, "bf16")
+    with torch.no_grad():
+        graphed = gpu_benchmark.start_run(model, 1, 13, 12, "prefill-graphs", "cpu")
+        plain = gpu_benchmark.start_run(model, 1, 13, 12, "compiled", "cpu")
+    assert graphed.cache.backbone_part.filled == prefill_bucket(13) == 16 and plain.cache.backbone_part.filled == 13
+    torch.testing.assert_close(graphed.state.hidden, plain.state.hidden, rtol=1e-4, atol=1e-5)

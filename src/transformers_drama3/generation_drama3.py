@@ -44,7 +44,7 @@ from .decoding.alignment import CONFIG_KEY as ALIGNMENT_KEY
 from .decoding.alignment import AlignmentMasks, resolve_alignment, turn_token_ids
 from .decoding.budget import detect_anomalies, overlong_factor
 from .decoding.loop import DecodeRun, FrameStep, TakeCollector
-from .decoding.request import DecodeRequest, make_sampler, resolve_decoding, resolve_request, resolve_separator_id
+from .decoding.request import PREFILL_GRAPHS_KEY, DecodeRequest, make_sampler, resolve_decoding, resolve_request, resolve_separator_id
 from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_seeds, resolve_settings
 from .decoding.takes import Drama3GenerationOutput, split_lines  # noqa: F401  (split_lines: importable from here, as before)
 from .decoding.threads import check_threads, resolve_threads, torch_threads
@@ -111,7 +111,7 @@ def _check_range(values: torch.Tensor, name: str, size: int, what: str) -> None:
 
 def _split_kwargs(kwargs: dict) -> dict:
     """Generation parameters among `kwargs`; any other name is an error (it would be ignored)."""
-    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware", ALIGNMENT_KEY}
+    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware", ALIGNMENT_KEY, PREFILL_GRAPHS_KEY}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(
@@ -180,7 +180,7 @@ def _start(model, input_ids, audio_codes, attention_mask, request: DecodeRequest
     def steps():
         run = DecodeRun.prefilled(
             model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators, aligner,
-            request.decoding.compile_config,
+            request.decoding.compile_config, request.decoding.prefill_graphs,
         )
         yield from run.steps()
 
@@ -345,7 +345,9 @@ def generate(
             length class and compiles the step (`torch.compile(fullgraph=True)`, CUDA graphs) by
             default on CUDA, or wherever `compile_config=CompileConfig(...)` is given, unless
             `disable_compile=True`: the same frames and the same seeded draws as the eager step.
-            The first call of a batch size and length class compiles.
+            The first call of a batch size and length class compiles. `prefill_graphs=True` (a
+            compiled run) left-pads the prompt to its power-of-two length bucket and prefills it
+            through a compiled prefill too (one graph per bucket, batch size and length class).
 
     Returns:
         `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms

@@ -42,11 +42,9 @@ from .quantization.block_fp8 import (
     FUSED_EXPERT_WEIGHT,
     SCALE_SUFFIX,
     Block,
-    dequantize_block_fp8,
+    expert_as_stored,
     expert_projections,
     is_routed_expert_weight,
-    quantizer_for_rule,
-    scale_rule,
 )
 
 # safetensors' dtype names (`safe_open(...).get_slice(name).get_dtype()`).
@@ -226,28 +224,6 @@ def dense_as_stored(name: str, tensor: torch.Tensor, record: LoadedCheckpoint | 
     if stored is None or stored == FP8_DTYPE:  # FP8 needs scales: dense experts keep their dtype
         stored = torch.float32 if name.endswith(FLOAT32_PARAMETER_SUFFIXES) else tensor.dtype
     return tensor.to(stored)
-
-
-def expert_as_stored(
-    name: str, weight: torch.Tensor, record: LoadedCheckpoint | None, block: Block
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One routed expert weight `[out, in]` as block-FP8: `(weight_fp8, scale_inv, quantized)`.
-
-    The kept FP8 bytes and scales while the weight is what loading made of them; otherwise the
-    weight quantised (quantized=True) with the rule its loaded scales follow, amax / 448 if none.
-    """
-    weight = weight.detach()
-    kept_weight = None if record is None else record.kept.get(name)
-    kept_scale = None if record is None else record.kept.get(name + SCALE_SUFFIX)
-    rule = None
-    if kept_weight is not None and kept_scale is not None and kept_weight.dtype == FP8_DTYPE:
-        if kept_weight.shape == weight.shape:
-            loaded = dequantize_block_fp8(kept_weight, kept_scale, block, dtype=weight.dtype)
-            if torch.equal(loaded, weight.cpu()):
-                return kept_weight, kept_scale, False
-        rule = scale_rule(kept_weight, kept_scale, block)
-    weight_fp8, scale_inv = quantizer_for_rule(rule)(weight, block)
-    return weight_fp8, scale_inv, True
 
 
 def _fused_experts(model_state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

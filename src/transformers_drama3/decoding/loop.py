@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -141,12 +142,22 @@ class DecodeRun:
 
     @classmethod
     def prefilled(cls, model, input_ids, audio_codes, attention_mask, sampler, budgets, separators: LineSeparators | None = None,
-                  alignment=None, compile_config: CompileConfig | None = None) -> DecodeRun:
+                  alignment=None, compile_config: CompileConfig | None = None, prefill_graphs: bool = False) -> DecodeRun:
         """Set a cache up for a prompt (input_ids [batch, rows], audio_codes [batch, rows,
         num_codebooks], attention_mask [batch, rows], left padding) and `budgets` [batch] frames,
         and prefill the prompt into it. The cache holds every row the run may feed: the prompt,
         one per frame and line boundary, and the last row fed (a compiled run rounds up to its
-        length class)."""
+        length class).
+
+        `prefill_graphs` (a compiled run only): the prompt is left-padded to its length bucket
+        (`prefill_bucket`) and prefilled by `compile_config`'s compiled prefill, one graph per
+        bucket (and batch size and capacity class) instead of one per prompt length."""
+        if prefill_graphs:
+            if compile_config is None:
+                raise ValueError("prefill_graphs=True needs a compiled run: cache_implementation=\"static\" with a "
+                                 "compile_config (the default on CUDA), not disable_compile=True")
+            input_ids, audio_codes, attention_mask = left_padded(
+                input_ids, audio_codes, attention_mask, prefill_bucket(input_ids.shape[1]))
         batch, rows = input_ids.shape
         device = input_ids.device
         budgets = budgets.to(device)
@@ -156,6 +167,7 @@ class DecodeRun:
         cache = DecodeCache(model, capacity, device, batch)
         state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)
         run = cls(model, sampler, cache, state, None if separators is None else separators.token_id, None)
+        run._prefill_graph = compiled_prefill(compile_config) if prefill_graphs else None
         run.extend(input_ids, audio_codes, attention_mask)
         if compile_config is not None:
             run = cls(model, sampler, run.cache, run.state, run.separator_id, compile_config)
@@ -182,7 +194,7 @@ class DecodeRun:
         cache.open_window(backbone, rows)
         cache.open_window(tower, tower_rows)
         if filled == 0:
-            hidden = model.prefill(input_ids, audio_codes, mask, cache)
+            hidden = self._prefill(input_ids, audio_codes, mask)
         else:
             hidden = model.extend(self.state.hidden, state.ids, state.codes, input_ids, audio_codes, mask, cache)
         cache.compiled = compiled
@@ -195,6 +207,20 @@ class DecodeRun:
             self.state, hidden=hidden[:, -1:].clone(), ids=input_ids[:, -1:].clone(), codes=audio_codes[:, -1:].clone(), key_mask=key_mask,
             position=position,
         )
+
+    _prefill_graph = None
+
+    def _prefill(self, input_ids, audio_codes, mask) -> torch.Tensor:
+        """`model.prefill` into the empty cache; through the compiled prefill when the run has one,
+        whose outputs (the hidden states, and the cache's states, which the prefill allocates) are
+        then copied out of CUDA-graph memory, which the next replay reuses."""
+        if self._prefill_graph is None:
+            return self.model.prefill(input_ids, audio_codes, mask, self.cache)
+        self.cache.mark_counters_static()
+        torch.compiler.cudagraph_mark_step_begin()
+        hidden = self._prefill_graph(self.model, input_ids, audio_codes, mask, self.cache).clone()
+        self.cache.own_states()
+        return hidden
 
     def copy(self) -> DecodeRun:
         """A run that continues from where this one stands, on its own copy of the cache and state
@@ -344,13 +370,57 @@ def capturable_experts(model):
             config._experts_implementation = "grouped_mm"
 
 
-def _with_capturable_experts(compiled):
+def _with_capturable_experts(compiled, cuda_only: bool = False):
     @functools.wraps(compiled)
     def call(model, *args):
+        if cuda_only and model.device.type != "cuda":
+            return compiled(model, *args)
         with capturable_experts(model):
             return compiled(model, *args)
 
     return call
+
+
+PREFILL_BUCKET_MIN = 16
+"""The shortest length bucket of a compiled prefill."""
+
+
+def prefill_bucket(rows: int) -> int:
+    """The rows a compiled prefill of a `rows`-row prompt runs: the next power of two >= `rows`
+    (at least `PREFILL_BUCKET_MIN`), so a few graphs serve every prompt length."""
+    return max(PREFILL_BUCKET_MIN, 1 << max(0, math.ceil(math.log2(max(rows, 1)))))
+
+
+def left_padded(input_ids: torch.Tensor, audio_codes: torch.Tensor, attention_mask: torch.Tensor | None, rows: int):
+    """A prompt left-padded to `rows` rows (id 0, zero codes, mask 0), as a batch pads its
+    shorter prompts: the padding changes no real row's output."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    missing = rows - input_ids.shape[1]
+    if missing <= 0:
+        return input_ids, audio_codes, attention_mask
+    pad = torch.nn.functional.pad
+    return pad(input_ids, (missing, 0)), pad(audio_codes, (0, 0, missing, 0)), pad(attention_mask, (missing, 0))
+
+
+def _prefill_rows(model, input_ids, audio_codes, attention_mask, cache):
+    return model.prefill(input_ids, audio_codes, attention_mask, cache)
+
+
+_COMPILED_PREFILL: dict[tuple, object] = {}
+
+
+def compiled_prefill(config: CompileConfig):
+    """`model.prefill` compiled with `config` (built once per set of options; torch compiles one
+    graph per length bucket, batch size and capacity class). On CUDA its routed experts take
+    `capturable_experts`' batched matmuls where the grouped GEMM would read its offsets on the
+    host (not on the CPU: there a prefill's gathered expert weights would cost memory, and no
+    CUDA graph needs it)."""
+    options = compile_options(config)
+    key = tuple(sorted((name, repr(value)) for name, value in options.items()))
+    if key not in _COMPILED_PREFILL:
+        _COMPILED_PREFILL[key] = _with_capturable_experts(torch.compile(_prefill_rows, **options), cuda_only=True)
+    return _COMPILED_PREFILL[key]
 
 
 def compiled_functions(config: CompileConfig | None) -> tuple:

@@ -48,10 +48,17 @@ class DecodeRequest:
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the decode run goes: `static` (`cache_implementation="static"`) asks for a cache of a
-    fixed length class, compiled with `compile_config` (None: the step runs eagerly)."""
+    fixed length class, compiled with `compile_config` (None: the step runs eagerly);
+    `prefill_graphs`: the prompt is left-padded to its length bucket and prefilled by a compiled
+    prefill too (`DecodeRun.prefilled`)."""
 
     static: bool = False
     compile_config: CompileConfig | None = None
+    prefill_graphs: bool = False
+
+
+PREFILL_GRAPHS_KEY = "prefill_graphs"
+"""The generate() / generation-config option that compiles the prefill per length bucket."""
 
 
 def resolve_decoding(model, generation_config: GenerationConfig | None, overrides: dict) -> DecodeOptions:
@@ -64,22 +71,31 @@ def resolve_decoding(model, generation_config: GenerationConfig | None, override
     for source in (getattr(model, "generation_config", None), generation_config, overrides):
         if source is None:
             continue
-        for name in ("cache_implementation", "compile_config", "disable_compile"):
+        for name in ("cache_implementation", "compile_config", "disable_compile", PREFILL_GRAPHS_KEY):
             value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
             if value is not None:
                 values[name] = value
     implementation = values.get("cache_implementation")
     check_cache_implementation(implementation)
+    prefill_graphs = values.get(PREFILL_GRAPHS_KEY, False)
+    if not isinstance(prefill_graphs, bool):
+        raise ValueError(f"{PREFILL_GRAPHS_KEY}={prefill_graphs!r}; expected True or False")
     if implementation != "static":
+        if prefill_graphs:
+            raise ValueError(f"{PREFILL_GRAPHS_KEY}=True needs cache_implementation=\"static\" (a compiled run)")
         return DecodeOptions()
     compile_config = values.get("compile_config")
     if compile_config is not None and not isinstance(compile_config, CompileConfig):
         raise ValueError(f"compile_config={compile_config!r}; expected a transformers CompileConfig")
     if values.get("disable_compile"):
+        if prefill_graphs:
+            raise ValueError(f"{PREFILL_GRAPHS_KEY}=True needs a compiled run; disable_compile=True keeps it eager")
         return DecodeOptions(static=True)
     if compile_config is None and model.device.type == "cuda" and not has_offloaded_experts(model):
         compile_config = default_compile_config()  # offloaded experts copy in what a step chose: eager only
-    return DecodeOptions(static=True, compile_config=compile_config)
+    if prefill_graphs and compile_config is None:
+        raise ValueError(f"{PREFILL_GRAPHS_KEY}=True needs a compiled run: give a compile_config (the default on CUDA)")
+    return DecodeOptions(static=True, compile_config=compile_config, prefill_graphs=prefill_graphs)
 
 
 def resolve_separator_id(model, generation_config: GenerationConfig | None, explicit: int | None) -> int | None:

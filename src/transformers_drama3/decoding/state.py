@@ -266,6 +266,27 @@ class DecodeCache:
                 layer.grow(capacity)
         self.capacity = self.backbone_part.capacity = self.tower_part.capacity = capacity
 
+    def mark_counters_static(self) -> None:
+        """Before a compiled prefill: the tensors it writes in place that exist before it (the
+        parts' next columns, transformers' token counters of the Gated DeltaNet layers) keep their
+        addresses; the prefill allocates the rest (`own_states` copies them out after)."""
+        for part in self.parts:
+            torch._dynamo.mark_static_address(part.next_column)
+        for layer in self.backbone.layers:
+            counter = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(counter, torch.Tensor):
+                torch._dynamo.mark_static_address(counter)
+
+    def own_states(self) -> None:
+        """After a compiled prefill: every layer's tensors copied into memory of their own (what a
+        CUDA-graph replay allocated, the next replay reuses)."""
+        for layer in (*self.backbone.layers, *self.tower.layers):
+            if isinstance(layer, ColumnKeysLayer) and layer.is_initialized:
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            elif isinstance(layer, LinearAttentionLayer) and layer.is_conv_states_initialized[0]:
+                layer.conv_states[0] = layer.conv_states[0].clone()
+                layer.recurrent_states[0] = layer.recurrent_states[0].clone()
+
     def mark_static(self) -> None:
         """For a compiled step: every layer reads the whole capacity, and the cache's tensors keep
         their addresses (CUDA graphs replay on them)."""

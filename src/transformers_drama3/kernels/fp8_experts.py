@@ -48,7 +48,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.quantization.block_fp8 import FP8_DTYPE, dequantize_block_fp8
+from .block_scales import FP8_DTYPE, dequantize_blocks
 from .fused_step import interpreting
 
 triton = None
@@ -152,9 +152,9 @@ def fp8_experts_reference(
     scale_rows = gate_up_scale.shape[1] // 2
     output = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for chunk in torch.unique(top_k_index).split(experts_per_chunk):
-        gate = dequantize_block_fp8(gate_up[chunk, :intermediate], gate_up_scale[chunk, :scale_rows], block, hidden.dtype)
-        up = dequantize_block_fp8(gate_up[chunk, intermediate:], gate_up_scale[chunk, scale_rows:], block, hidden.dtype)
-        down_dense = dequantize_block_fp8(down[chunk], down_scale[chunk], block, hidden.dtype)
+        gate = dequantize_blocks(gate_up[chunk, :intermediate], gate_up_scale[chunk, :scale_rows], block, hidden.dtype)
+        up = dequantize_blocks(gate_up[chunk, intermediate:], gate_up_scale[chunk, scale_rows:], block, hidden.dtype)
+        down_dense = dequantize_blocks(down[chunk], down_scale[chunk], block, hidden.dtype)
         for position, expert in enumerate(chunk.tolist()):
             token, slot = torch.where(top_k_index == expert)
             rows = hidden[token]

@@ -43,8 +43,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...kernels.block_scales import FP8_DTYPE as KERNEL_FP8_DTYPE, dequantize_blocks
 
-FP8_DTYPE = torch.float8_e4m3fn
+
+FP8_DTYPE = KERNEL_FP8_DTYPE
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 QUANTIZATION_METHOD = "bsgemm-moe"
 DEFAULT_BLOCK = (128, 128)
@@ -145,11 +147,7 @@ def dequantize_block_fp8(
     """`weight_fp8: [..., out, in]`, `scale_inv: [..., ceil(out/bo), ceil(in/bi)]` -> dense
     `[..., out, in]` in `dtype`; the product is formed in float32."""
     _check_pair(weight_fp8, scale_inv, block)
-    rows, columns = weight_fp8.shape[-2:]
-    # scale: [..., out, in], each block's scale repeated over its elements, edges cropped
-    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :columns]
-    return (weight_fp8.float() * scale).to(dtype)
+    return dequantize_blocks(weight_fp8, scale_inv, block, dtype)
 
 
 def dequantize_block_fp8_reference(
@@ -401,3 +399,26 @@ def _fused_pair(experts: str, fused: Mapping[str, torch.Tensor]) -> tuple[torch.
             f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
         )
     return gate_up, down
+
+
+def expert_as_stored(
+    name: str, weight: torch.Tensor, record, block: Block
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One routed expert weight `[out, in]` as block-FP8: `(weight_fp8, scale_inv, quantized)`;
+    `record`: the model's `LoadedCheckpoint` (its `kept` FP8 bytes and scales), or None.
+
+    The kept FP8 bytes and scales while the weight is what loading made of them; otherwise the
+    weight quantised (quantized=True) with the rule its loaded scales follow, amax / 448 if none.
+    """
+    weight = weight.detach()
+    kept_weight = None if record is None else record.kept.get(name)
+    kept_scale = None if record is None else record.kept.get(name + SCALE_SUFFIX)
+    rule = None
+    if kept_weight is not None and kept_scale is not None and kept_weight.dtype == FP8_DTYPE:
+        if kept_weight.shape == weight.shape:
+            loaded = dequantize_block_fp8(kept_weight, kept_scale, block, dtype=weight.dtype)
+            if torch.equal(loaded, weight.cpu()):
+                return kept_weight, kept_scale, False
+        rule = scale_rule(kept_weight, kept_scale, block)
+    weight_fp8, scale_inv = quantizer_for_rule(rule)(weight, block)
+    return weight_fp8, scale_inv, True

@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from ...kernels import fp8_experts as kernel
-from ..loaded_checkpoint import SCALE_SUFFIX, expert_as_stored
-from .block_fp8 import DEFAULT_BLOCK, FP8_DTYPE, QUANTIZATION_METHOD, expert_projections, weight_block_size
+from .block_fp8 import (
+    DEFAULT_BLOCK, FP8_DTYPE, QUANTIZATION_METHOD, SCALE_SUFFIX, expert_as_stored, expert_projections, weight_block_size,
+)
 
 ACTIVATION = "silu"
 """The experts' activation the kernels apply (Qwen3.5-MoE's `hidden_act`)."""
