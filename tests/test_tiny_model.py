@@ -132,7 +132,9 @@ def test_a_small_heldout_sample_meets_the_codec_voice_and_behaviour_bars(tiny):
                       direction_sentences=0)
     assert result.dtw_resyntheses >= 0.95 and result.codec_similarity >= 0.80  # the codec bar
     assert result.voice_identification >= VOICE_BAR
-    assert result.stopped_by_itself >= 0.95
+    # voice B loses its place now and then (about 2-3% of its takes over 156 seeds; STOP_BAR in
+    # tests/test_intelligibility.py): one of these 12 may run to its budget
+    assert result.stopped_by_itself >= 11 / 12, result.stopped_by_itself
     assert result.similarity_to_reference_voice > result.similarity_to_other_voices + 0.1
     # words, by Whisper: espeak's renderings of this grammar's odd sentences are read (34% WER on
     # the first 10); the bars on outputs and resyntheses are tests/test_intelligibility.py's
