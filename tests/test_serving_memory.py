@@ -31,12 +31,23 @@ SENTENCES = ["Hello there, how are you today?", "If the barrel is sturdy, Delia 
 LONG_CHARS = 2048
 
 
-def resident_mb(pid: int) -> float:
+def resident_mb(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident memory (VmRSS), or its peak since the last reset (VmHWM), in MB."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
+
+
+def reset_peak(pid: int) -> bool:
+    """Start the kernel's peak-RSS count (VmHWM) afresh (`clear_refs` 5); False where not allowed."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +87,7 @@ def test_the_memory_long_prompts_took_comes_back_when_they_end(server):
         assert speak(base, {"input": SENTENCES[index], "voice": "AB"[index % 2], "max_new_tokens": 40, "seed": index}) == 200
     wait_until_idle(base)
     before = peak = resident_mb(pid)
+    counted = reset_peak(pid)  # the kernel's own peak: polling alone misses it on a busy machine
     text = " ".join(SENTENCES[n % len(SENTENCES)] for n in range(100))[:LONG_CHARS]
     long = {"input": text, "instructions": ("Slowly, warmly, " * 200)[:LONG_CHARS], "voice": "A", "max_new_tokens": 1}
     with ThreadPoolExecutor(3) as pool:
@@ -84,8 +96,12 @@ def test_the_memory_long_prompts_took_comes_back_when_they_end(server):
             peak = max(peak, resident_mb(pid))
             time.sleep(0.05)
     assert [answer.result() for answer in answers] == [200] * 3
+    if counted:
+        peak = max(peak, resident_mb(pid, "VmHWM"))
     wait_until_idle(base)
-    after = resident_mb(pid)
     grown = peak - before
     assert grown > 50, f"the long prompts grew the server by only {grown:.0f} MB: nothing to give back"
+    deadline = time.monotonic() + 5  # the engine gives the pool back once idle: allow it a moment
+    while (after := resident_mb(pid)) - before > 0.5 * grown and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert after - before <= 0.5 * grown, f"RSS {before:.0f} MB before, {peak:.0f} at the peak, {after:.0f} after"
