@@ -95,7 +95,8 @@ def test_lanes_past_an_items_width_never_win():
     keys, steps = seed_keys([1, 2, 3]), torch.zeros(3, dtype=torch.long)
     noise = exponentials(keys, steps, 0, 6, torch.tensor([6, 5, 2]))
     assert torch.isinf(noise[1, 5]) and torch.isinf(noise[2, 2:]).all() and torch.isfinite(noise[0]).all()
-    assert torch.equal(noise[0], exponentials(keys[:1], steps[:1], 0, 6)[0])  # a full width changes nothing
+    # a full width changes nothing (another batch size: the log may take another vector path)
+    torch.testing.assert_close(noise[0], exponentials(keys[:1], steps[:1], 0, 6)[0], rtol=1.3e-6, atol=1e-6)
 
 
 def test_compiled_numbers_equal_the_eager_ones():

@@ -94,7 +94,8 @@ def test_the_short_conv_reference_is_transformers_causal_conv1d_update():
     theirs_state, ours_state = state.clone(), state.clone()
     theirs = qwen.causal_conv1d_update.drama3_reference(hidden, theirs_state, weight, None, activation="silu")
     ours = short_conv.short_conv_update_reference(hidden, ours_state, weight, None, "silu")
-    assert torch.equal(ours, theirs) and torch.equal(ours_state, theirs_state)
+    torch.testing.assert_close(ours, theirs, rtol=1.3e-6, atol=1e-5)  # two paths: float32 tolerance
+    assert torch.equal(ours_state, theirs_state)  # the state is rolled and copied, not computed
 
 
 @pytest.mark.parametrize(
