@@ -508,3 +508,33 @@ def test_the_pool_a_long_prompt_grew_is_given_back_when_no_request_runs(model):
     while not engine.idle:
         engine.step()
     assert isinstance(short.result(timeout=1), DoneEvent)
+
+
+def test_the_heap_is_trimmed_again_once_the_engine_has_been_idle_a_moment(model, monkeypatch):
+    """Dropping a grown pool trims the heap at once, and once more after IDLE_TRIM_DELAY idle: what
+    the requests' callers freed after the last step (the HTTP layer's buffers) goes back too (a
+    server kept ~half its growth without the second trim). An engine that grew nothing never trims."""
+    import time
+
+    from transformers_drama3.serving import engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "return_freed_memory", lambda: trims.append(time.monotonic()))
+    ids, codes = prompt(seed=72, tail_rows=40)
+    engine = Drama3Engine(model, max_batch=2, capacity=32)
+    engine.start()
+    try:
+        short = engine.submit(job(seed=2, prompt_seed=73))
+        assert isinstance(short.result(timeout=60), DoneEvent)
+        time.sleep(3 * engine_module.IDLE_TRIM_DELAY)
+        assert trims == []  # the pool never grew: nothing to give back
+        long = engine.submit(SpeechJob(ids[None], codes[None], SamplingSettings(), seed=1, max_new_tokens=MAX_FRAMES))
+        assert isinstance(long.result(timeout=60), DoneEvent)
+        deadline = time.monotonic() + 10
+        while len(trims) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3 * engine_module.IDLE_TRIM_DELAY)
+        assert len(trims) == 2, trims  # at the drop, and once when idle: not again and again
+        assert trims[1] - trims[0] >= engine_module.IDLE_TRIM_DELAY
+    finally:
+        engine.stop()

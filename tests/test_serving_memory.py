@@ -5,11 +5,15 @@ Why the bound is what it is: a process's RSS is not its tensors. After warm-up s
 server holds ~0.8 GB; three prompts of 2,048 characters + 2,048 of instructions (~3,800 rows
 each) grow it by ~0.2 GB at their peak (the decode pool the engine grows, the prefill's
 activations). When they end, the engine drops the pool it grew and torch frees its tensors, but
-glibc keeps freed pages in its heap: without the trim the engine now asks for, ~80% of the growth
-stayed resident (measured: 806 MB before, 1,017 at the peak, 974 after); with it ~17% (807, 1,015,
-842). What stays is the allocator's bookkeeping and caches that are not the engine's (oneDNN
-primitives for new shapes, Python objects). The test asks that at most half the growth stays: far
-from both measurements, so that a busy machine's noise does not decide it.
+glibc keeps freed pages in its heap: without a trim ~80% of the growth stayed resident (measured:
+806 MB before, 1,017 at the peak, 974 after). A trim at the moment the pool is dropped alone left
+17-55% (807 / 1,015 / 842 on a quiet machine; 811 / 979 / 900 on a busy one): what the HTTP layer
+frees after the last step was still in the heap. With the second trim the engine makes once it has
+been idle a moment, none stays on a quiet machine (four runs: 819 / 995 / 802, 816 / 970 / 796,
+819 / 975 / 798, 817 / 970 / 802); with two busy loops beside the server on its 2 cores, up to a
+quarter stayed (818 / 984 / 796, 818 / 982 / 827, 820 / 984 / 861), and trimming every second did
+not give it back: live memory, not freed memory. The test asks that at most half the growth stays,
+far from those measurements, so that a busy machine's noise does not decide it.
 """
 
 import os

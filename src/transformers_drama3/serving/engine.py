@@ -60,6 +60,10 @@ from .decoding import (
 )
 from .memory import return_freed_memory
 
+# seconds idle after a grown pool was dropped before the heap is trimmed once more: by then the
+# callers of the requests that grew it (the HTTP layer) have freed what they held
+IDLE_TRIM_DELAY = 1.0
+
 INITIAL_CAPACITY = 512
 """Columns each slot of the pool holds at first; doubled (one copy) when a request outgrows them."""
 
@@ -264,6 +268,7 @@ class Drama3Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopped = False
+        self._trim_pending = False
 
     # ---- the caller's side --------------------------------------------------------------------
 
@@ -339,7 +344,10 @@ class Drama3Engine:
             with self._lock:
                 was_idle = self.idle
                 while self._running and self.idle:
-                    self._lock.wait()
+                    notified = self._lock.wait(timeout=IDLE_TRIM_DELAY if self._trim_pending else None)
+                    if not notified and self._trim_pending and self.idle:
+                        self._trim_pending = False  # what the requests' callers freed since goes back too
+                        return_freed_memory()
                 if not self._running:
                     return
             if was_idle:
@@ -658,6 +666,7 @@ class Drama3Engine:
             return
         pool = None  # the grown pool's tensors are freed here; the C heap keeps their pages unless trimmed
         return_freed_memory()
+        self._trim_pending = True  # and once more when the scheduler has been idle a moment (`_loop`)
 
     def _open_view(self, backbone_rows: int, tower_rows: int) -> DecodeCache:
         if self._pool.capacity < backbone_rows + 1:

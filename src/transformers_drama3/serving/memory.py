@@ -5,7 +5,8 @@ tensors; but on Linux the C library keeps most freed memory of a CPU process in 
 next allocation, so the process's resident memory stays at the peak (drama3-tiny: +180 MB after
 three prompts of 2,048 + 2,048 characters, all of it given back by a trim). `return_freed_memory`
 asks glibc to give its free heap pages back (`malloc_trim(0)`); elsewhere (macOS, musl, Windows)
-it does nothing.
+it does nothing. The engine trims when it drops a grown pool, and once more after it has been idle
+a moment (`engine.IDLE_TRIM_DELAY`), when the requests' callers have freed what they held too.
 """
 
 from __future__ import annotations
