@@ -68,7 +68,9 @@ Each run sets up its own cache, as every `generate()` call does, so a compiled r
 CUDA graphs afresh at its first steps (new static addresses): that is in its time to first audio,
 not in ms/frame.
 `--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows),
-with the graphs dynamo compiled in each warm-up and after it (0 when the warm-up covered the shape).
+with the graphs dynamo compiled in each warm-up and after it (0 when the warm-up covered the shape)
+and the host time of dynamo's guard checks in the profiled step (`guard_ms`: a compiled run checks
+every guard only on its first and every 32nd call, `decoding.steady_guards`).
 Prints and asserts nothing else. The paper's engine: 271 frames/s at batch 1 on one H200, 1,278
 kernels per step, 6.0 GB per frame (the issue's floor: 1.4 ms per frame at 4.3 TB/s).
 """
@@ -398,6 +400,9 @@ class Row:
     """Graphs dynamo compiled during the warm-up run (json only)."""
     graphs_compiled_after_warm_up: int = 0
     """Graphs compiled during the timed and profiled runs: should be 0 (json only)."""
+    guard_ms: float = 0.0
+    """Host time of dynamo's guard checks in the profiled step (its `TorchDynamo Cache Lookup`
+    events; 0 eagerly; the profiler's own overhead included; json only)."""
 
 
 def synchronize(device: str) -> None:
@@ -464,6 +469,8 @@ class StepProfile:
     aten_ops: int
     """Top-level ATen operator calls."""
     graph_launches: int
+    guard_ms: float = 0.0
+    """Time in dynamo's guard checks (`TorchDynamo Cache Lookup`)."""
 
 
 def is_kernel(name: str) -> bool:
@@ -500,6 +507,7 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
         kernels=sum(1 for event in events if event.device_type == DeviceType.CUDA and is_kernel(event.name)),
         aten_ops=sum(1 for event in events if event.device_type == DeviceType.CPU and top_level_aten(event)),
         graph_launches=sum(1 for event in events if event.device_type == DeviceType.CPU and "cudaGraphLaunch" in event.name),
+        guard_ms=sum(event.cpu_time_total for event in events if event.name == "TorchDynamo Cache Lookup") / 1e3,
     )
 
 
@@ -532,7 +540,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         graphs_per_step=profiled.graph_launches if on_gpu else None,
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
         ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
-        graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled,
+        graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled, guard_ms=profiled.guard_ms,
     )
 
 
@@ -587,8 +595,8 @@ def main(argv=None) -> None:
     model = build(config, device, dtype, arguments.experts)
     codec = codec_of(arguments.dry_run, device)
     print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
-    # dynamo keeps 8 compiled variants of a function by default; each batch size is a variant of
-    # `draw` and `feed` (two of `draw`: its first call sees the prompt's last row as a strided view)
+    # dynamo keeps 8 compiled variants of a function by default; each batch size is one variant of
+    # `draw` and one of `feed` (and a prefill-graphs run one prefill per bucket): room for twice that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arguments.batches))
     print(table_header(on_gpu), flush=True)
     rows, failures = [], []

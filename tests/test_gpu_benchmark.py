@@ -119,11 +119,16 @@ def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_ben
 
 
 @pytest.mark.slow
-def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, capsys):
-    """compiled: the step's fullgraph trace (aot_eager on a CPU, inductor + CUDA graphs on a GPU)."""
-    gpu_benchmark.main([*QUICK, "--modes", "compiled", "--batches", "1"])
+def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, tmp_path, capsys):
+    """compiled: the step's fullgraph trace (aot_eager on a CPU, inductor + CUDA graphs on a GPU);
+    its profiled step spends host time in dynamo's guards, the eager one none."""
+    path = tmp_path / "numbers.json"
+    gpu_benchmark.main([*QUICK, "--modes", "compiled", "eager", "--batches", "1", "--json", str(path)])
     _, rows = table(capsys.readouterr().out)
-    assert len(rows) == 1 and rows[0][1] == "compiled" and rows[0][-1] == "n/a (CPU)"
+    assert [row[1] for row in rows] == ["compiled", "eager"] and rows[0][-1] == "n/a (CPU)"
+    compiled, eager = json.loads(path.read_text())["rows"]
+    assert compiled["guard_ms"] > 0 and eager["guard_ms"] == 0
+    assert compiled["graphs_compiled_after_warm_up"] == 0
 
 
 def test_the_compiled_mode_is_what_generate_compiles_on_a_gpu(gpu_benchmark):

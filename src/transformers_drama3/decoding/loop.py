@@ -25,6 +25,7 @@ import torch
 from transformers import CompileConfig
 
 from . import step as decode_step
+from .steady_guards import SteadyGuards
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -121,6 +122,13 @@ class TakeCollector:
         return codes, lengths, clicks
 
 
+def _open_row(rows: torch.Tensor) -> torch.Tensor:
+    """The last row of `rows` [batch, rows, ...] as a contiguous copy: a compiled step's guards
+    check strides, and a view (or a clone keeping a view's strides, as at batch 1) would make the
+    first step's graph differ from the next ones' (two graphs per batch size instead of one)."""
+    return rows[:, -1:].clone(memory_format=torch.contiguous_format)
+
+
 # ----------------------------------------------------------------------------- a decode run
 
 
@@ -137,6 +145,7 @@ class DecodeRun:
         self.separator_id = separator_id
         self.compiled = compile_config is not None
         self._draw, self._feed = compiled_functions(compile_config)
+        self._guards = SteadyGuards() if self.compiled else None
         if self.compiled:
             cache.mark_static()
 
@@ -203,8 +212,7 @@ class DecodeRun:
             cache.advance(part, written)
         position = (mask.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
         self.state = replace(
-            # copies, not views: a compiled step's guards see the strides of a fed row (one graph per shape)
-            self.state, hidden=hidden[:, -1:].clone(), ids=input_ids[:, -1:].clone(), codes=audio_codes[:, -1:].clone(), key_mask=key_mask,
+            self.state, hidden=_open_row(hidden), ids=_open_row(input_ids), codes=_open_row(audio_codes), key_mask=key_mask,
             position=position,
         )
 
@@ -253,11 +261,13 @@ class DecodeRun:
         model, cache, sampler = self.model, self.cache, self.sampler
         backbone, tower = cache.parts
         self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
+        if self._guards is not None:
+            self._guards.reset()  # the model, the sampler or the capacity may differ from the last loop's
         index = 0
         while True:
             cache.open_window(tower, 1)
             self._mark_step()
-            output, self.state = self._owned(self._draw(model, cache, sampler, self.state, self.separator_id))
+            output, self.state = self._owned(self._call(self._draw, model, cache, sampler, self.state, self.separator_id))
             cache.advance(tower, 1)
             yield FrameStep(index, output.main_ids, output.frames, output.speaking, output.ended, output.eos, output.boundary)
             if not bool(self.state.active.any()):
@@ -269,7 +279,7 @@ class DecodeRun:
                 return
             cache.open_window(backbone, 1)
             self._mark_step()
-            self.state = self._owned(self._feed(model, cache, self.state, output.main_ids, output.frames))
+            self.state = self._owned(self._call(self._feed, model, cache, self.state, output.main_ids, output.frames))
             cache.advance(backbone, 1)
             index += 1
 
@@ -283,6 +293,11 @@ class DecodeRun:
         missing = self.cache.capacity - self.state.key_mask.shape[1]
         if missing > 0:
             self.state = replace(self.state, key_mask=torch.nn.functional.pad(self.state.key_mask, (0, missing)))
+
+    def _call(self, function, *args):
+        """`function(*args)`; compiled, with dynamo's guards checked in full where the run may
+        have changed (`SteadyGuards`: each function's first call of a `steps()` loop)."""
+        return function(*args) if self._guards is None else self._guards(function, *args)
 
     def _mark_step(self) -> None:
         if self.compiled:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..decoding.loop import DecodeRun, FrameStep, compiled_functions, owned
+from ..decoding.steady_guards import SteadyGuards
 from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
 from ..decoding.threads import check_threads, resolve_threads
@@ -254,6 +255,7 @@ class Drama3Engine:
             probe = torch.zeros(1, 2, dtype=torch.long)
             line_separators(model, probe, torch.ones_like(probe), audio_separator_token_id, torch.zeros(1))
         self._draw, self._feed = compiled_functions(compile_config)
+        self._guards = SteadyGuards()  # compiled: every guard only where the batch changed (`_arrange`, `_grow`)
         self.threads = threads
         self.prefill = prefill or prefill_alone
         self.adapters = adapters
@@ -587,6 +589,7 @@ class Drama3Engine:
         self._pool.clear_items(len(self._slots))
         self._sampler = self._batch_sampler(free)
         self._view = None
+        self._guards.reset()
         if self.adapters is not None:
             slots = [slot.handle.adapter_slot for slot in self._slots] + [0] * free
             self._adapter_slots = torch.tensor(slots, dtype=torch.long, device=running.ids.device)
@@ -637,6 +640,7 @@ class Drama3Engine:
     def _grow(self) -> None:
         """Double every slot's columns (one copy); the key masks widen with them."""
         self._pool.grow(2 * self._pool.capacity)
+        self._guards.reset()
         if self.compile_config is not None:
             self._pool.mark_static()
         if self._state is not None:
@@ -684,7 +688,7 @@ class Drama3Engine:
         if self.compile_config is None:
             return function(*args)
         torch.compiler.cudagraph_mark_step_begin()
-        result = owned(function(*args))
+        result = owned(self._guards(function, *args))
         self._sampler.owned()
         if self._state.alignment is not None:
             self._state.alignment.owned()
