@@ -140,3 +140,16 @@ def test_a_request_joining_a_compiled_batch_of_the_same_size_is_checked_in_full(
     assert torch.equal(result.codes, expected.audio_codes[0, : int(expected.lengths[0])])
     for handle in first:
         assert isinstance(handle.result(timeout=1), DoneEvent)
+
+
+def test_without_torchs_cache_entry_helper_the_graphs_compiled_in_the_process_are_counted(monkeypatch):
+    import torch._dynamo.eval_frame as eval_frame
+
+    function = compiled(doubled)
+    function(torch.ones(5))
+    assert graphs_of(function) >= 1
+    monkeypatch.delattr(eval_frame, "_debug_get_cache_entry_list")
+    before = graphs_of(function)
+    assert before == torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    function(torch.ones(5, 5))
+    assert graphs_of(function) == before + 1
