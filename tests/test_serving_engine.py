@@ -538,3 +538,19 @@ def test_the_heap_is_trimmed_again_once_the_engine_has_been_idle_a_moment(model,
         assert trims[1] - trims[0] >= engine_module.IDLE_TRIM_DELAY
     finally:
         engine.stop()
+
+
+def test_the_scheduler_reads_each_steps_outputs_from_one_host_copy_with_their_values():
+    from transformers_drama3.decoding.step import StepOutput
+    from transformers_drama3.serving.engine import host_step
+
+    generator = torch.Generator().manual_seed(3)
+    flags = [torch.rand(5, generator=generator) < 0.5 for _ in range(4)]
+    output = StepOutput(torch.randint(0, 5000, (5,), generator=generator), torch.randint(0, 4096, (5, 10), generator=generator),
+                        *flags)
+    step = host_step(7, output)
+    assert step.step == 7
+    assert torch.equal(step.main_ids, output.main_ids) and torch.equal(step.frames, output.frames)
+    for name, expected in zip(("produced", "ended", "eos", "boundary"), flags):
+        value = getattr(step, name)
+        assert value.dtype == torch.bool and torch.equal(value, expected), name

@@ -704,8 +704,7 @@ class Drama3Engine:
         view, sampler = self._open_view(longest, longest - 1), self._sampler
         with self._routed(self._adapter_slots):
             output, state = self._compiled(self._draw, model, view, sampler, self._state, self.separator_id)
-        step = FrameStep(self.stats.steps, output.main_ids, output.frames, output.speaking.cpu(), output.ended.cpu(),
-                         output.eos.cpu(), output.boundary.cpu())
+        step = host_step(self.stats.steps, output)
         self._state = state
         kept = []
         for item, slot in enumerate(slots):
@@ -779,6 +778,16 @@ class Drama3Engine:
 
 
 @torch.no_grad()
+def host_step(index: int, output) -> FrameStep:
+    """`draw`'s output (`decoding.step.StepOutput`) as a `FrameStep` on the host, copied in one
+    transfer: the scheduler reads every item's flags and frame, which item by item from GPU memory
+    would cost a transfer (and a synchronisation) each."""
+    flags = torch.stack((output.speaking, output.ended, output.eos, output.boundary), dim=1).to(output.main_ids.dtype)
+    packed = torch.cat((output.main_ids[:, None], flags, output.frames), dim=1).cpu()
+    speaking, ended, eos, boundary = packed[:, 1:5].bool().unbind(dim=1)
+    return FrameStep(index, packed[:, 0], packed[:, 5:], speaking, ended, eos, boundary)
+
+
 def prefill_alone(model, job: SpeechJob, rows: int | None = None) -> DecodeRun:
     """Prefill one prompt on its own into a fresh cache: a one-item `DecodeRun` (no frames budgeted:
     the engine's pool holds its frames). `rows`: prefill only the first rows (at least 2) now; the
