@@ -153,3 +153,21 @@ def test_without_torchs_cache_entry_helper_the_graphs_compiled_in_the_process_ar
     assert before == torch._dynamo.utils.counters["stats"]["unique_graphs"]
     function(torch.ones(5, 5))
     assert graphs_of(function) == before + 1
+
+
+def test_a_full_check_waits_for_a_skipped_guard_call_of_another_thread():
+    """torch's stance is process-wide: the compiled prefill's full check (`checked_call`) and the
+    step's calls take one lock, so one never runs inside the other's skipped-guard window."""
+    import threading
+
+    from transformers_drama3.decoding import steady_guards
+
+    function, finished = compiled(doubled), threading.Event()
+    function(torch.ones(7))
+    with steady_guards._LOCK:  # as a step's skipped-guard call holds it
+        thread = threading.Thread(target=lambda: steady_guards.checked_call(function, torch.ones(7)) is not None
+                                  and finished.set())
+        thread.start()
+        assert not finished.wait(0.3)
+    thread.join(timeout=30)
+    assert finished.is_set()

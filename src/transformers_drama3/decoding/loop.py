@@ -25,7 +25,7 @@ import torch
 from transformers import CompileConfig
 
 from . import step as decode_step
-from .steady_guards import SteadyGuards
+from .steady_guards import SteadyGuards, checked_call
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
 
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -226,7 +226,7 @@ class DecodeRun:
             return self.model.prefill(input_ids, audio_codes, mask, self.cache)
         self.cache.mark_counters_static()
         torch.compiler.cudagraph_mark_step_begin()
-        hidden = self._prefill_graph(self.model, input_ids, audio_codes, mask, self.cache).clone()
+        hidden = checked_call(self._prefill_graph, self.model, input_ids, audio_codes, mask, self.cache).clone()
         self.cache.own_states()
         return hidden
 

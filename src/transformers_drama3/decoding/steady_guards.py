@@ -20,9 +20,10 @@ failed before: 0.6 ms per step at 40 layers). Safety nets:
   the skipped guards would have caught changed during the run, and `GuardsChangedInRun` is raised
   naming the function (the frames since the last full check may have been made by a stale graph).
 
-torch's stance is process-wide while it is set: the library's compiled calls hold one lock, so a
-full check of one run never overlaps another run's skipped guards; a compiled function of another
-library called from another thread during a skipped-guard call of the step skips its guards too.
+torch's stance is process-wide while it is set: the library's compiled calls (the step's, and the
+compiled prefill's through `checked_call`) hold one lock, so a full check of one run never overlaps
+another run's skipped guards; a compiled function of another library called from another thread
+during a skipped-guard call of the step skips its guards too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def graphs_of(function) -> int:
     except ImportError:
         return torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return len(_debug_get_cache_entry_list(inspect.unwrap(function).__code__))
+
+
+def checked_call(function, *args):
+    """`function(*args)` with every guard checked, never during another thread's skipped-guard call
+    of the library (the compiled prefill: one call per run)."""
+    with _LOCK:
+        return function(*args)
 
 
 class SteadyGuards:
