@@ -70,7 +70,8 @@ not in ms/frame.
 `--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows),
 with the graphs dynamo compiled in each warm-up and after it (0 when the warm-up covered the shape)
 and the host time of dynamo's guard checks in the profiled step (`guard_ms`: a compiled run checks
-every guard only on its first and every 32nd call, `decoding.steady_guards`).
+every guard only on its first and every 32nd call, `decoding.steady_guards`) and of the whole step
+before it waits for the device (`host_ms`: near ms/frame on a GPU, the host bounds the step).
 Prints and asserts nothing else. The paper's engine: 271 frames/s at batch 1 on one H200, 1,278
 kernels per step, 6.0 GB per frame (the issue's floor: 1.4 ms per frame at 4.3 TB/s).
 """
@@ -403,6 +404,10 @@ class Row:
     guard_ms: float = 0.0
     """Host time of dynamo's guard checks in the profiled step (its `TorchDynamo Cache Lookup`
     events; 0 eagerly; the profiler's own overhead included; json only)."""
+    host_ms: float = 0.0
+    """Wall time of the profiled step's call before the wait for the device at its end: the host's
+    work (launches, guards, the loop; the profiler's overhead included). On a GPU, a host_ms close
+    to ms/frame says the step is bound by the host, not the GPU (json only)."""
 
 
 def synchronize(device: str) -> None:
@@ -471,6 +476,8 @@ class StepProfile:
     graph_launches: int
     guard_ms: float = 0.0
     """Time in dynamo's guard checks (`TorchDynamo Cache Lookup`)."""
+    host_ms: float = 0.0
+    """Wall time of the step's call before waiting for the device at its end."""
 
 
 def is_kernel(name: str) -> bool:
@@ -490,7 +497,9 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as profiler:
+        started = time.perf_counter()
         next(steps)
+        host_ms = (time.perf_counter() - started) * 1e3
         synchronize(device)
     steps.close()
     events = profiler.events()
@@ -508,6 +517,7 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
         aten_ops=sum(1 for event in events if event.device_type == DeviceType.CPU and top_level_aten(event)),
         graph_launches=sum(1 for event in events if event.device_type == DeviceType.CPU and "cudaGraphLaunch" in event.name),
         guard_ms=sum(event.cpu_time_total for event in events if event.name == "TorchDynamo Cache Lookup") / 1e3,
+        host_ms=host_ms,
     )
 
 
@@ -541,6 +551,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
         ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
         graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled, guard_ms=profiled.guard_ms,
+        host_ms=profiled.host_ms,
     )
 
 

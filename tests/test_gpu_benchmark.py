@@ -128,6 +128,7 @@ def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, tmp_path, capsy
     assert [row[1] for row in rows] == ["compiled", "eager"] and rows[0][-1] == "n/a (CPU)"
     compiled, eager = json.loads(path.read_text())["rows"]
     assert compiled["guard_ms"] > 0 and eager["guard_ms"] == 0
+    assert 0 < compiled["guard_ms"] < compiled["host_ms"]  # the guards are part of the step's host work
     assert compiled["graphs_compiled_after_warm_up"] == 0
 
 
