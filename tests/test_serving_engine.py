@@ -554,3 +554,11 @@ def test_the_scheduler_reads_each_steps_outputs_from_one_host_copy_with_their_va
     for name, expected in zip(("produced", "ended", "eos", "boundary"), flags):
         value = getattr(step, name)
         assert value.dtype == torch.bool and torch.equal(value, expected), name
+
+
+def test_a_prompt_prefilled_alone_builds_no_autograd_graph(model):
+    """`prefill_alone` runs without gradients even when its caller records them (it is public, and
+    a custom `prefill` may call it): its state holds no graph of the prompt."""
+    run = prefill_alone(model, job(seed=1, prompt_seed=94))
+    assert torch.is_grad_enabled() and any(parameter.requires_grad for parameter in model.parameters())
+    assert run.state.hidden.grad_fn is None and not run.state.hidden.requires_grad

@@ -61,9 +61,9 @@ from .decoding import (
 )
 from .memory import return_freed_memory
 
-# seconds idle after a grown pool was dropped before the heap is trimmed once more: by then the
-# callers of the requests that grew it (the HTTP layer) have freed what they held
 IDLE_TRIM_DELAY = 1.0
+"""Seconds idle after a grown pool was dropped before the heap is trimmed once more: by then the
+callers of the requests that grew it (the HTTP layer) have freed what they held."""
 
 INITIAL_CAPACITY = 512
 """Columns each slot of the pool holds at first; doubled (one copy) when a request outgrows them."""
@@ -777,7 +777,6 @@ class Drama3Engine:
             self.on_finish(handle, outcome)
 
 
-@torch.no_grad()
 def host_step(index: int, output) -> FrameStep:
     """`draw`'s output (`decoding.step.StepOutput`) as a `FrameStep` on the host, copied in one
     transfer: the scheduler reads every item's flags and frame, which item by item from GPU memory
@@ -788,6 +787,7 @@ def host_step(index: int, output) -> FrameStep:
     return FrameStep(index, packed[:, 0], packed[:, 5:], speaking, ended, eos, boundary)
 
 
+@torch.no_grad()
 def prefill_alone(model, job: SpeechJob, rows: int | None = None) -> DecodeRun:
     """Prefill one prompt on its own into a fresh cache: a one-item `DecodeRun` (no frames budgeted:
     the engine's pool holds its frames). `rows`: prefill only the first rows (at least 2) now; the
