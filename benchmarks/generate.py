@@ -129,9 +129,9 @@ COMPILED = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode
 
 def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path: str):
     """The decode steps of one path: "eager" (the one step as it is) or "compiled" (the same step
-    through `torch.compile`, on a power-of-two capacity)."""
+    through `torch.compile`, on a power-of-two capacity), as `generate()` steps them (`steps_ahead`)."""
     compile_config = COMPILED if path == "compiled" else None
-    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps()
+    return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps_ahead()
 
 
 def run(model, batch: int, rows: int, frames: int, path: str = "eager") -> tuple[float, float]:

@@ -11,8 +11,9 @@ model's own random initialisation (`--layers` for a quick run at fewer layers; n
 extrapolated). `--experts fp8` keeps the routed experts in the published block-FP8 (128 x 128
 blocks) through the library's `checkpoint.quantization.fp8_experts.quantize_experts_fp8`.
 
-Each mode (`--modes`) decodes through the library's public loop (`decoding.loop.DecodeRun`, the
-loop `generate()` runs; the sampler made by `decoding.request.make_sampler`, the serving defaults):
+Each mode (`--modes`) decodes through the library's public loop (`decoding.loop.DecodeRun.
+steps_ahead()`, the loop `generate()` runs: each step's feed queued before the host reads its draw;
+the sampler made by `decoding.request.make_sampler`, the serving defaults):
 
   compiled  `draw` and `feed` compiled as `generate(cache_implementation="static")` does on a GPU
             (`default_compile_config()`: inductor, fullgraph, CUDA graphs); on the dry run's CPU
@@ -48,6 +49,10 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
                 device-to-device copy, counting the bytes it reads and writes: how fast the
                 memory moves bytes; the bandwidth floor of a step that only streams its weights);
   x floor       ms/frame / floor ms;
+  in order      compiled modes: ms/frame of the same graphs stepped by `DecodeRun.steps()`, which
+                reads each draw on the host before it queues the feed (the device waits for the
+                host between the two halves of a step); against ms/frame it says what queueing the
+                feed ahead is worth; "n/a" eagerly;
   TTFA ms       time to first audio: from the start of `DecodeRun.prefilled` (cache set up, prompt
                 of `--prompt-rows` rows prefilled) to the 10th frame of every item;
   +codec ms     the same, plus the S2 codec (`Drama3Processor`'s codec, the published shape,
@@ -397,6 +402,8 @@ class Row:
     ttfa_codec_ms: float
     captured: str
     failures: list[str] = field(default_factory=list)
+    ms_per_frame_in_order: float | None = None
+    """Compiled modes: ms/frame stepped by `steps()` (the draw read before the feed is queued)."""
     graphs_compiled: int = 0
     """Graphs dynamo compiled during the warm-up run (json only)."""
     graphs_compiled_after_warm_up: int = 0
@@ -443,18 +450,21 @@ def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str)
                                compile_config=compile_config_of(mode, device), prefill_graphs=mode == "prefill-graphs")
 
 
-def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str) -> tuple[float, float, float]:
+def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str,
+              in_order: bool = False) -> tuple[float, float, float]:
     """(seconds to the 10th frame, the same plus the codec decoding those frames, seconds per
-    step after them). The step after the codec is not timed."""
+    step after them), stepped by `steps_ahead()` (`in_order`: by `steps()`). The step after the
+    codec is not timed."""
     synchronize(device)
     started = time.perf_counter()
-    steps = start_run(model, batch, rows, frames, mode, device).steps()
+    run = start_run(model, batch, rows, frames, mode, device)
+    steps = run.steps() if in_order else run.steps_ahead()
     first = []
     for _ in range(FIRST_AUDIO_FRAMES):
         first.append(next(steps).frames)
     synchronize(device)
     first_audio = time.perf_counter() - started
-    codes = torch.stack(first, dim=-1)  # [batch, num_codebooks, 10]
+    codes = torch.stack(first, dim=-1).to(device)  # [batch, num_codebooks, 10]; a step's frames are on the host
     codec.streaming_decoder(batch_size=batch).push(codes)
     synchronize(device)
     with_codec = time.perf_counter() - started
@@ -491,7 +501,7 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    steps = start_run(model, batch, rows, frames, mode, device).steps()
+    steps = start_run(model, batch, rows, frames, mode, device).steps_ahead()
     for _ in range(PROFILED_FRAME - 1):
         next(steps)
     synchronize(device)
@@ -530,6 +540,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         timed_run(model, codec, batch, rows, frames, mode, device)  # warm-up: compile, capture, autotune
         compiled = compiled_graphs() - graphs_before
         first_audio, with_codec, per_step = timed_run(model, codec, batch, rows, frames, mode, device)
+        in_order = None if mode == "eager" else timed_run(model, codec, batch, rows, frames, mode, device, in_order=True)[2]
         profiled = profile_step(model, batch, rows, frames, mode, device)
         skip_lines = list(skip_log.lines)
     skips = cudagraph_skips() - skips_before
@@ -549,7 +560,8 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         ops_counted="CUDA kernels" if on_gpu else "aten ops",
         graphs_per_step=profiled.graph_launches if on_gpu else None,
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
-        ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
+        ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured,
+        ms_per_frame_in_order=None if in_order is None else in_order * 1e3, failures=failures,
         graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled, guard_ms=profiled.guard_ms,
         host_ms=profiled.host_ms,
     )
@@ -558,7 +570,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
 # ----------------------------------------------------------------------------- printing
 
 COLUMNS = ("experts", "mode", "batch", "ms/frame", "frames/s", "{ops}/step", "graphs/step", "GB/step", "floor ms",
-           "x floor", "TTFA ms", "+codec ms", "captured")
+           "x floor", "in order ms/frame", "TTFA ms", "+codec ms", "captured")
 
 
 def table_header(on_gpu: bool) -> str:
@@ -570,6 +582,7 @@ def table_row(row: Row) -> str:
     graphs = "n/a (CPU)" if row.graphs_per_step is None else str(row.graphs_per_step)
     cells = [row.experts, row.mode, str(row.batch), f"{row.ms_per_frame:.2f}", f"{row.frames_per_second:.1f}",
              str(row.ops_per_step), graphs, f"{row.gb_per_step:.4g}", f"{row.floor_ms:.4g}", f"{row.times_floor:.1f}",
+             "n/a" if row.ms_per_frame_in_order is None else f"{row.ms_per_frame_in_order:.2f}",
              f"{row.ttfa_ms:.1f}", f"{row.ttfa_codec_ms:.1f}", row.captured]
     return "| " + " | ".join(cells) + " |"
 

@@ -224,3 +224,22 @@ def load_bundled_tiny():
 
     model = AutoModel.from_pretrained(shipped.TINY_MODEL_PATH).eval()
     return model, AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)
+
+
+def recorded_step_order(stepper, monkeypatch) -> list[str]:
+    """The order in which `stepper` (a `DecodeRun` or the serving engine) calls `draw` ("draw")
+    and `feed` ("feed") and reads a step on the host ("read", `PendingStep.wait`), as it happens."""
+    from transformers_drama3.decoding.loop import PendingStep
+
+    events = []
+    draw, feed, wait = stepper._draw, stepper._feed, PendingStep.wait
+
+    def recorded(name, function):
+        def call(*args):
+            events.append(name)
+            return function(*args)
+        return call
+
+    stepper._draw, stepper._feed = recorded("draw", draw), recorded("feed", feed)
+    monkeypatch.setattr(PendingStep, "wait", lambda self: (events.append("read"), wait(self))[1])
+    return events

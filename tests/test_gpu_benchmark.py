@@ -99,7 +99,7 @@ def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_ben
     gpu_benchmark.main([*QUICK, "--modes", "eager", "--batches", "1", "2", "--json", str(path)])
     header, rows = table(capsys.readouterr().out)
     assert header == ["experts", "mode", "batch", "ms/frame", "frames/s", "aten ops/step", "graphs/step", "GB/step",
-                      "floor ms", "x floor", "TTFA ms", "+codec ms", "captured"]
+                      "floor ms", "x floor", "in order ms/frame", "TTFA ms", "+codec ms", "captured"]
     assert [(row[0], row[1], row[2]) for row in rows] == [("bf16", "eager", "1"), ("bf16", "eager", "2")]
     numbers = json.loads(path.read_text())
     bandwidth = numbers["copy_bandwidth_gb_per_s"] * 1e9
@@ -116,6 +116,7 @@ def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_ben
         assert float(printed[3]) == pytest.approx(row["ms_per_frame"], abs=0.006)
         assert float(printed[4]) == pytest.approx(row["frames_per_second"], abs=0.06)
         assert printed[5] == str(row["ops_per_step"]) and printed[6] == "n/a (CPU)"
+        assert printed[10] == "n/a" and row["ms_per_frame_in_order"] is None  # eagerly, only the loop generate() runs
 
 
 @pytest.mark.slow
@@ -130,6 +131,8 @@ def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, tmp_path, capsy
     assert compiled["guard_ms"] > 0 and eager["guard_ms"] == 0
     assert 0 < compiled["guard_ms"] < compiled["host_ms"]  # the guards are part of the step's host work
     assert compiled["graphs_compiled_after_warm_up"] == 0
+    # the same graphs stepped in order (`DecodeRun.steps()`) are timed beside them, and compile nothing more
+    assert compiled["ms_per_frame_in_order"] > 0 and float(rows[0][10]) == pytest.approx(compiled["ms_per_frame_in_order"], abs=0.006)
 
 
 def test_the_compiled_mode_is_what_generate_compiles_on_a_gpu(gpu_benchmark):

@@ -4,7 +4,7 @@ runs alone or joins a busy batch mid-flight; slots free at once; the queue has a
 import pytest
 import torch
 
-from generation_helpers import prompt, tiny_model
+from generation_helpers import prompt, recorded_step_order, tiny_model
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.serving.engine import (
     DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, prefill_alone,
@@ -540,20 +540,21 @@ def test_the_heap_is_trimmed_again_once_the_engine_has_been_idle_a_moment(model,
         engine.stop()
 
 
-def test_the_scheduler_reads_each_steps_outputs_from_one_host_copy_with_their_values():
+def test_a_step_is_read_on_the_host_from_one_copy_with_its_values():
+    from transformers_drama3.decoding.loop import PendingStep
     from transformers_drama3.decoding.step import StepOutput
-    from transformers_drama3.serving.engine import host_step
 
     generator = torch.Generator().manual_seed(3)
-    flags = [torch.rand(5, generator=generator) < 0.5 for _ in range(4)]
+    flags = [torch.rand(5, generator=generator) < 0.5 for _ in range(5)]
     output = StepOutput(torch.randint(0, 5000, (5,), generator=generator), torch.randint(0, 4096, (5, 10), generator=generator),
-                        *flags)
-    step = host_step(7, output)
+                        *flags[:4])
+    step, active = PendingStep(7, output, flags[4]).wait()
     assert step.step == 7
     assert torch.equal(step.main_ids, output.main_ids) and torch.equal(step.frames, output.frames)
     for name, expected in zip(("produced", "ended", "eos", "boundary"), flags):
         value = getattr(step, name)
         assert value.dtype == torch.bool and torch.equal(value, expected), name
+    assert active.dtype == torch.bool and torch.equal(active, flags[4])
 
 
 def test_a_prompt_prefilled_alone_builds_no_autograd_graph(model):
@@ -562,3 +563,22 @@ def test_a_prompt_prefilled_alone_builds_no_autograd_graph(model):
     run = prefill_alone(model, job(seed=1, prompt_seed=94))
     assert torch.is_grad_enabled() and any(parameter.requires_grad for parameter in model.parameters())
     assert run.state.hidden.grad_fn is None and not run.state.hidden.requires_grad
+
+
+def test_the_engine_queues_each_steps_feed_before_reading_its_draw(model, monkeypatch):
+    """Every step queues `feed` of every item's row before the scheduler reads the draw on the
+    host (on a GPU the device feeds while the frames go out); requests that end with a step had
+    their rows fed for nothing and still get their codes alone, beside requests that go on."""
+    engine = Drama3Engine(model, max_batch=3)
+    events = recorded_step_order(engine, monkeypatch)
+    jobs = [job(seed=40 + i, prompt_seed=50 + i, text_rows=3 + 2 * i, temperature=1.2, top_p=0.95) for i in range(3)]
+    jobs[0] = SpeechJob(jobs[0].input_ids, jobs[0].audio_codes, jobs[0].settings, seed=40, max_new_tokens=3)
+    handles = drive(engine, {0: jobs[:2], 2: jobs[2:]})
+    assert engine.stats.steps > 4 and events == ["draw", "feed", "read"] * engine.stats.steps
+    lengths = []
+    for handle, request in zip(handles, jobs):
+        result = handle.result(timeout=1)
+        expected, reason = generate_alone(model, request)
+        assert torch.equal(result.codes, expected) and result.finish_reason == reason
+        lengths.append(result.codes.shape[0])
+    assert len(set(lengths)) > 1  # they ended at different steps

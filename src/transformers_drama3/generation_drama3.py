@@ -182,7 +182,7 @@ def _start(model, input_ids, audio_codes, attention_mask, request: DecodeRequest
             model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators, aligner,
             request.decoding.compile_config, request.decoding.prefill_graphs,
         )
-        yield from run.steps()
+        yield from run.steps_ahead()  # the run is dropped at its end: its last row may be fed past it
 
     return sampler, steps()
 

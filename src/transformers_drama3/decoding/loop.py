@@ -5,8 +5,13 @@
         ...
 
 A run sets its `DecodeCache` up once, the prefill writes the prompt into it, and every step is
-`step.draw` then `step.feed` (the next row is fed only while some item still speaks, so the run
-leaves its cache holding what was drawn, the open row last). `compile_config` (a transformers
+`step.draw` then `step.feed`. `steps()` feeds the next row only once the host has read that some
+item still speaks, so the run leaves its cache holding what was drawn, the open row last, and can
+be continued. `steps_ahead()` queues each step's feed before it reads what the draw made: on a GPU
+the device feeds the row while the host reads the step and the caller handles it (no wait between
+the two halves of a step); the last step's row is fed past the end, so that run cannot be continued
+(for runs dropped at their end: `generate()`, `stream()`, GRPO rollouts). Either way the host reads
+each step once, in one copy (`PendingStep`). `compile_config` (a transformers
 `CompileConfig`) only decides whether the two are wrapped by `torch.compile`: eager and compiled
 runs execute the same functions, on the same cache, with the same random numbers. The text stream
 continues a run turn by turn (`extend`, `feed_last_frame`, `next_turn`).
@@ -122,6 +127,34 @@ class TakeCollector:
         return codes, lengths, clicks
 
 
+class PendingStep:
+    """What one `draw` made (`step.StepOutput`) and which items still speak after it (`active`
+    [batch]), on their way to the host in one packed copy, started when the step is made: on a GPU
+    into pinned memory without waiting, so the host can queue more work (the step's feed) before
+    `wait()` waits for the draw. Elsewhere the copy is made at once."""
+
+    def __init__(self, index: int, output, active: torch.Tensor):
+        self.index = index
+        flags = torch.stack((output.speaking, output.ended, output.eos, output.boundary, active), dim=1)
+        packed = torch.cat((output.main_ids[:, None], flags.to(output.main_ids.dtype), output.frames), dim=1)  # [batch, 6 + C]
+        self._copied = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = packed.cpu()
+
+    def wait(self) -> tuple[FrameStep, torch.Tensor]:
+        """(the step as a `FrameStep` of host tensors, `active` on the host)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host
+        speaking, ended, eos, boundary, active = host[:, 1:6].bool().unbind(dim=1)
+        return FrameStep(self.index, host[:, 0], host[:, 6:], speaking, ended, eos, boundary), active
+
+
 def _open_row(rows: torch.Tensor) -> torch.Tensor:
     """The last row of `rows` [batch, rows, ...] as a contiguous copy: a compiled step's guards
     check strides, and a view (or a clone keeping a view's strides, as at batch 1) would make the
@@ -130,6 +163,10 @@ def _open_row(rows: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- a decode run
+
+
+class RunFedAhead(RuntimeError):
+    """A run stepped by `DecodeRun.steps_ahead()` was asked to continue."""
 
 
 class DecodeRun:
@@ -187,6 +224,7 @@ class DecodeRun:
         [batch, new], default all real) into the cache: the prefill when the cache is empty, else
         after the open row (the backbone continues from its states, the tower is teacher-forced
         from the open row). The last new row becomes the open row."""
+        self._check_continuable()
         model, cache, state = self.model, self.cache, self.state
         rows = input_ids.shape[1]
         if attention_mask is None:
@@ -233,6 +271,7 @@ class DecodeRun:
     def copy(self) -> DecodeRun:
         """A run that continues from where this one stands, on its own copy of the cache and state
         (the model and the sampler are shared): the voice-prefix cache hands one to each request."""
+        self._check_continuable()
         twin = copy.copy(self)
         twin.cache = copy.deepcopy(self.cache)
         twin.state = replace(self.state, alignment=None if self.state.alignment is None else self.state.alignment.take(
@@ -242,6 +281,7 @@ class DecodeRun:
     def feed_last_frame(self, step: FrameStep) -> None:
         """A take that used its budget ended without its last frame fed (the loop feeds a row only
         while an item speaks): feed it, so the cache holds the whole take and ends with an open row."""
+        self._check_continuable()
         self._reserve(1)
         self.cache.open_window(self.cache.backbone_part, 1)
         self.state = decode_step.feed(self.model, self.cache, self.state, step.main_ids, step.frames)
@@ -249,6 +289,7 @@ class DecodeRun:
 
     def next_turn(self, sampler, budgets: torch.Tensor) -> None:
         """Start drawing a new take from the open row, with `sampler` and `budgets` [batch]."""
+        self._check_continuable()
         self.sampler = sampler
         device = self.state.key_mask.device
         self.state = replace(
@@ -257,31 +298,65 @@ class DecodeRun:
         )
 
     def steps(self) -> Iterator[FrameStep]:
-        """One `FrameStep` per step until every item has ended."""
+        """One `FrameStep` (host tensors) per step until every item has ended. Each is yielded
+        before its row is fed, and a row is fed only while some item still speaks: the run can be
+        continued afterwards (`extend`, `feed_last_frame`, `next_turn`)."""
+        return self._steps(feed_ahead=False)
+
+    def steps_ahead(self) -> Iterator[FrameStep]:
+        """The same steps as `steps()`, with each step's feed queued before the host reads what its
+        draw made (and so before the step is yielded): on a GPU the device feeds the row while the
+        host reads the step and the caller handles it. The last step's row is fed too, past the end
+        of the run, which therefore cannot be continued (`RunFedAhead`)."""
+        return self._steps(feed_ahead=True)
+
+    def _steps(self, feed_ahead: bool) -> Iterator[FrameStep]:
+        self._check_continuable()
         model, cache, sampler = self.model, self.cache, self.sampler
         backbone, tower = cache.parts
         self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
         if self._guards is not None:
             self._guards.reset()  # the model, the sampler or the capacity may differ from the last loop's
+        if feed_ahead:
+            self.fed_ahead = True
         index = 0
         while True:
             cache.open_window(tower, 1)
             self._mark_step()
             output, self.state = self._owned(self._call(self._draw, model, cache, sampler, self.state, self.separator_id))
             cache.advance(tower, 1)
-            yield FrameStep(index, output.main_ids, output.frames, output.speaking, output.ended, output.eos, output.boundary)
-            if not bool(self.state.active.any()):
-                if not bool((output.speaking | output.boundary).any()):
+            pending = PendingStep(index, output, self.state.active)
+            fed = self._fed(output) if feed_ahead else None
+            step, active = pending.wait()
+            yield step
+            if not bool(active.any()):
+                if fed is not None:
+                    backbone.next_column.sub_(1)  # the row fed ahead is past the run's end
+                if not bool((step.produced | step.boundary).any()):
                     # every item drew eos: no frame follows the open row, so the tower's take of it
                     # is not kept (a run continued by `extend` teacher-forces it with its next row)
                     tower.next_column.sub_(1)
                     tower.filled -= 1
                 return
-            cache.open_window(backbone, 1)
-            self._mark_step()
-            self.state = self._owned(self._call(self._feed, model, cache, self.state, output.main_ids, output.frames))
+            self.state = self._fed(output) if fed is None else fed
             cache.advance(backbone, 1)
             index += 1
+
+    def _fed(self, output) -> DecodeState:
+        """The state after `feed` of the row `output` drew (the cache's host counters not moved yet)."""
+        self.cache.open_window(self.cache.backbone_part, 1)
+        self._mark_step()
+        return self._owned(self._call(self._feed, self.model, self.cache, self.state, output.main_ids, output.frames))
+
+    fed_ahead = False
+    """Whether the run was stepped by `steps_ahead()`: its cache holds a row past its end."""
+
+    def _check_continuable(self) -> None:
+        if self.fed_ahead:
+            raise RunFedAhead(
+                "this decode run was stepped by steps_ahead(), which feeds the last step's row past the end of the run: "
+                "it cannot be continued (extend, feed_last_frame, next_turn, steps, copy); continue a run stepped by steps()"
+            )
 
     def _reserve(self, rows: int) -> None:
         """Room for `rows` more rows; a compiled run grows to its next length class (one graph each)."""

@@ -8,9 +8,10 @@
 `draw` and `feed` are the whole step; `generate()`, `stream()`, the text stream and GRPO run them
 through `loop.decode_steps`, eagerly or each compiled by `torch.compile(fullgraph=True)` (one graph
 each, which CUDA graphs replay). No branch reads a tensor: an item that drew eos or a line boundary, or ended before, goes
-through the same ops as one that speaks, its codes masked to zero. The loop feeds a row only while
-some item is still speaking, so a run leaves its cache as the growing cache of the reference loop
-left it: the open row is the last row fed.
+through the same ops as one that speaks, its codes masked to zero. `DecodeRun.steps()` feeds a
+row only while some item is still speaking, so a run leaves its cache as the growing cache of the
+reference loop left it: the open row is the last row fed (`steps_ahead()` feeds the last step's row
+too, past the end, and its run is not continued).
 
 Random numbers are computed inside the step from each item's key and step count
 (`counter_noise`; `draw` moves the count on): a seeded item draws the same numbers whatever else

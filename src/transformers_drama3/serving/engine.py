@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding.loop import DecodeRun, FrameStep, compiled_functions, owned
+from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, owned
 from ..decoding.steady_guards import SteadyGuards
 from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
@@ -695,17 +695,23 @@ class Drama3Engine:
         return result
 
     def _step(self) -> None:
-        """One frame for every running request (`draw`); finished requests leave, and the others
-        feed their row (`feed`)."""
+        """One frame for every running request: `draw`, then `feed` of every item's row, queued
+        before the host reads what was drawn (on a GPU the device feeds while the scheduler sends
+        the frames out); then finished requests leave. A request that ended at this step had its
+        row fed for nothing: its item is given up with it."""
         model, slots = self.model, self._slots
         self.stats.steps += 1
         self.stats.occupied += len(slots)
         longest = max(slot.rows for slot in slots)
         view, sampler = self._open_view(longest, longest - 1), self._sampler
         with self._routed(self._adapter_slots):
-            output, state = self._compiled(self._draw, model, view, sampler, self._state, self.separator_id)
-        step = host_step(self.stats.steps, output)
-        self._state = state
+            output, self._state = self._compiled(self._draw, model, view, sampler, self._state, self.separator_id)
+            pending = PendingStep(self.stats.steps, output, self._state.active)
+            view = self._open_view(longest, longest)
+            self._state = self._compiled(self._feed, model, view, self._state, output.main_ids, output.frames)
+        for slot in slots:
+            slot.rows += 1
+        step, _ = pending.wait()
         kept = []
         for item, slot in enumerate(slots):
             self._advance(slot, step, item)
@@ -717,20 +723,8 @@ class Drama3Engine:
                 self._finish(slot.handle, "timeout", ErrorEvent("timeout", "the request ran past its time limit"))
             else:
                 kept.append(item)
-        main_ids, frames = output.main_ids, output.frames
         if len(kept) < len(slots):
             self._keep(kept)
-            if not kept:
-                return
-            index = kept + [0] * (self._state.batch - len(kept))  # items without a request feed anything
-            index = torch.tensor(index, device=main_ids.device)
-            main_ids, frames = main_ids[index], frames[index]
-            longest = max(slot.rows for slot in self._slots)
-        view = self._open_view(longest, longest)
-        with self._routed(self._adapter_slots):
-            self._state = self._compiled(self._feed, model, view, self._state, main_ids, frames)
-        for slot in self._slots:
-            slot.rows += 1
 
     def state_of(self, handle: RequestHandle) -> tuple[DecodeState, list[torch.Tensor]] | None:
         """What a running request's item holds, or None when it is not running: its decode state
@@ -775,16 +769,6 @@ class Drama3Engine:
         handle.queue.put(event)
         if self.on_finish is not None:
             self.on_finish(handle, outcome)
-
-
-def host_step(index: int, output) -> FrameStep:
-    """`draw`'s output (`decoding.step.StepOutput`) as a `FrameStep` on the host, copied in one
-    transfer: the scheduler reads every item's flags and frame, which item by item from GPU memory
-    would cost a transfer (and a synchronisation) each."""
-    flags = torch.stack((output.speaking, output.ended, output.eos, output.boundary), dim=1).to(output.main_ids.dtype)
-    packed = torch.cat((output.main_ids[:, None], flags, output.frames), dim=1).cpu()
-    speaking, ended, eos, boundary = packed[:, 1:5].bool().unbind(dim=1)
-    return FrameStep(index, packed[:, 0], packed[:, 5:], speaking, ended, eos, boundary)
 
 
 @torch.no_grad()

@@ -91,7 +91,7 @@ def rollout(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, group_siz
         item_keys(seed, group_size, ids.device),
     )
     collector = TakeCollector(group_size)
-    for step in DecodeRun.prefilled(model, ids, codes, mask, sampler, budgets).steps():
+    for step in DecodeRun.prefilled(model, ids, codes, mask, sampler, budgets).steps_ahead():
         collector.add(step)
     # The policy's tokens are kept as drawn: no click frame is dropped before eos.
     frames = [take.cpu() for take in collector.takes(model.config.num_codebooks)]
