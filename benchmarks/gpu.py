@@ -12,13 +12,17 @@ extrapolated). `--experts fp8` keeps the routed experts in the published block-F
 blocks) through the library's `checkpoint.quantization.fp8_experts.quantize_experts_fp8`.
 
 Each mode (`--modes`) decodes through the library's public loop (`decoding.loop.DecodeRun.
-steps_ahead()`, the loop `generate()` runs: each step's feed queued before the host reads its draw;
-the sampler made by `decoding.request.make_sampler`, the serving defaults):
+steps_ahead()`, the loop `generate()` runs: each step one call of `step.step`, draw and feed, the
+next step queued before the host reads the last; the sampler made by
+`decoding.request.make_sampler`, the serving defaults):
 
-  compiled  `draw` and `feed` compiled as `generate(cache_implementation="static")` does on a GPU
+  compiled  the step compiled as `generate(cache_implementation="static")` does on a GPU
             (`default_compile_config()`: inductor, fullgraph, CUDA graphs); on the dry run's CPU
             the same fullgraph trace through `aot_eager` (no CUDA graphs there);
   eager     the same step, not compiled.
+  in-order  (only when asked) compiled, stepped by `DecodeRun.steps()` as the text stream steps:
+            `draw` and `feed` as two graphs, each draw read on the host before its row is fed;
+            against the compiled row it says what one graph per step, queued ahead, is worth;
   prefill-graphs  (only when asked) compiled, and the prompt prefilled by the compiled prefill of
             its length bucket too (`generate(..., prefill_graphs=True)`): its TTFA against the
             compiled row's says what the prefill graphs are worth.
@@ -49,10 +53,6 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
                 device-to-device copy, counting the bytes it reads and writes: how fast the
                 memory moves bytes; the bandwidth floor of a step that only streams its weights);
   x floor       ms/frame / floor ms;
-  in order      compiled modes: ms/frame of the same graphs stepped by `DecodeRun.steps()`, which
-                reads each draw on the host before it queues the feed (the device waits for the
-                host between the two halves of a step); against ms/frame it says what queueing the
-                feed ahead is worth; "n/a" eagerly;
   TTFA ms       time to first audio: from the start of `DecodeRun.prefilled` (cache set up, prompt
                 of `--prompt-rows` rows prefilled) to the 10th frame of every item;
   +codec ms     the same, plus the S2 codec (`Drama3Processor`'s codec, the published shape,
@@ -60,9 +60,9 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
                 through its streaming decoder (the serving schedule's first window);
   captured      compiled on CUDA: "yes" when torch skipped no CUDA graph
                 (`torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]` unchanged, no
-                "skipping cudagraphs" log line) and the profiled step replayed a graph for each of
-                `draw` and `feed` and no more (more would be a step cut into partitions around host
-                work); "no" otherwise, naming the graph; "n/a" for eager and on the CPU.
+                "skipping cudagraphs" log line) and the profiled step replayed one graph (`step`:
+                draw and feed in one) and no more (more would be a step cut into partitions around
+                host work); "no" otherwise, naming the graph; "n/a" for eager and on the CPU.
 
 Any graph not captured makes the run exit with status 1 after the table; each failure is printed
 as "NOT CAPTURED: <mode, batch>, <graph>: ..." under its row and again at the end (grep-able,
@@ -114,7 +114,7 @@ PROFILED_FRAME = 5
 FP8_BLOCK = (128, 128)
 EXPERT_FORMATS = ("bf16", "fp8")
 MODES = ("compiled", "eager")
-OTHER_MODES = ("prefill-graphs",)
+OTHER_MODES = ("in-order", "prefill-graphs")
 """Measured only when asked (`--modes`): each adds compiles at the published depth."""
 FP8_MODULE = "transformers_drama3.checkpoint.quantization.fp8_experts"
 
@@ -148,7 +148,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-rows", type=int, default=None, help="rows of each prompt (default 256; a dry run 16)")
     parser.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS, help="the routed experts' format")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + OTHER_MODES,
-                        help="measured in this order for each batch (prefill-graphs: compiled, and the prefill too)")
+                        help="measured in this order for each batch (in-order: compiled, stepped by DecodeRun.steps(); "
+                             "prefill-graphs: compiled, and the prefill too)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
@@ -306,7 +307,7 @@ class GraphsNotCaptured(RuntimeError):
 
 class CudagraphSkipLog(logging.Handler):
     """Collects torch's "skipping cudagraphs ..." log lines, each with the step function whose
-    compile or call printed it (read off the call stack: the loop's `_draw` / `_feed` line)."""
+    compile or call printed it (read off the call stack: the loop's `_step` / `_draw` / `_feed` line)."""
 
     LOGGERS = ("torch", "torch._inductor", "torch._dynamo")
     """Where the handler listens: torch's loggers for inductor and dynamo do not propagate to "torch"."""
@@ -334,14 +335,14 @@ class CudagraphSkipLog(logging.Handler):
 
 
 def graph_on_stack() -> str:
-    """Which step function is being compiled or run: "draw" or "feed" from the decode loop's line
-    on the call stack; "a graph of the step" when neither is."""
+    """Which step function is being compiled or run: "step", "draw" or "feed" from the decode
+    loop's line on the call stack; "a graph of the step" when none is."""
     for frame in reversed(traceback.extract_stack()):
         line = frame.line or ""
-        if frame.filename.endswith("loop.py") and "_draw(" in line:
-            return "draw"
-        if frame.filename.endswith("loop.py") and "_feed(" in line:
-            return "feed"
+        if frame.filename.endswith("loop.py"):
+            for name in ("step", "draw", "feed"):
+                if f"self._{name}," in line:
+                    return name
     return "a graph of the step"
 
 
@@ -360,7 +361,7 @@ def compiled_graphs() -> int:
 
 
 def capture_failures(label: str, skips: int, skip_lines: list[str], graph_launches: int | None,
-                     expected_graphs: int = 2) -> list[str]:
+                     expected_graphs: int = 1) -> list[str]:
     """Why the compiled step of `label` was not captured: `skips` CUDA graphs torch counted as
     skipped (with `skip_lines`, its log lines), or a profiled step that replayed no graph or more
     than `expected_graphs` (a step cut into partitions around host work). Empty when captured."""
@@ -369,10 +370,10 @@ def capture_failures(label: str, skips: int, skip_lines: list[str], graph_launch
         failures.append(f"{label}: torch counted {skips} CUDA graph(s) skipped (cudagraph_skips), "
                         f"{len(skip_lines)} with a log line")
     if graph_launches is not None and graph_launches == 0:
-        failures.append(f"{label}: the profiled step launched no CUDA graph (draw and feed ran uncaptured)")
+        failures.append(f"{label}: the profiled step launched no CUDA graph (the step ran uncaptured)")
     elif graph_launches is not None and graph_launches > expected_graphs:
         failures.append(f"{label}: the profiled step launched {graph_launches} CUDA graphs, expected "
-                        f"{expected_graphs} (draw, feed): the step is cut into partitions around host work")
+                        f"{expected_graphs} (the step, draw and feed in one): the step is cut into partitions around host work")
     return failures
 
 
@@ -402,8 +403,6 @@ class Row:
     ttfa_codec_ms: float
     captured: str
     failures: list[str] = field(default_factory=list)
-    ms_per_frame_in_order: float | None = None
-    """Compiled modes: ms/frame stepped by `steps()` (the draw read before the feed is queued)."""
     graphs_compiled: int = 0
     """Graphs dynamo compiled during the warm-up run (json only)."""
     graphs_compiled_after_warm_up: int = 0
@@ -450,15 +449,17 @@ def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str)
                                compile_config=compile_config_of(mode, device), prefill_graphs=mode == "prefill-graphs")
 
 
-def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str,
-              in_order: bool = False) -> tuple[float, float, float]:
+def stepped(run: DecodeRun, mode: str):
+    """The steps of `run` as `mode` makes them."""
+    return run.steps() if mode == "in-order" else run.steps_ahead()
+
+
+def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, device: str) -> tuple[float, float, float]:
     """(seconds to the 10th frame, the same plus the codec decoding those frames, seconds per
-    step after them), stepped by `steps_ahead()` (`in_order`: by `steps()`). The step after the
-    codec is not timed."""
+    step after them). The step after the codec is not timed."""
     synchronize(device)
     started = time.perf_counter()
-    run = start_run(model, batch, rows, frames, mode, device)
-    steps = run.steps() if in_order else run.steps_ahead()
+    steps = stepped(start_run(model, batch, rows, frames, mode, device), mode)
     first = []
     for _ in range(FIRST_AUDIO_FRAMES):
         first.append(next(steps).frames)
@@ -501,7 +502,7 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    steps = start_run(model, batch, rows, frames, mode, device).steps_ahead()
+    steps = stepped(start_run(model, batch, rows, frames, mode, device), mode)
     for _ in range(PROFILED_FRAME - 1):
         next(steps)
     synchronize(device)
@@ -540,7 +541,6 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         timed_run(model, codec, batch, rows, frames, mode, device)  # warm-up: compile, capture, autotune
         compiled = compiled_graphs() - graphs_before
         first_audio, with_codec, per_step = timed_run(model, codec, batch, rows, frames, mode, device)
-        in_order = None if mode == "eager" else timed_run(model, codec, batch, rows, frames, mode, device, in_order=True)[2]
         profiled = profile_step(model, batch, rows, frames, mode, device)
         skip_lines = list(skip_log.lines)
     skips = cudagraph_skips() - skips_before
@@ -548,7 +548,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
     label = f"{arguments.experts} {mode} batch {batch}"
     failures = []
     if mode != "eager" and on_gpu:
-        failures = capture_failures(label, skips, skip_lines, profiled.graph_launches)
+        failures = capture_failures(label, skips, skip_lines, profiled.graph_launches, 2 if mode == "in-order" else 1)
         captured = "no" if failures else "yes"
     else:
         captured = "n/a (eager)" if mode == "eager" else "n/a (CPU)"
@@ -560,8 +560,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         ops_counted="CUDA kernels" if on_gpu else "aten ops",
         graphs_per_step=profiled.graph_launches if on_gpu else None,
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
-        ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured,
-        ms_per_frame_in_order=None if in_order is None else in_order * 1e3, failures=failures,
+        ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
         graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled, guard_ms=profiled.guard_ms,
         host_ms=profiled.host_ms,
     )
@@ -570,7 +569,7 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
 # ----------------------------------------------------------------------------- printing
 
 COLUMNS = ("experts", "mode", "batch", "ms/frame", "frames/s", "{ops}/step", "graphs/step", "GB/step", "floor ms",
-           "x floor", "in order ms/frame", "TTFA ms", "+codec ms", "captured")
+           "x floor", "TTFA ms", "+codec ms", "captured")
 
 
 def table_header(on_gpu: bool) -> str:
@@ -582,7 +581,6 @@ def table_row(row: Row) -> str:
     graphs = "n/a (CPU)" if row.graphs_per_step is None else str(row.graphs_per_step)
     cells = [row.experts, row.mode, str(row.batch), f"{row.ms_per_frame:.2f}", f"{row.frames_per_second:.1f}",
              str(row.ops_per_step), graphs, f"{row.gb_per_step:.4g}", f"{row.floor_ms:.4g}", f"{row.times_floor:.1f}",
-             "n/a" if row.ms_per_frame_in_order is None else f"{row.ms_per_frame_in_order:.2f}",
              f"{row.ttfa_ms:.1f}", f"{row.ttfa_codec_ms:.1f}", row.captured]
     return "| " + " | ".join(cells) + " |"
 
@@ -620,7 +618,7 @@ def main(argv=None) -> None:
     codec = codec_of(arguments.dry_run, device)
     print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
     # dynamo keeps 8 compiled variants of a function by default; each batch size is one variant of
-    # `draw` and one of `feed` (and a prefill-graphs run one prefill per bucket): room for twice that
+    # `step` (in-order: of `draw` and of `feed`; prefill-graphs: one prefill per bucket): room for twice that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arguments.batches))
     print(table_header(on_gpu), flush=True)
     rows, failures = [], []

@@ -226,13 +226,13 @@ def load_bundled_tiny():
     return model, AutoProcessor.from_pretrained(shipped.TINY_MODEL_PATH)
 
 
-def recorded_step_order(stepper, monkeypatch) -> list[str]:
-    """The order in which `stepper` (a `DecodeRun` or the serving engine) calls `draw` ("draw")
-    and `feed` ("feed") and reads a step on the host ("read", `PendingStep.wait`), as it happens."""
+def recorded_step_order(stepper, monkeypatch, functions=("draw", "feed")) -> list[str]:
+    """The order in which `stepper` (a `DecodeRun` or the serving engine) calls its step functions
+    `functions` (by name: "draw", "feed", "step") and reads a step on the host ("read",
+    `PendingStep.wait`), as it happens."""
     from transformers_drama3.decoding.loop import PendingStep
 
-    events = []
-    draw, feed, wait = stepper._draw, stepper._feed, PendingStep.wait
+    events, wait = [], PendingStep.wait
 
     def recorded(name, function):
         def call(*args):
@@ -240,6 +240,7 @@ def recorded_step_order(stepper, monkeypatch) -> list[str]:
             return function(*args)
         return call
 
-    stepper._draw, stepper._feed = recorded("draw", draw), recorded("feed", feed)
+    for name in functions:
+        setattr(stepper, f"_{name}", recorded(name, getattr(stepper, f"_{name}")))
     monkeypatch.setattr(PendingStep, "wait", lambda self: (events.append("read"), wait(self))[1])
     return events

@@ -120,7 +120,7 @@ def assert_capturable(report):
 
 
 @pytest.mark.parametrize("settings, seed, separator", CASES)
-def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separator):
+def test_the_decode_step_draw_feed_and_both_in_one_are_each_capturable(settings, seed, separator):
     model = line_model(seed=0) if separator else tiny_model(seed=0)
     ids, codes = line_prompt(1) if separator else prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
@@ -137,6 +137,8 @@ def test_the_decode_step_draw_and_feed_are_each_capturable(settings, seed, separ
         frames = torch.ones(1, model.config.num_codebooks, dtype=torch.long)
         main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)
         assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
+        # both in one function, as `DecodeRun.steps_ahead` calls them: one graph for the whole step
+        assert_capturable(check_capturable(decode_step.step, model, cache, sampler, state, run.separator_id))
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
-"""`DecodeRun.steps_ahead()`: each step's `feed` queued before the host reads what its `draw`
-made (on a GPU the device feeds the row while the host reads the step), against `steps()`, which
-feeds a row only once the host has read that some item still speaks (the reference). Both read a
-step on the host from one packed copy (`PendingStep`)."""
+"""`DecodeRun.steps_ahead()`: each step made whole by one call of `step.step` (draw, then feed of
+its row), the next one queued before the host reads the last (on a GPU the device makes a step
+while the host reads the one before), against `steps()`, which feeds a row only once the host has
+read that some item still speaks (the reference). Both read a step on the host from one packed
+copy (`PendingStep`). The serving engine's order (feed queued before the read) is tested with the
+engine."""
 
 import itertools
 
@@ -10,9 +12,10 @@ import torch
 from transformers import CompileConfig
 
 from generation_helpers import left_pad, prompt, recorded_step_order, tiny_model
-from transformers_drama3.decoding.loop import DecodeRun, PendingStep, RunFedAhead
+from transformers_drama3.decoding.loop import DecodeRun, PendingStep, RunFedAhead, compiled_functions
 from transformers_drama3.decoding.request import make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
+from transformers_drama3.decoding.steady_guards import graphs_of
 from transformers_drama3.decoding.step import StepOutput
 
 BUDGETS = [5, 12, 30]
@@ -38,21 +41,31 @@ def batch_run(model, settings: SamplingSettings, seed, compile_config=None) -> D
     return DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor(BUDGETS), compile_config=compile_config)
 
 
+STATE = ("hidden", "key_mask", "position", "active", "produced")
+
+
 def assert_same_runs(model, settings, seed, compile_config=None) -> tuple[DecodeRun, DecodeRun, list]:
-    """Step one run by `steps()` and a twin by `steps_ahead()`: the same steps, and at every yield
-    the same state. Returns both runs and the steps."""
+    """Step one run by `steps()` and a twin by `steps_ahead()`: the same steps, and the same states.
+    At the yield of step k the run stepped in order stands after its draw k (its open row: the row
+    fed at step k - 1), the one stepped ahead after its step k + 1 (draw and feed). Returns both
+    runs and the steps."""
     plain, ahead = batch_run(model, settings, seed, compile_config), batch_run(model, settings, seed, compile_config)
-    steps = []
+    steps, plain_states, ahead_states = [], [], []
     for first, second in itertools.zip_longest(plain.steps(), ahead.steps_ahead()):
         assert first is not None and second is not None, "one run made more steps than the other"
         assert first.step == second.step
         for name in ("main_ids", "frames", "produced", "ended", "eos", "boundary"):
             assert torch.equal(getattr(first, name), getattr(second, name)), (first.step, name)
             assert getattr(second, name).device.type == "cpu"
-        torch.testing.assert_close(ahead.state.hidden, plain.state.hidden)
-        for name in ("key_mask", "position", "active", "produced"):
-            assert torch.equal(getattr(ahead.state, name), getattr(plain.state, name)), (first.step, name)
         steps.append(first)
+        plain_states.append({name: getattr(plain.state, name).clone() for name in STATE})
+        ahead_states.append({name: getattr(ahead.state, name).clone() for name in STATE})
+    for index, state in enumerate(ahead_states[:-2]):
+        fed, drawn = plain_states[index + 2], plain_states[index + 1]
+        torch.testing.assert_close(state["hidden"], fed["hidden"])
+        assert torch.equal(state["key_mask"], fed["key_mask"]) and torch.equal(state["position"], fed["position"])
+        assert torch.equal(state["active"], drawn["active"]) and torch.equal(state["produced"], drawn["produced"])
+    assert len(ahead_states) > 4
     return plain, ahead, steps
 
 
@@ -64,25 +77,30 @@ def test_steps_ahead_make_the_steps_and_states_that_steps_make(model, case):
     assert len({step.step for step in steps if step.ended.any()}) >= 2  # some items ended before the last step
     ended_on_eos = bool(steps[-1].eos.any())
     assert ended_on_eos == (case == "seeded, last item ends on eos")
-    # where the caches stand: the same counters, the same keys in every filled column
-    for mine, theirs in zip(ahead.cache.parts, plain.cache.parts):
-        assert mine.filled == theirs.filled and torch.equal(mine.next_column, theirs.next_column)
+    # the run stepped ahead fed the last step's row and made one step more: two rows past the end
+    assert ahead.cache.backbone_part.filled == plain.cache.backbone_part.filled + 2
     filled = plain.cache.backbone_part.filled
     linear_states_differ = False
     for mine, theirs in zip(ahead.cache.backbone.layers, plain.cache.backbone.layers, strict=True):
         if hasattr(theirs, "part"):
             torch.testing.assert_close(mine.keys[:, :, :filled], theirs.keys[:, :, :filled])
+            torch.testing.assert_close(mine.values[:, :, :filled], theirs.values[:, :, :filled])
         else:
             linear_states_differ |= not torch.allclose(mine.recurrent_states[0], theirs.recurrent_states[0])
-    # ... but the Gated DeltaNet states took the row fed past the end: why the run cannot go on
+    tower_filled = plain.cache.tower_part.filled
+    for mine, theirs in zip(ahead.cache.tower.layers, plain.cache.tower.layers, strict=True):
+        torch.testing.assert_close(mine.keys[:, :, :tower_filled], theirs.keys[:, :, :tower_filled])
+    # ... but the Gated DeltaNet states took the rows fed past the end: why the run cannot go on
     assert linear_states_differ
 
 
 @torch.no_grad()
-def test_compiled_steps_ahead_make_the_steps_that_steps_make(model):
+def test_compiled_steps_ahead_make_the_steps_that_steps_make_from_one_graph_per_step(model):
     torch._dynamo.reset()
     compiled = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
+    functions = compiled_functions(compiled)
     assert_same_runs(model, *CASES["seeded, last item ends on eos"], compile_config=compiled)
+    assert graphs_of(functions.step) == 1  # draw and feed in one graph, for every step of the run
 
 
 @torch.no_grad()
@@ -113,17 +131,17 @@ def test_a_run_stepped_in_order_can_still_be_continued(model):
 
 
 @torch.no_grad()
-def test_steps_ahead_queue_each_feed_before_reading_its_draw(model, monkeypatch):
+def test_steps_ahead_queue_each_step_before_reading_the_last(model, monkeypatch):
     run = batch_run(model, *CASES["greedy, last item ends on its budget"])
-    events = recorded_step_order(run, monkeypatch)
+    events = recorded_step_order(run, monkeypatch, functions=("draw", "feed", "step"))
     steps = len(list(run.steps_ahead()))
-    assert events == ["draw", "feed", "read"] * steps
+    assert events == ["step"] + ["step", "read"] * steps  # the last "step" is made past the end
 
 
 @torch.no_grad()
 def test_steps_read_each_draw_before_feeding_its_row(model, monkeypatch):
     run = batch_run(model, *CASES["greedy, last item ends on its budget"])
-    events = recorded_step_order(run, monkeypatch)
+    events = recorded_step_order(run, monkeypatch, functions=("draw", "feed", "step"))
     steps = len(list(run.steps()))
     assert events == ["draw", "read", "feed"] * (steps - 1) + ["draw", "read"]
 

@@ -90,7 +90,7 @@ def test_a_compiled_run_past_several_full_checks_draws_the_eager_frames_from_one
     feed graph for this model and batch); every guard runs on each function's first call and
     every CHECK_EVERY-th."""
     budget = 2 * CHECK_EVERY + 8
-    draw, feed = compiled_functions(EAGER_GRAPHS)
+    draw, feed, _ = compiled_functions(EAGER_GRAPHS)
     graphs = graphs_of(draw), graphs_of(feed)
     eager = [step.frames for step in opened(model, None, budget).steps()]
     run = opened(model, EAGER_GRAPHS, budget)

@@ -7,9 +7,9 @@
 A run sets its `DecodeCache` up once, the prefill writes the prompt into it, and every step is
 `step.draw` then `step.feed`. `steps()` feeds the next row only once the host has read that some
 item still speaks, so the run leaves its cache holding what was drawn, the open row last, and can
-be continued. `steps_ahead()` queues each step's feed before it reads what the draw made: on a GPU
-the device feeds the row while the host reads the step and the caller handles it (no wait between
-the two halves of a step); the last step's row is fed past the end, so that run cannot be continued
+be continued. `steps_ahead()` makes each step by one call of `step.step` (draw and feed: one graph)
+and queues the next step before the host reads the last: on a GPU the device makes a step while
+the host reads the one before; it feeds rows past the end of the run, which cannot be continued
 (for runs dropped at their end: `generate()`, `stream()`, GRPO rollouts). Either way the host reads
 each step once, in one copy (`PendingStep`). `compile_config` (a transformers
 `CompileConfig`) only decides whether the two are wrapped by `torch.compile`: eager and compiled
@@ -23,8 +23,9 @@ import contextlib
 import copy
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from transformers import CompileConfig
@@ -181,7 +182,7 @@ class DecodeRun:
         self.model, self.sampler, self.cache, self.state = model, sampler, cache, state
         self.separator_id = separator_id
         self.compiled = compile_config is not None
-        self._draw, self._feed = compiled_functions(compile_config)
+        self._draw, self._feed, self._step = compiled_functions(compile_config)
         self._guards = SteadyGuards() if self.compiled else None
         if self.compiled:
             cache.mark_static()
@@ -192,8 +193,8 @@ class DecodeRun:
         """Set a cache up for a prompt (input_ids [batch, rows], audio_codes [batch, rows,
         num_codebooks], attention_mask [batch, rows], left padding) and `budgets` [batch] frames,
         and prefill the prompt into it. The cache holds every row the run may feed: the prompt,
-        one per frame and line boundary, and the last row fed (a compiled run rounds up to its
-        length class).
+        one per frame and line boundary, and the rows `steps_ahead` feeds past the end (a
+        compiled run rounds up to its length class).
 
         `prefill_graphs` (a compiled run only): the prompt is left-padded to its length bucket
         (`prefill_bucket`) and prefilled by `compile_config`'s compiled prefill, one graph per
@@ -208,7 +209,7 @@ class DecodeRun:
         device = input_ids.device
         budgets = budgets.to(device)
         left = torch.zeros(batch, dtype=torch.long, device=device) if separators is None else separators.left.to(device).clone()
-        most = rows + int((budgets + left.clamp(min=0)).max()) + 1
+        most = rows + int((budgets + left.clamp(min=0)).max()) + 2  # room for `steps_ahead`: `_start_loop`
         capacity = most if compile_config is None else compiled_capacity(most)
         cache = DecodeCache(model, capacity, device, batch)
         state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)
@@ -298,63 +299,83 @@ class DecodeRun:
         )
 
     def steps(self) -> Iterator[FrameStep]:
-        """One `FrameStep` (host tensors) per step until every item has ended. Each is yielded
-        before its row is fed, and a row is fed only while some item still speaks: the run can be
-        continued afterwards (`extend`, `feed_last_frame`, `next_turn`)."""
-        return self._steps(feed_ahead=False)
-
-    def steps_ahead(self) -> Iterator[FrameStep]:
-        """The same steps as `steps()`, with each step's feed queued before the host reads what its
-        draw made (and so before the step is yielded): on a GPU the device feeds the row while the
-        host reads the step and the caller handles it. The last step's row is fed too, past the end
-        of the run, which therefore cannot be continued (`RunFedAhead`)."""
-        return self._steps(feed_ahead=True)
-
-    def _steps(self, feed_ahead: bool) -> Iterator[FrameStep]:
+        """One `FrameStep` (host tensors) per step until every item has ended: `draw`, the step read
+        on the host and yielded, then `feed` of its row, only while some item still speaks. The run
+        can be continued afterwards (`extend`, `feed_last_frame`, `next_turn`)."""
         self._check_continuable()
         model, cache, sampler = self.model, self.cache, self.sampler
         backbone, tower = cache.parts
-        self._reserve(int((self.state.budgets - self.state.produced + self.state.separators_left.clamp(min=0)).max()) + 1)
-        if self._guards is not None:
-            self._guards.reset()  # the model, the sampler or the capacity may differ from the last loop's
-        if feed_ahead:
-            self.fed_ahead = True
+        self._start_loop(rows_past_end=1)
         index = 0
         while True:
             cache.open_window(tower, 1)
             self._mark_step()
-            output, self.state = self._owned(self._call(self._draw, model, cache, sampler, self.state, self.separator_id))
+            output, self.state = self._drawn(self._call(self._draw, model, cache, sampler, self.state, self.separator_id))
             cache.advance(tower, 1)
-            pending = PendingStep(index, output, self.state.active)
-            fed = self._fed(output) if feed_ahead else None
-            step, active = pending.wait()
+            step, active = PendingStep(index, output, self.state.active).wait()
             yield step
             if not bool(active.any()):
-                if fed is not None:
-                    backbone.next_column.sub_(1)  # the row fed ahead is past the run's end
                 if not bool((step.produced | step.boundary).any()):
                     # every item drew eos: no frame follows the open row, so the tower's take of it
                     # is not kept (a run continued by `extend` teacher-forces it with its next row)
                     tower.next_column.sub_(1)
                     tower.filled -= 1
                 return
-            self.state = self._fed(output) if fed is None else fed
+            cache.open_window(backbone, 1)
+            self._mark_step()
+            self.state = self._owned(self._call(self._feed, model, cache, self.state, output.main_ids, output.frames))
             cache.advance(backbone, 1)
             index += 1
 
-    def _fed(self, output) -> DecodeState:
-        """The state after `feed` of the row `output` drew (the cache's host counters not moved yet)."""
-        self.cache.open_window(self.cache.backbone_part, 1)
+    def steps_ahead(self) -> Iterator[FrameStep]:
+        """The steps `steps()` makes, each made whole by one call of `step.step` (its draw and the
+        feed of its row: one graph, one CUDA graph when compiled), and the next step queued before
+        the host reads the last one: on a GPU the device makes a step while the host reads the one
+        before and the caller handles it. At each yield the run stands one step further on.
+
+        The run's last row is fed and one more step is made past its end (every item has ended: it
+        makes no frame), so the run cannot be continued (`RunFedAhead`): for runs dropped at their
+        end (`generate()`, `stream()`, GRPO rollouts)."""
+        self._check_continuable()
+        self._start_loop(rows_past_end=2)
+        self.fed_ahead = True
+        pending = self._queued(0)
+        while True:
+            following = self._queued(pending.index + 1)
+            step, active = pending.wait()
+            yield step
+            if not bool(active.any()):
+                return
+            pending = following
+
+    def _start_loop(self, rows_past_end: int) -> None:
+        """Room for the rows a loop may feed: a row per frame and line boundary, and `rows_past_end`
+        more (the step that uses up a budget makes a frame past it; `steps_ahead` makes one more
+        step); every guard checked again at its first calls."""
+        state = self.state
+        self._reserve(int((state.budgets - state.produced + state.separators_left.clamp(min=0)).max()) + rows_past_end)
+        if self._guards is not None:
+            self._guards.reset()  # the model, the sampler or the capacity may differ from the last loop's
+
+    def _queued(self, index: int) -> PendingStep:
+        """Queue step `index` (`step.step`) on the run's cache and state: the run moves on to the
+        state it leaves; its outputs are on their way to the host."""
+        cache = self.cache
+        for part in cache.parts:
+            cache.open_window(part, 1)
         self._mark_step()
-        return self._owned(self._call(self._feed, self.model, self.cache, self.state, output.main_ids, output.frames))
+        output, self.state = self._drawn(self._call(self._step, self.model, cache, self.sampler, self.state, self.separator_id))
+        for part in cache.parts:
+            cache.advance(part, 1)
+        return PendingStep(index, output, self.state.active)
 
     fed_ahead = False
-    """Whether the run was stepped by `steps_ahead()`: its cache holds a row past its end."""
+    """Whether the run was stepped by `steps_ahead()`: its cache holds rows past its end."""
 
     def _check_continuable(self) -> None:
         if self.fed_ahead:
             raise RunFedAhead(
-                "this decode run was stepped by steps_ahead(), which feeds the last step's row past the end of the run: "
+                "this decode run was stepped by steps_ahead(), which feeds rows past the end of the run: "
                 "it cannot be continued (extend, feed_last_frame, next_turn, steps, copy); continue a run stepped by steps()"
             )
 
@@ -379,14 +400,17 @@ class DecodeRun:
             torch.compiler.cudagraph_mark_step_begin()
 
     def _owned(self, value):
-        """A compiled function's outputs, copied out of CUDA-graph memory (the next replay reuses
-        it) together with the sampler's RAS window and counters that the draw replaced."""
-        if not self.compiled:
-            return value
-        self.sampler.owned()
-        if self.state.alignment is not None:
-            self.state.alignment.owned()
-        return owned(value)
+        """A compiled function's outputs, copied out of CUDA-graph memory (the next replay reuses it)."""
+        return owned(value) if self.compiled else value
+
+    def _drawn(self, value):
+        """`_owned` of a draw's outputs, together with what else the draw replaced: the sampler's
+        RAS window and counters, the alignment's state (a feed replaces neither)."""
+        if self.compiled:
+            self.sampler.owned()
+            if self.state.alignment is not None:
+                self.state.alignment.owned()
+        return self._owned(value)
 
 
 def owned(value):
@@ -404,7 +428,7 @@ def owned(value):
 
 # ----------------------------------------------------------------------------- compiling the step
 
-_COMPILED: dict[tuple, tuple] = {}
+_COMPILED: dict[tuple, StepFunctions] = {}
 
 
 def compile_options(config: CompileConfig) -> dict:
@@ -521,13 +545,23 @@ def compiled_prefill(config: CompileConfig):
     return _COMPILED_PREFILL[key]
 
 
-def compiled_functions(config: CompileConfig | None) -> tuple:
-    """(`draw`, `feed`), compiled with `config` (None: as they are), built once per set of
+class StepFunctions(NamedTuple):
+    """The decode step's functions as a run calls them (see `decoding.step`)."""
+
+    draw: Callable
+    feed: Callable
+    step: Callable
+    """`draw` and `feed` in one function."""
+
+
+def compiled_functions(config: CompileConfig | None) -> StepFunctions:
+    """`draw`, `feed` and `step`, compiled with `config` (None: as they are), built once per set of
     options; torch recompiles them for a new model, batch size or capacity class."""
+    plain = StepFunctions(decode_step.draw, decode_step.feed, decode_step.step)
     if config is None:
-        return decode_step.draw, decode_step.feed
+        return plain
     options = compile_options(config)
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED:
-        _COMPILED[key] = tuple(_with_capturable_experts(torch.compile(function, **options)) for function in (decode_step.draw, decode_step.feed))
+        _COMPILED[key] = StepFunctions(*(_with_capturable_experts(torch.compile(function, **options)) for function in plain))
     return _COMPILED[key]

@@ -5,9 +5,10 @@
            codes 1..9  <- the tower over the open row, each code drawn before the next layer
     feed   next row    <- [main, c0..c9] through the backbone, into the cache's next column
 
-`draw` and `feed` are the whole step; `generate()`, `stream()`, the text stream and GRPO run them
-through `loop.decode_steps`, eagerly or each compiled by `torch.compile(fullgraph=True)` (one graph
-each, which CUDA graphs replay). No branch reads a tensor: an item that drew eos or a line boundary, or ended before, goes
+`draw` and `feed` are the whole step; the text stream runs them one after the other
+(`DecodeRun.steps()`), `generate()`, `stream()` and GRPO as one function, `step`
+(`DecodeRun.steps_ahead()`), the serving engine as two with the feed queued first; eagerly or
+compiled by `torch.compile(fullgraph=True)` (one graph each, which CUDA graphs replay). No branch reads a tensor: an item that drew eos or a line boundary, or ended before, goes
 through the same ops as one that speaks, its codes masked to zero. `DecodeRun.steps()` feeds a
 row only while some item is still speaking, so a run leaves its cache as the growing cache of the
 reference loop left it: the open row is the last row fed (`steps_ahead()` feeds the last step's row
@@ -117,3 +118,11 @@ def feed(model, cache: DecodeCache, state: DecodeState, main_ids: torch.Tensor, 
     backbone.next_column.add_(1)
     return replace(state, hidden=hidden, ids=ids, codes=codes, key_mask=key_mask, position=position)
 
+
+def step(model, cache: DecodeCache, sampler, state: DecodeState, separator_id: int | None):
+    """`draw`, then `feed` of the row it drew, in one function: one graph for `torch.compile`, one
+    CUDA graph to replay. It feeds the row without asking whether any item still speaks, so a
+    run stepped by it holds a row past its end (`DecodeRun.steps_ahead`: runs that are not
+    continued). Returns (StepOutput, the state whose open row is the row just fed)."""
+    output, counted = draw(model, cache, sampler, state, separator_id)
+    return output, feed(model, cache, counted, output.main_ids, output.frames)

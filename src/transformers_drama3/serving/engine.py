@@ -254,7 +254,8 @@ class Drama3Engine:
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
             probe = torch.zeros(1, 2, dtype=torch.long)
             line_separators(model, probe, torch.ones_like(probe), audio_separator_token_id, torch.zeros(1))
-        self._draw, self._feed = compiled_functions(compile_config)
+        functions = compiled_functions(compile_config)
+        self._draw, self._feed = functions.draw, functions.feed
         self._guards = SteadyGuards()  # compiled: every guard only where the batch changed (`_arrange`, `_grow`)
         self.threads = threads
         self.prefill = prefill or prefill_alone
@@ -688,10 +689,16 @@ class Drama3Engine:
         if self.compile_config is None:
             return function(*args)
         torch.compiler.cudagraph_mark_step_begin()
-        result = owned(self._guards(function, *args))
-        self._sampler.owned()
-        if self._state.alignment is not None:
-            self._state.alignment.owned()
+        return owned(self._guards(function, *args))
+
+    def _drawn(self, *args):
+        """`draw(*args)` through `_compiled`; compiled, what else it replaced is copied out too: the
+        sampler's RAS window and counters, the alignment's state (a feed replaces neither)."""
+        result = self._compiled(self._draw, *args)
+        if self.compile_config is not None:
+            self._sampler.owned()
+            if self._state.alignment is not None:
+                self._state.alignment.owned()
         return result
 
     def _step(self) -> None:
@@ -705,7 +712,7 @@ class Drama3Engine:
         longest = max(slot.rows for slot in slots)
         view, sampler = self._open_view(longest, longest - 1), self._sampler
         with self._routed(self._adapter_slots):
-            output, self._state = self._compiled(self._draw, model, view, sampler, self._state, self.separator_id)
+            output, self._state = self._drawn(model, view, sampler, self._state, self.separator_id)
             pending = PendingStep(self.stats.steps, output, self._state.active)
             view = self._open_view(longest, longest)
             self._state = self._compiled(self._feed, model, view, self._state, output.main_ids, output.frames)
