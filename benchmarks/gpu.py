@@ -54,7 +54,7 @@ logits, so every run makes exactly `--frames` frames. Per mode and batch size it
                 memory moves bytes; the bandwidth floor of a step that only streams its weights);
   x floor       ms/frame / floor ms;
   TTFA ms       time to first audio: from the start of `DecodeRun.prefilled` (cache set up, prompt
-                of `--prompt-rows` rows prefilled) to the 10th frame of every item;
+                of `--prompt-rows` rows prefilled) to the 10th frame of every item on the host;
   +codec ms     the same, plus the S2 codec (`Drama3Processor`'s codec, the published shape,
                 random weights, float32 as the processor keeps it) decoding those 10 frames
                 through its streaming decoder (the serving schedule's first window);
@@ -463,8 +463,7 @@ def timed_run(model, codec, batch: int, rows: int, frames: int, mode: str, devic
     first = []
     for _ in range(FIRST_AUDIO_FRAMES):
         first.append(next(steps).frames)
-    synchronize(device)
-    first_audio = time.perf_counter() - started
+    first_audio = time.perf_counter() - started  # the frames are on the host (a step queued after them may run on)
     codes = torch.stack(first, dim=-1).to(device)  # [batch, num_codebooks, 10]; a step's frames are on the host
     codec.streaming_decoder(batch_size=batch).push(codes)
     synchronize(device)

@@ -1,9 +1,9 @@
 """`DecodeRun.steps_ahead()`: each step made whole by one call of `step.step` (draw, then feed of
-its row), the next one queued before the host reads the last (on a GPU the device makes a step
-while the host reads the one before), against `steps()`, which feeds a row only once the host has
-read that some item still speaks (the reference). Both read a step on the host from one packed
-copy (`PendingStep`). The serving engine's order (feed queued before the read) is tested with the
-engine."""
+its row), and on a GPU the next one queued before the host reads the last (`runs_ahead`; forced
+here, "queued ahead", to test that order on the CPU), against `steps()`, which feeds a row only
+once the host has read that some item still speaks (the reference). Both read a step on the host
+from one packed copy (`PendingStep`). The serving engine's order (feed queued before the read)
+is tested with the engine."""
 
 import itertools
 
@@ -12,6 +12,7 @@ import torch
 from transformers import CompileConfig
 
 from generation_helpers import left_pad, prompt, recorded_step_order, tiny_model
+from transformers_drama3.decoding import loop
 from transformers_drama3.decoding.loop import DecodeRun, PendingStep, RunFedAhead, compiled_functions
 from transformers_drama3.decoding.request import make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
@@ -32,6 +33,15 @@ def model():
     return tiny_model(seed=0)
 
 
+@pytest.fixture(params=["queued ahead", "one at a time"])
+def queued_ahead(request, monkeypatch) -> bool:
+    """Whether `steps_ahead` queues each step before reading the last, as on CUDA (forced here), or
+    makes them one at a time, as on the CPU."""
+    ahead = request.param == "queued ahead"
+    monkeypatch.setattr(loop, "runs_ahead", lambda device: ahead)
+    return ahead
+
+
 def batch_run(model, settings: SamplingSettings, seed, compile_config=None) -> DecodeRun:
     """Three left-padded prompts, prefilled, with budgets of 5, 12 and 30 frames: the items end at
     different steps."""
@@ -44,11 +54,11 @@ def batch_run(model, settings: SamplingSettings, seed, compile_config=None) -> D
 STATE = ("hidden", "key_mask", "position", "active", "produced")
 
 
-def assert_same_runs(model, settings, seed, compile_config=None) -> tuple[DecodeRun, DecodeRun, list]:
+def assert_same_runs(model, settings, seed, queued_ahead: bool, compile_config=None) -> tuple[DecodeRun, DecodeRun, list]:
     """Step one run by `steps()` and a twin by `steps_ahead()`: the same steps, and the same states.
     At the yield of step k the run stepped in order stands after its draw k (its open row: the row
-    fed at step k - 1), the one stepped ahead after its step k + 1 (draw and feed). Returns both
-    runs and the steps."""
+    fed at step k - 1), the other after its step k (draw and feed), or k + 1 when queued ahead.
+    Returns both runs and the steps."""
     plain, ahead = batch_run(model, settings, seed, compile_config), batch_run(model, settings, seed, compile_config)
     steps, plain_states, ahead_states = [], [], []
     for first, second in itertools.zip_longest(plain.steps(), ahead.steps_ahead()):
@@ -60,8 +70,9 @@ def assert_same_runs(model, settings, seed, compile_config=None) -> tuple[Decode
         steps.append(first)
         plain_states.append({name: getattr(plain.state, name).clone() for name in STATE})
         ahead_states.append({name: getattr(ahead.state, name).clone() for name in STATE})
-    for index, state in enumerate(ahead_states[:-2]):
-        fed, drawn = plain_states[index + 2], plain_states[index + 1]
+    lead = 2 if queued_ahead else 1
+    for index, state in enumerate(ahead_states[:-lead]):
+        fed, drawn = plain_states[index + lead], plain_states[index + lead - 1]
         torch.testing.assert_close(state["hidden"], fed["hidden"])
         assert torch.equal(state["key_mask"], fed["key_mask"]) and torch.equal(state["position"], fed["position"])
         assert torch.equal(state["active"], drawn["active"]) and torch.equal(state["produced"], drawn["produced"])
@@ -71,14 +82,14 @@ def assert_same_runs(model, settings, seed, compile_config=None) -> tuple[Decode
 
 @pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_steps_ahead_make_the_steps_and_states_that_steps_make(model, case):
-    plain, ahead, steps = assert_same_runs(model, *CASES[case])
+def test_steps_ahead_make_the_steps_and_states_that_steps_make(model, case, queued_ahead):
+    plain, ahead, steps = assert_same_runs(model, *CASES[case], queued_ahead)
     assert steps[-1].ended.any() and not any(step.ended.all() for step in steps[:-1])
     assert len({step.step for step in steps if step.ended.any()}) >= 2  # some items ended before the last step
     ended_on_eos = bool(steps[-1].eos.any())
     assert ended_on_eos == (case == "seeded, last item ends on eos")
-    # the run stepped ahead fed the last step's row and made one step more: two rows past the end
-    assert ahead.cache.backbone_part.filled == plain.cache.backbone_part.filled + 2
+    # the run stepped ahead fed the last step's row (and, queued ahead, made one step more)
+    assert ahead.cache.backbone_part.filled == plain.cache.backbone_part.filled + (2 if queued_ahead else 1)
     filled = plain.cache.backbone_part.filled
     linear_states_differ = False
     for mine, theirs in zip(ahead.cache.backbone.layers, plain.cache.backbone.layers, strict=True):
@@ -95,16 +106,16 @@ def test_steps_ahead_make_the_steps_and_states_that_steps_make(model, case):
 
 
 @torch.no_grad()
-def test_compiled_steps_ahead_make_the_steps_that_steps_make_from_one_graph_per_step(model):
+def test_compiled_steps_ahead_make_the_steps_that_steps_make_from_one_graph_per_step(model, queued_ahead):
     torch._dynamo.reset()
     compiled = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
     functions = compiled_functions(compiled)
-    assert_same_runs(model, *CASES["seeded, last item ends on eos"], compile_config=compiled)
+    assert_same_runs(model, *CASES["seeded, last item ends on eos"], queued_ahead, compile_config=compiled)
     assert graphs_of(functions.step) == 1  # draw and feed in one graph, for every step of the run
 
 
 @torch.no_grad()
-def test_a_run_stepped_ahead_refuses_to_be_continued(model):
+def test_a_run_stepped_ahead_refuses_to_be_continued(model, queued_ahead):
     run = batch_run(model, *CASES["greedy, last item ends on its budget"])
     last = list(run.steps_ahead())[-1]
     ids, codes = prompt(1)
@@ -131,11 +142,18 @@ def test_a_run_stepped_in_order_can_still_be_continued(model):
 
 
 @torch.no_grad()
-def test_steps_ahead_queue_each_step_before_reading_the_last(model, monkeypatch):
+def test_steps_ahead_queue_each_step_before_reading_the_last_where_the_device_runs_ahead(model, monkeypatch, queued_ahead):
     run = batch_run(model, *CASES["greedy, last item ends on its budget"])
     events = recorded_step_order(run, monkeypatch, functions=("draw", "feed", "step"))
     steps = len(list(run.steps_ahead()))
-    assert events == ["step"] + ["step", "read"] * steps  # the last "step" is made past the end
+    if queued_ahead:
+        assert events == ["step"] + ["step", "read"] * steps  # the last "step" is made past the end
+    else:
+        assert events == ["step", "read"] * steps
+
+
+def test_only_cuda_runs_ahead_of_the_host():
+    assert loop.runs_ahead(torch.device("cuda")) and not loop.runs_ahead(torch.device("cpu"))
 
 
 @torch.no_grad()

@@ -109,9 +109,8 @@ def test_silent_and_long_silence_takes():
 
 def test_regenerate_on_anomaly_replaces_a_too_short_take_and_reports_it():
     model = tiny_model(seed=0)
-    # first run: eos at once (too short), then the step generate() makes past the end of its run
-    # (`DecodeRun.steps_ahead`: it makes no frame); the retry continues the script: 8 frames, then eos
-    script_main_tokens(model, [[EOS, SEMANTIC_START + 5] + [SEMANTIC_START + 3] * 8])
+    # first run: eos at once (too short); the retry continues the script: 8 frames, then eos
+    script_main_tokens(model, [[EOS] + [SEMANTIC_START + 3] * 8])
     out = model.generate(*prompt(1), seed=0, expected_seconds=0.5, regenerate_on_anomaly=2, return_dict_in_generate=True)
     assert out.lengths.tolist() == [8]
     assert out.anomalies == [[]]

@@ -8,7 +8,7 @@ A run sets its `DecodeCache` up once, the prefill writes the prompt into it, and
 `step.draw` then `step.feed`. `steps()` feeds the next row only once the host has read that some
 item still speaks, so the run leaves its cache holding what was drawn, the open row last, and can
 be continued. `steps_ahead()` makes each step by one call of `step.step` (draw and feed: one graph)
-and queues the next step before the host reads the last: on a GPU the device makes a step while
+and, on a GPU, queues the next step before the host reads the last: the device makes a step while
 the host reads the one before; it feeds rows past the end of the run, which cannot be continued
 (for runs dropped at their end: `generate()`, `stream()`, GRPO rollouts). Either way the host reads
 each step once, in one copy (`PendingStep`). `compile_config` (a transformers
@@ -164,6 +164,13 @@ def _open_row(rows: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- a decode run
+
+
+def runs_ahead(device: torch.device) -> bool:
+    """Whether work queued on `device` runs while the host goes on (CUDA): only there does queuing
+    a step before reading the last gain anything (elsewhere it would make a step past the end of
+    every run, and delay every step's reading by one, for nothing)."""
+    return device.type == "cuda"
 
 
 class RunFedAhead(RuntimeError):
@@ -329,29 +336,31 @@ class DecodeRun:
 
     def steps_ahead(self) -> Iterator[FrameStep]:
         """The steps `steps()` makes, each made whole by one call of `step.step` (its draw and the
-        feed of its row: one graph, one CUDA graph when compiled), and the next step queued before
-        the host reads the last one: on a GPU the device makes a step while the host reads the one
-        before and the caller handles it. At each yield the run stands one step further on.
+        feed of its row: one graph, one CUDA graph when compiled). On a device that runs apart
+        from the host (`runs_ahead`: CUDA) the next step is queued before the host reads the last
+        one: the device makes a step while the host reads the one before and the caller handles
+        it. At each yield the run stands after the step yielded, or (queued ahead) the next one.
 
-        The run's last row is fed and one more step is made past its end (every item has ended: it
-        makes no frame), so the run cannot be continued (`RunFedAhead`): for runs dropped at their
-        end (`generate()`, `stream()`, GRPO rollouts)."""
+        The run's last row is fed (and, queued ahead, one more step is made past its end: every
+        item has ended, it makes no frame), so the run cannot be continued (`RunFedAhead`): for
+        runs dropped at their end (`generate()`, `stream()`, GRPO rollouts)."""
         self._check_continuable()
         self._start_loop(rows_past_end=2)
         self.fed_ahead = True
+        ahead = runs_ahead(self.state.ids.device)
         pending = self._queued(0)
         while True:
-            following = self._queued(pending.index + 1)
+            following = self._queued(pending.index + 1) if ahead else None
             step, active = pending.wait()
             yield step
             if not bool(active.any()):
                 return
-            pending = following
+            pending = following if ahead else self._queued(pending.index + 1)
 
     def _start_loop(self, rows_past_end: int) -> None:
-        """Room for the rows a loop may feed: a row per frame and line boundary, and `rows_past_end`
-        more (the step that uses up a budget makes a frame past it; `steps_ahead` makes one more
-        step); every guard checked again at its first calls."""
+        """Room for the rows a loop may feed: a row per frame and line boundary it may draw, and
+        `rows_past_end` more (`steps_ahead` feeds past the end of the run); every guard checked
+        again at the loop's first calls."""
         state = self.state
         self._reserve(int((state.budgets - state.produced + state.separators_left.clamp(min=0)).max()) + rows_past_end)
         if self._guards is not None:
@@ -392,7 +401,7 @@ class DecodeRun:
 
     def _call(self, function, *args):
         """`function(*args)`; compiled, with dynamo's guards checked in full where the run may
-        have changed (`SteadyGuards`: each function's first call of a `steps()` loop)."""
+        have changed (`SteadyGuards`: each function's first call of a loop)."""
         return function(*args) if self._guards is None else self._guards(function, *args)
 
     def _mark_step(self) -> None:
