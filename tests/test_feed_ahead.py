@@ -44,11 +44,12 @@ def queued_ahead(request, monkeypatch) -> bool:
 
 def batch_run(model, settings: SamplingSettings, seed, compile_config=None) -> DecodeRun:
     """Three left-padded prompts, prefilled, with budgets of 5, 12 and 30 frames: the items end at
-    different steps."""
-    ids, codes, mask = left_pad([prompt(1), prompt(2, audio_rows=1), prompt(3)])
+    different steps (on the model's device)."""
+    ids, codes, mask = (tensor.to(model.device) for tensor in left_pad([prompt(1), prompt(2, audio_rows=1), prompt(3)]))
     request = resolve_request(model, settings, ids, mask, max(BUDGETS), 1.0)
     sampler = make_sampler(model, request, ids, mask, seed)
-    return DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor(BUDGETS), compile_config=compile_config)
+    return DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor(BUDGETS, device=model.device),
+                               compile_config=compile_config)
 
 
 STATE = ("hidden", "key_mask", "position", "active", "produced")
@@ -169,13 +170,7 @@ def test_steps_read_each_draw_before_feeding_its_row(model, monkeypatch):
 @torch.no_grad()
 def test_on_cuda_steps_ahead_read_each_step_through_pinned_memory_and_make_the_steps_of_steps():
     model = tiny_model(seed=0).cuda()
-    ids, codes, mask = (tensor.cuda() for tensor in left_pad([prompt(1), prompt(2, audio_rows=1), prompt(3)]))
-    settings, seed = CASES["seeded, last item ends on eos"]
-    runs = []
-    for _ in range(2):
-        request = resolve_request(model, settings, ids, mask, max(BUDGETS), 1.0)
-        sampler = make_sampler(model, request, ids, mask, seed)
-        runs.append(DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor(BUDGETS, device="cuda")))
+    runs = [batch_run(model, *CASES["seeded, last item ends on eos"]) for _ in range(2)]
     plain, ahead = list(runs[0].steps()), list(runs[1].steps_ahead())
     assert [step.frames.tolist() for step in plain] == [step.frames.tolist() for step in ahead]
     generator = torch.Generator().manual_seed(1)
@@ -186,3 +181,18 @@ def test_on_cuda_steps_ahead_read_each_step_through_pinned_memory_and_make_the_s
     assert pending._host.is_pinned()
     step, active = pending.wait()
     assert torch.equal(step.frames, output.frames.cpu()) and torch.equal(active, flags[4].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_on_cuda_a_run_stepped_in_order_goes_on_from_its_last_step_read_on_the_host():
+    """The text stream's continuation: the last frame of a take that used its budget, read on the
+    host, is fed on the model's device, and the next turn draws."""
+    model = tiny_model(seed=0).cuda()
+    run = batch_run(model, *CASES["greedy, last item ends on its budget"])
+    last = list(run.steps())[-1]
+    assert last.frames.device.type == "cpu"
+    run.feed_last_frame(last)
+    run.next_turn(run.sampler, torch.tensor([2, 2, 2]))
+    assert len(list(run.steps())) == 2

@@ -264,10 +264,10 @@ class _Turn:
             self.first_audio_at = now
 
     def codes(self, num_codebooks: int, device) -> torch.Tensor:
-        """The take as drawn: [frames, num_codebooks]."""
+        """The take as drawn: [frames, num_codebooks] on `device` (a step's frames are on the host)."""
         if not self.frames:
             return torch.zeros(0, num_codebooks, dtype=torch.long, device=device)
-        return torch.stack(self.frames)
+        return torch.stack(self.frames).to(device)
 
 
 def _speak_turn(run: DecodeRun, streamer, stream, stop, last_turn: bool, drawn: _Turn) -> Iterator[AudioChunk]:

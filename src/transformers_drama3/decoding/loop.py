@@ -292,7 +292,8 @@ class DecodeRun:
         self._check_continuable()
         self._reserve(1)
         self.cache.open_window(self.cache.backbone_part, 1)
-        self.state = decode_step.feed(self.model, self.cache, self.state, step.main_ids, step.frames)
+        device = self.state.ids.device  # a step's tensors are on the host
+        self.state = decode_step.feed(self.model, self.cache, self.state, step.main_ids.to(device), step.frames.to(device))
         self.cache.advance(self.cache.backbone_part, 1)
 
     def next_turn(self, sampler, budgets: torch.Tensor) -> None:
