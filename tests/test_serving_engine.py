@@ -323,8 +323,8 @@ def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it
         function, *args)
     handles = drive(engine, {0: requests[:3], 2: requests[3:4], 5: requests[4:]})
     assert {items for _, items in stepped} >= {2, 4}  # buckets, not the running count
-    assert {function for function, _ in stepped} == {engine._draw, engine._feed}
-    assert engine._draw is not Drama3Engine(model)._draw  # the compiled functions, not the plain ones
+    assert {function for function, _ in stepped} == {engine._step_function}  # draw and feed in one graph
+    assert engine._step_function is not Drama3Engine(model)._step_function  # the compiled function, not the plain one
     for request, handle in zip(requests, handles):
         result = handle.result(timeout=1)
         assert isinstance(result, DoneEvent), result
@@ -565,16 +565,17 @@ def test_a_prompt_prefilled_alone_builds_no_autograd_graph(model):
     assert run.state.hidden.grad_fn is None and not run.state.hidden.requires_grad
 
 
-def test_the_engine_queues_each_steps_feed_before_reading_its_draw(model, monkeypatch):
-    """Every step queues `feed` of every item's row before the scheduler reads the draw on the
-    host (on a GPU the device feeds while the frames go out); requests that end with a step had
-    their rows fed for nothing and still get their codes alone, beside requests that go on."""
+def test_the_engine_queues_each_step_whole_and_reads_it_after(model, monkeypatch):
+    """Every step is one call of the step function (draw, then the feed of every item's row) before
+    the scheduler reads it on the host; requests that end with a step had their rows fed for
+    nothing and still get their codes alone, beside requests that go on. (On CUDA the next step is
+    queued before the last is read: `tests/test_serving_engine_ahead.py`.)"""
     engine = Drama3Engine(model, max_batch=3)
-    events = recorded_step_order(engine, monkeypatch)
+    events = recorded_step_order(engine, monkeypatch, functions=("step_function",))
     jobs = [job(seed=40 + i, prompt_seed=50 + i, text_rows=3 + 2 * i, temperature=1.2, top_p=0.95) for i in range(3)]
     jobs[0] = SpeechJob(jobs[0].input_ids, jobs[0].audio_codes, jobs[0].settings, seed=40, max_new_tokens=3)
     handles = drive(engine, {0: jobs[:2], 2: jobs[2:]})
-    assert engine.stats.steps > 4 and events == ["draw", "feed", "read"] * engine.stats.steps
+    assert engine.stats.steps > 4 and events == ["step_function", "read"] * engine.stats.steps
     lengths = []
     for handle, request in zip(handles, jobs):
         result = handle.result(timeout=1)

@@ -6,9 +6,9 @@
     feed   next row    <- [main, c0..c9] through the backbone, into the cache's next column
 
 `draw` and `feed` are the whole step; the text stream runs them one after the other
-(`DecodeRun.steps()`), `generate()`, `stream()` and GRPO as one function, `step`
-(`DecodeRun.steps_ahead()`), the serving engine as two with the feed queued first; eagerly or
-compiled by `torch.compile(fullgraph=True)` (one graph each, which CUDA graphs replay). No branch reads a tensor: an item that drew eos or a line boundary, or ended before, goes
+(`DecodeRun.steps()`), `generate()`, `stream()`, GRPO and the serving engine as one function,
+`step` (`DecodeRun.steps_ahead()`, `Drama3Engine`); eagerly or compiled by
+`torch.compile(fullgraph=True)` (one graph each, which CUDA graphs replay). No branch reads a tensor: an item that drew eos or a line boundary, or ended before, goes
 through the same ops as one that speaks, its codes masked to zero. `DecodeRun.steps()` feeds a
 row only while some item is still speaking, so a run leaves its cache as the growing cache of the
 reference loop left it: the open row is the last row fed (`steps_ahead()` feeds the last step's row

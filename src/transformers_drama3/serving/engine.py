@@ -8,12 +8,15 @@
     engine.stop()
 
 Each scheduler step advances every running request by one frame with the decode step of
-`generate()` (`decoding.step`: `draw`, then `feed`), over the running requests as items of one
+`generate()` (`decoding.step.step`: `draw`, then `feed`, one graph), over the running requests as items of one
 `DecodeState` and one `DecodeCache`: the engine's cache is a pool of `max_batch` items (slots),
 and the running requests are its first items. Between steps, a finished, failed or cancelled
 request leaves at once (the items after it move up), and waiting requests are prefilled alone
 (the prefill/decode split: a one-item `DecodeRun`, from a cached voice prefix where one matches)
-and placed into the next free item, each with its own columns.
+and placed into the next free item, each with its own columns. On CUDA the next step is queued
+before the last one is read (as `generate()` queues it: `decoding.loop.runs_ahead`), so the device
+makes a step while the scheduler sends out the frames of the one before; a request that leaves
+while a step made with it is queued gets nothing from that step.
 
 One sampler draws for the whole batch, each request with its own settings, RAS window and
 random-number key and counter (`decoding.counter_noise`, keyed as `generate(seed=s)` keys a batch
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, owned
+from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, owned, runs_ahead
 from ..decoding.steady_guards import SteadyGuards
 from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
@@ -190,6 +193,18 @@ class _Slot:
     clicks: ClickFilter = field(default_factory=ClickFilter)
     frames: list[torch.Tensor] = field(default_factory=list)
     produced: int = 0
+    left: bool = False
+    """The request has left the batch (ended, cancelled, timed out): a step queued before it left
+    is read without it."""
+
+
+@dataclass
+class _QueuedStep:
+    """A step queued on the batch: its outputs on their way to the host, and the request of each
+    item when it was queued."""
+
+    pending: PendingStep
+    slots: list[_Slot]
 
 
 @dataclass
@@ -218,8 +233,8 @@ class Drama3Engine:
         prefill_chunk: rows of prompt prefilled per scheduler step (chunked prefill): a long prompt
             is prefilled a chunk at a time, each chunk followed by one frame of every running
             request, so it never stalls them longer than one chunk's prefill.
-        compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed`, one
-            graph each) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
+        compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed` in one
+            graph) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
             `max_batch`; the items past the running ones hold no request), so one graph serves each
             bucket and capacity (CUDA graphs replay them with `mode="reduce-overhead"`). None
             (default) steps exactly the running requests eagerly. Phoneme alignment runs on both.
@@ -254,8 +269,7 @@ class Drama3Engine:
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
             probe = torch.zeros(1, 2, dtype=torch.long)
             line_separators(model, probe, torch.ones_like(probe), audio_separator_token_id, torch.zeros(1))
-        functions = compiled_functions(compile_config)
-        self._draw, self._feed = functions.draw, functions.feed
+        self._step_function = compiled_functions(compile_config).step
         self._guards = SteadyGuards()  # compiled: every guard only where the batch changed (`_arrange`, `_grow`)
         self.threads = threads
         self.prefill = prefill or prefill_alone
@@ -532,6 +546,7 @@ class Drama3Engine:
 
     def _reset_batch(self) -> None:
         self._slots: list[_Slot] = []
+        self._queued: _QueuedStep | None = None  # a step queued ahead, not read yet (CUDA)
         self._pool: DecodeCache | None = None
         self._state: DecodeState | None = None
         self._sampler: Drama3Sampler | None = None
@@ -685,42 +700,48 @@ class Drama3Engine:
         return view
 
     def _compiled(self, function, *args):
-        """`function(*args)`; compiled, its outputs copied out of CUDA-graph memory."""
+        """`function(*args)`; compiled, its outputs copied out of CUDA-graph memory (the next
+        replay reuses it)."""
         if self.compile_config is None:
             return function(*args)
         torch.compiler.cudagraph_mark_step_begin()
         return owned(self._guards(function, *args))
 
-    def _drawn(self, *args):
-        """`draw(*args)` through `_compiled`; compiled, what else it replaced is copied out too: the
-        sampler's RAS window and counters, the alignment's state (a feed replaces neither)."""
-        result = self._compiled(self._draw, *args)
-        if self.compile_config is not None:
-            self._sampler.owned()
-            if self._state.alignment is not None:
-                self._state.alignment.owned()
-        return result
-
     def _step(self) -> None:
-        """One frame for every running request: `draw`, then `feed` of every item's row, queued
-        before the host reads what was drawn (on a GPU the device feeds while the scheduler sends
-        the frames out); then finished requests leave. A request that ended at this step had its
-        row fed for nothing: its item is given up with it."""
+        """Read one step of the running batch: on CUDA (`runs_ahead`) the step queued at the last
+        call, after queuing the next one, so the device makes a step while the scheduler sends the
+        frames of the one before out; elsewhere a step made now. Finished requests leave."""
+        queued = self._queued or self._queue_step()
+        self._queued = self._queue_step() if runs_ahead(self._state.ids.device) else None
+        self._read(queued)
+
+    def _queue_step(self) -> _QueuedStep:
+        """Queue one step of every item (`decoding.step.step`: the draw, then the feed of its row,
+        one graph): it does not wait to know who ends, so a request that ends at this step has its
+        row fed for nothing, and its item is given up with it."""
         model, slots = self.model, self._slots
         self.stats.steps += 1
         self.stats.occupied += len(slots)
         longest = max(slot.rows for slot in slots)
-        view, sampler = self._open_view(longest, longest - 1), self._sampler
+        view = self._open_view(longest, longest - 1)
         with self._routed(self._adapter_slots):
-            output, self._state = self._drawn(model, view, sampler, self._state, self.separator_id)
-            pending = PendingStep(self.stats.steps, output, self._state.active)
-            view = self._open_view(longest, longest)
-            self._state = self._compiled(self._feed, model, view, self._state, output.main_ids, output.frames)
+            output, self._state = self._compiled(self._step_function, model, view, self._sampler, self._state, self.separator_id)
+        if self.compile_config is not None:  # what else the draw replaced, out of CUDA-graph memory
+            self._sampler.owned()
+            if self._state.alignment is not None:
+                self._state.alignment.owned()
         for slot in slots:
             slot.rows += 1
-        step, _ = pending.wait()
-        kept = []
-        for item, slot in enumerate(slots):
+        return _QueuedStep(PendingStep(self.stats.steps, output, self._state.active), list(slots))
+
+    def _read(self, queued: _QueuedStep) -> None:
+        """Send out what a queued step made for each request still in the batch; those that ended
+        (or were cancelled, or ran out of time) leave."""
+        step, _ = queued.pending.wait()
+        leaving = set()
+        for item, slot in enumerate(queued.slots):
+            if slot.left:
+                continue  # it left after this step was queued: what the step made for its item is no one's
             self._advance(slot, step, item)
             if bool(step.ended[item]):
                 self._end(slot, "eos" if bool(step.eos[item]) else "length")
@@ -729,9 +750,11 @@ class Drama3Engine:
             elif self._timed_out(slot.handle):
                 self._finish(slot.handle, "timeout", ErrorEvent("timeout", "the request ran past its time limit"))
             else:
-                kept.append(item)
-        if len(kept) < len(slots):
-            self._keep(kept)
+                continue
+            slot.left = True
+            leaving.add(id(slot))
+        if leaving:
+            self._keep([item for item, slot in enumerate(self._slots) if id(slot) not in leaving])
 
     def state_of(self, handle: RequestHandle) -> tuple[DecodeState, list[torch.Tensor]] | None:
         """What a running request's item holds, or None when it is not running: its decode state
