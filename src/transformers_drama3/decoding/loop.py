@@ -414,13 +414,18 @@ class DecodeRun:
         return owned(value) if self.compiled else value
 
     def _drawn(self, value):
-        """`_owned` of a draw's outputs, together with what else the draw replaced: the sampler's
-        RAS window and counters, the alignment's state (a feed replaces neither)."""
+        """`_owned` of a draw's outputs, together with what else the draw replaced (`own_drawn_state`)."""
         if self.compiled:
-            self.sampler.owned()
-            if self.state.alignment is not None:
-                self.state.alignment.owned()
+            own_drawn_state(self.sampler, self.state.alignment)
         return self._owned(value)
+
+
+def own_drawn_state(sampler, alignment) -> None:
+    """After a compiled draw: what else it replaced, copied out of CUDA-graph memory: the sampler's
+    RAS window and counters, the alignment's state (a feed replaces neither)."""
+    sampler.owned()
+    if alignment is not None:
+        alignment.owned()
 
 
 def owned(value):

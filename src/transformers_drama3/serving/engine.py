@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, owned, runs_ahead
+from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, own_drawn_state, owned, runs_ahead
 from ..decoding.steady_guards import SteadyGuards
 from ..decoding.sampler import EMPTY_WINDOW_SLOT
 from ..decoding.state import DecodeCache, DecodeState
@@ -726,10 +726,8 @@ class Drama3Engine:
         view = self._open_view(longest, longest - 1)
         with self._routed(self._adapter_slots):
             output, self._state = self._compiled(self._step_function, model, view, self._sampler, self._state, self.separator_id)
-        if self.compile_config is not None:  # what else the draw replaced, out of CUDA-graph memory
-            self._sampler.owned()
-            if self._state.alignment is not None:
-                self._state.alignment.owned()
+        if self.compile_config is not None:
+            own_drawn_state(self._sampler, self._state.alignment)
         for slot in slots:
             slot.rows += 1
         return _QueuedStep(PendingStep(self.stats.steps, output, self._state.active), list(slots))
@@ -738,7 +736,7 @@ class Drama3Engine:
         """Send out what a queued step made for each request still in the batch; those that ended
         (or were cancelled, or ran out of time) leave."""
         step, _ = queued.pending.wait()
-        leaving = set()
+        some_left = False
         for item, slot in enumerate(queued.slots):
             if slot.left:
                 continue  # it left after this step was queued: what the step made for its item is no one's
@@ -751,10 +749,9 @@ class Drama3Engine:
                 self._finish(slot.handle, "timeout", ErrorEvent("timeout", "the request ran past its time limit"))
             else:
                 continue
-            slot.left = True
-            leaving.add(id(slot))
-        if leaving:
-            self._keep([item for item, slot in enumerate(self._slots) if id(slot) not in leaving])
+            slot.left = some_left = True
+        if some_left:
+            self._keep([item for item, slot in enumerate(self._slots) if not slot.left])
 
     def state_of(self, handle: RequestHandle) -> tuple[DecodeState, list[torch.Tensor]] | None:
         """What a running request's item holds, or None when it is not running: its decode state
