@@ -22,6 +22,7 @@ __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",
     "prompt", "line_prompt", "line_model", "left_pad", "reference_greedy", "reference_greedy_lines",
     "script_main_tokens", "tiny_speech_bundle", "RecordingStreamer", "load_bundled_tiny", "GrowingCache",
+    "ops_serve_cpu_rows",
 ]
 
 
@@ -244,3 +245,13 @@ def recorded_step_order(stepper, monkeypatch, functions=("draw", "feed")) -> lis
         setattr(stepper, f"_{name}", recorded(name, getattr(stepper, f"_{name}")))
     monkeypatch.setattr(PendingStep, "wait", lambda self: (events.append("read"), wait(self))[1])
     return events
+
+
+def ops_serve_cpu_rows(monkeypatch):
+    """Route CPU decode rows to the backbone's decode ops (`drama3::short_conv_update`,
+    `drama3::gated_delta_rule_decode`; their kernels run in Triton's interpreter) as CUDA rows are
+    routed."""
+    from transformers_drama3.kernels import recurrent_decode, short_conv
+
+    monkeypatch.setattr(short_conv, "kernel_serves", lambda hidden, activation: hidden.shape[-1] == 1)
+    monkeypatch.setattr(recurrent_decode, "kernel_serves", lambda query, cu_seqlens=None: cu_seqlens is None and query.shape[1] == 1)

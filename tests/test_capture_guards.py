@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from generation_helpers import SEPARATOR, line_model, line_prompt, prompt, tiny_model
+from generation_helpers import SEPARATOR, line_model, line_prompt, ops_serve_cpu_rows, prompt, tiny_model
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
 from transformers_drama3.decoding.sampler import SamplingSettings
@@ -95,6 +95,20 @@ def test_a_clean_function_passes_and_its_ops_are_counted():
     assert report.op_counts["aten.arange.start_step"] + report.op_counts["aten.arange.default"] == 1
 
 
+def restarted(x, p):
+    # with every size symbolic, dynamo traces `p` as a symbol, then specialises it for `torch.full`
+    # and traces the frame again: the backend is called twice for one graph
+    return torch.full((2,), p) + x.sum() + x.nonzero().shape[0]
+
+
+def test_a_frame_dynamo_traces_again_is_reported_from_its_last_trace_alone():
+    fixed = capture_report(restarted, torch.randn(5, 4), 0.9)
+    symbolic = capture_report(restarted, torch.randn(5, 4), 0.9, dynamic=True)
+    for report in (fixed, symbolic):
+        assert report.graphs == 1 and [finding.what for finding in report.host_syncs] == ["aten.nonzero.default"]
+    assert symbolic.op_counts == fixed.op_counts
+
+
 @pytest.mark.parametrize("keep_crossing", [True, False])
 def test_the_capped_filtered_draw_makes_no_constant(keep_crossing):
     """The constant torch found on the H200: `dropped[..., 0] = False` in the capped draw."""
@@ -139,6 +153,32 @@ def test_the_decode_step_draw_feed_and_both_in_one_are_each_capturable(settings,
         assert_capturable(check_capturable(decode_step.feed, model, cache, state, main_ids, frames))
         # both in one function, as `DecodeRun.steps_ahead` calls them: one graph for the whole step
         assert_capturable(check_capturable(decode_step.step, model, cache, sampler, state, run.separator_id))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32-batched-experts", "bf16-grouped-gemm"])
+def test_the_decode_step_with_its_sizes_symbolic_is_capturable_through_the_decode_ops(monkeypatch, dtype):
+    """The graph the default compile config makes for the second batch size has the batch (and every
+    other size of the step's tensors) symbolic: it passes every guard too, with the backbone's decode
+    ops (`drama3::short_conv_update`, `drama3::gated_delta_rule_decode`: their fake implementations
+    take symbolic sizes) and, in bf16, transformers' grouped GEMM over a symbolic token count. Batch 3,
+    seeded top-k with RAS and line separators."""
+    model = line_model(seed=0).to(dtype)
+    prompts = [line_prompt(seed) for seed in (1, 2, 3)]
+    ids, codes = torch.stack([ids for ids, _ in prompts]), torch.stack([codes for _, codes in prompts])
+    mask = torch.ones_like(ids)
+    request = _resolve_request(model, SamplingSettings(top_k=8, top_p=0.9), ids, mask, 20, 1.0, SEPARATOR)
+    sampler = make_sampler(model, request, ids, mask, 4)
+    run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
+                              compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    run.cache.open_window(run.cache.tower_part, 1)
+    ops_serve_cpu_rows(monkeypatch)
+    with capturable_experts(model):
+        report = capture_report(decode_step.step, model, run.cache, sampler, run.state, run.separator_id, dynamic=True)
+    assert_capturable(report)
+    linear_layers = sum(kind == "linear_attention" for kind in model.config.text_config.layer_types)
+    assert report.op_counts["drama3.short_conv_update.default"] == linear_layers
+    assert report.op_counts["drama3.gated_delta_rule_decode.default"] == linear_layers
+    assert (report.op_counts["aten._grouped_mm.default"] > 0) == (dtype == torch.bfloat16)
 
 
 @torch.no_grad()

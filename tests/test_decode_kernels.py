@@ -8,7 +8,7 @@ import torch
 from transformers import CompileConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-from generation_helpers import prompt, tiny_model
+from generation_helpers import ops_serve_cpu_rows, prompt, tiny_model
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
 from transformers_drama3.integrations import (
@@ -235,12 +235,6 @@ def test_the_kernel_report_names_the_decode_ops():
     assert report["torch_recurrent_gated_delta_rule"].startswith(
         "torch.ops.drama3.gated_delta_rule_decode on a decode row, else "
     )
-
-
-def ops_serve_cpu_rows(monkeypatch):
-    """Route CPU decode rows to the ops (run in Triton's interpreter) as CUDA rows are routed."""
-    monkeypatch.setattr(short_conv, "kernel_serves", lambda hidden, activation: hidden.shape[-1] == 1)
-    monkeypatch.setattr(recurrent_decode, "kernel_serves", lambda query, cu_seqlens=None: cu_seqlens is None and query.shape[1] == 1)
 
 
 # ----------------------------------------------------------------------------- one op in a compiled graph

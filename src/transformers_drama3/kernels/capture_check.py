@@ -31,6 +31,12 @@ arguments' state advances by one call, as it would under any compile), and retur
   an upper bound on the kernels of one step before inductor fuses them (input mutations count as
   one `copy_` each; shape arithmetic and `getitem` do not); `op_counts` by operator.
 
+`capture_report(fn, *args, dynamic=True)` traces every size of the arguments' tensors as a symbol
+(a size of 1 stays fixed, as torch specialises it): the graph torch's automatic dynamic shapes
+compile once a second batch size is seen (`decoding.loop.default_compile_config`). When dynamo
+traces the frame again (it restarts when it specialises a value it had made symbolic), the report
+is that of its last trace.
+
 `check_capturable(fn, *args, **kwargs)` raises `NotCapturable`, naming each problem and where in
 the source it comes from, or returns the report.
 
@@ -276,7 +282,11 @@ class _CheckingBackend:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
-        self.report.graphs += 1
+        if self.report.graphs:
+            # under fullgraph a second call is dynamo tracing the same frame again (it restarts its
+            # analysis when it specialises a value it had traced symbolically): only the last trace runs
+            self.report.__dict__.update(vars(CaptureReport()))
+        self.report.graphs = 1
         self.inputs = list(example_inputs)
         self._constants(gm, "dynamo graph")
 
@@ -288,7 +298,7 @@ class _CheckingBackend:
         return checking(gm, example_inputs)
 
 
-def capture_report(fn, *args, **kwargs) -> CaptureReport:
+def capture_report(fn, *args, dynamic: bool = False, **kwargs) -> CaptureReport:
     """Compile `fn` (fullgraph, checking backend), call it once with `args` and `kwargs` under
     `torch.no_grad()` (a decode step is inference: one graph, no backward), and report its graph
     breaks, tensor constants, host syncs and ops (see the module docstring).
@@ -304,7 +314,7 @@ def capture_report(fn, *args, **kwargs) -> CaptureReport:
     try:
         with torch.no_grad(), torch._dynamo.config.patch(**patches):
             try:
-                torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)(*args, **kwargs)
+                torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)(*args, **kwargs)
             except torch._dynamo.exc.BackendCompilerFailed:
                 raise  # the checker's own failure, not the function's
             except Exception as error:  # noqa: BLE001 - dynamo re-raises some trace failures as they were
