@@ -22,8 +22,9 @@ prints errors, time to first audio p50/p95, the slowest stream's speed against r
 whether every stream was faster than real time, then "concurrent real-time streams: N", the most
 streams at once of the levels run that were all faster than real time (0 when even one alone was not).
 
-`--device` (default cpu) and `--compile` (the engine steps the compiled decode step, one graph per
-batch-size bucket; CUDA graphs on a GPU) are `drama3 serve`'s. `--random-model published` serves
+`--device` (default cpu) and `--compile` (the engine steps the compiled decode step in batch-size
+buckets: the first bucket's graph, then one with symbolic sizes for the others; CUDA graphs on a
+GPU) are `drama3 serve`'s. `--random-model published` serves
 the published model at `--layers` backbone layers (default 40) with random weights, built in
 memory on `--device` (the meta-device build of `benchmarks/gpu.py`; nothing to download or load:
 the GPU machine holds no checkpoint), with a tokenizer carrying every Drama 3 special token and a

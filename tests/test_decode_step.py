@@ -228,6 +228,28 @@ def test_the_compiled_step_equals_the_eager_step(model):
     assert_same_takes(plain, through_graph)
 
 
+@pytest.mark.parametrize("dynamic, graphs", [(None, 2), (False, 4)], ids=["automatic (the default)", "fixed shapes"])
+def test_batch_sizes_after_the_first_two_run_the_graph_compiled_for_the_second(model, dynamic, graphs):
+    """The default compile config leaves dynamic shapes to torch (`dynamic=None`): batch 1 compiles
+    a graph of its shapes, batch 2 one with the batch size symbolic, and batches 3 and 5 run that
+    one (with `dynamic=False`, every batch size compiles: 4 graphs). Every batch draws the codes the
+    eager step draws (dynamo's graph, run by its eager backend; seeded, top-k with RAS)."""
+    from transformers_drama3.decoding.loop import default_compile_config
+    from transformers_drama3.decoding.steady_guards import graphs_of
+
+    assert default_compile_config().dynamic is None
+    compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, backend="eager", mode=None)
+    torch._dynamo.reset()
+    settings = dict(top_k=8, max_new_tokens=12, return_dict_in_generate=True, cache_implementation="static")
+    for batch in (1, 2, 3, 5):
+        ids, codes, mask = left_pad([prompt(seed, audio_rows=1 + seed % 3) for seed in range(batch)])
+        seeds = list(range(10, 10 + batch))
+        plain = model.generate(ids, codes, mask, seed=seeds, **settings)
+        compiled = model.generate(ids, codes, mask, seed=seeds, compile_config=compile_config, **settings)
+        assert_same_takes(plain, compiled)
+    assert graphs_of(compiled_functions(compile_config).step) == graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()

@@ -94,20 +94,23 @@ def test_the_bundled_model_speaks_its_golden_aligned_take_with_prefill_graphs(bu
     assert codes.tolist() == json.loads(GOLDEN.read_text())["aligned"]
 
 
-def test_prompts_of_one_bucket_share_a_graph_and_another_bucket_gets_its_own(model):
-    graphs = []
+@pytest.mark.parametrize("dynamic", [False, None], ids=["fixed shapes", "automatic (the default config's)"])
+def test_prompts_of_one_bucket_share_a_graph_and_another_bucket_gets_its_own(model, dynamic):
+    """Each bucket is a graph of its own shapes, also where the compile config leaves dynamic shapes
+    to torch (which would make the length symbolic at the second bucket and share that graph)."""
+    symbolic = []
 
     def counting(gm, example_inputs):
-        graphs.append(len(example_inputs))
+        symbolic.append(any(isinstance(value, torch.SymInt) for value in example_inputs))
         return gm.forward
 
-    config = CompileConfig(fullgraph=True, dynamic=False, backend=counting, mode=None)
+    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend=counting, mode=None)
     torch._dynamo.reset()
-    for text_rows in (3, 4, 6):  # 14, 15 and 17 rows: buckets 16, 16, 32
+    for text_rows in (3, 4, 6, 25):  # 14, 15, 17 and 36 rows: buckets 16, 16, 32, 64
         ids, codes = prompt(1, text_rows=text_rows)
         run = opened(model, ids, codes, True, compile_config=config)
         assert run.cache.backbone_part.filled == prefill_bucket(ids.shape[0])
-    assert len(graphs) == 2  # the decode step compiles on its first step, which no run here takes
+    assert symbolic == [False] * 3  # the decode step compiles on its first step, which no run here takes
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ import torch
 
 from generation_helpers import prompt, recorded_step_order, tiny_model
 from transformers_drama3.decoding.sampler import SamplingSettings
+from transformers_drama3.decoding.steady_guards import graphs_of
 from transformers_drama3.serving.engine import (
     DoneEvent, Drama3Engine, ErrorEvent, FramesEvent, QueueFull, SpeechJob, prefill_alone,
 )
@@ -302,12 +303,15 @@ def _budget_of(model, request: SpeechJob):
 # ---- the compiled step in batch-size buckets -----------------------------------------------------------
 
 
-def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it_has_alone(model):
+@pytest.mark.parametrize("dynamic", [False, None], ids=["fixed shapes", "automatic (the default config's)"])
+def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it_has_alone(model, dynamic):
     """`compile_config` steps the running requests in batch-size buckets (3 running: 4 items, the
     fourth holding no request) through `torch.compile(fullgraph=True)` (dynamo's graph, run by its
     eager backend: a graph break fails the step) and gives each request the codes `generate()`
-    gives it alone, as requests join and leave. float64, with the batched-matmul experts (the
-    per-expert loop of the eager experts reads which experts were chosen: no graph holds it)."""
+    gives it alone, as requests join and leave, with fixed shapes or torch's automatic dynamic
+    shapes (the default config's: one graph then serves the buckets after the first). float64,
+    with the batched-matmul experts (the per-expert loop of the eager experts reads which experts
+    were chosen: no graph holds it)."""
     from transformers import CompileConfig
 
     traced = tiny_model(seed=0)
@@ -315,15 +319,19 @@ def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it
     traced = traced.double()
     requests = [job(seed=40 + i, prompt_seed=60 + i, audio_rows=1 + i) for i in range(5)]
     torch._dynamo.reset()
-    engine = Drama3Engine(traced, max_batch=4, compile_config=CompileConfig(fullgraph=True, dynamic=False,
+    engine = Drama3Engine(traced, max_batch=4, compile_config=CompileConfig(fullgraph=True, dynamic=dynamic,
                                                                              backend="eager", mode=None))
     stepped = []
     original = engine._compiled
-    engine._compiled = lambda function, *args: stepped.append((function, args[1].backbone_part.next_column.shape[0])) or original(
-        function, *args)
+    engine._compiled = lambda function, *args: stepped.append(
+        (function, args[1].backbone_part.next_column.shape[0], args[1].capacity)) or original(function, *args)
     handles = drive(engine, {0: requests[:3], 2: requests[3:4], 5: requests[4:]})
-    assert {items for _, items in stepped} >= {2, 4}  # buckets, not the running count
-    assert {function for function, _ in stepped} == {engine._step_function}  # draw and feed in one graph
+    assert {items for _, items, _ in stepped} >= {2, 4}  # buckets, not the running count
+    shapes = {(items, capacity) for _, items, capacity in stepped}
+    # fixed shapes: a graph per bucket and capacity; automatic: the first shape's, one with the sizes
+    # that changed symbolic, and batch 1's (torch specialises sizes of 1)
+    assert graphs_of(engine._step_function) == (len(shapes) if dynamic is False else min(len(shapes), 3))
+    assert {function for function, _, _ in stepped} == {engine._step_function}  # draw and feed in one graph
     assert engine._step_function is not Drama3Engine(model)._step_function  # the compiled function, not the plain one
     for request, handle in zip(requests, handles):
         result = handle.result(timeout=1)

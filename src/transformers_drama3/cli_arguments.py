@@ -180,7 +180,8 @@ def add_serve(subparsers) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole")
     parser.add_argument(
         "--compile", action="store_true",
-        help="compile the decode step (torch.compile, one graph per batch-size bucket; CUDA graphs on a GPU)",
+        help="compile the decode step (torch.compile: batch-size buckets, the first bucket's graph and one with its "
+             "sizes symbolic for the others; a CUDA graph per bucket on a GPU)",
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP)

@@ -345,7 +345,9 @@ def generate(
             length class and compiles the step (`torch.compile(fullgraph=True)`, CUDA graphs) by
             default on CUDA, or wherever `compile_config=CompileConfig(...)` is given, unless
             `disable_compile=True`: the same frames and the same seeded draws as the eager step.
-            The first call of a batch size and length class compiles. `prefill_graphs=True` (a
+            The first call compiles; so does the first call whose batch size or length class
+            differs (the default config leaves dynamic shapes to torch: those sizes then stay
+            symbolic and later calls run that graph; batch 1 keeps its own). `prefill_graphs=True` (a
             compiled run) left-pads the prompt to its power-of-two length bucket and prefills it
             through a compiled prefill too (one graph per bucket, batch size and length class).
 

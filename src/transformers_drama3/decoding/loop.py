@@ -461,8 +461,14 @@ def compile_options(config: CompileConfig) -> dict:
 
 
 def default_compile_config() -> CompileConfig:
-    """One graph per function (`fullgraph=True`, no dynamic shapes); CUDA graphs on a GPU."""
-    return CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="reduce-overhead")
+    """One graph per function (`fullgraph=True`), CUDA graphs on a GPU, and torch's automatic
+    dynamic shapes (`dynamic=None`): the first batch size and length class compile a graph of
+    fixed shapes; the first call that differs compiles the step once more with the sizes that
+    changed left symbolic, and every later size runs that graph (batch 1 keeps its own: torch
+    specialises sizes of 1). CUDA graphs record one graph per size. A process that decodes or
+    serves several batch sizes therefore compiles the step two or three times, not once per batch
+    size and length class (a compile of the published model takes minutes)."""
+    return CompileConfig(fullgraph=True, dynamic=None, backend="inductor", mode="reduce-overhead")
 
 
 _GROUPED_GEMM_DTYPES = (torch.bfloat16,)
@@ -549,11 +555,14 @@ _COMPILED_PREFILL: dict[tuple, object] = {}
 
 def compiled_prefill(config: CompileConfig):
     """`model.prefill` compiled with `config` (built once per set of options; torch compiles one
-    graph per length bucket, batch size and capacity class). On CUDA its routed experts take
+    graph per length bucket, batch size and capacity class: where `config` leaves dynamic shapes
+    to torch, the prefill's stay fixed). On CUDA its routed experts take
     `capturable_experts`' batched matmuls where the grouped GEMM would read its offsets on the
     host (not on the CPU: there a prefill's gathered expert weights would cost memory, and no
     CUDA graph needs it)."""
     options = compile_options(config)
+    if options["dynamic"] is None:
+        options["dynamic"] = False  # a bucket is a graph of its own shapes, as the buckets intend
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED_PREFILL:
         _COMPILED_PREFILL[key] = _with_capturable_experts(torch.compile(_prefill_rows, **options), cuda_only=True)

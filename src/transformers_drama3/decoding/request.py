@@ -66,7 +66,8 @@ def resolve_decoding(model, generation_config: GenerationConfig | None, override
     ("static" or "dynamic"), `compile_config` and `disable_compile`, from the model's generation
     config, then the call's, then keyword arguments. A static cache is compiled when a
     `compile_config` is given, or by default on CUDA (`default_compile_config`: one graph per step
-    with CUDA graphs), unless `disable_compile` or the model's experts are offloaded."""
+    with CUDA graphs, torch's automatic dynamic shapes), unless `disable_compile` or the model's
+    experts are offloaded."""
     values: dict = {}
     for source in (getattr(model, "generation_config", None), generation_config, overrides):
         if source is None:

@@ -235,8 +235,11 @@ class Drama3Engine:
             request, so it never stalls them longer than one chunk's prefill.
         compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed` in one
             graph) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
-            `max_batch`; the items past the running ones hold no request), so one graph serves each
-            bucket and capacity (CUDA graphs replay them with `mode="reduce-overhead"`). None
+            `max_batch`; the items past the running ones hold no request): with fixed shapes
+            (`dynamic=False`) one graph per bucket and capacity; with torch's automatic dynamic
+            shapes (`dynamic=None`, `default_compile_config`) the first bucket's graph, then one with
+            the sizes that changed symbolic for the later buckets (batch 1 keeps its own). CUDA
+            graphs record one graph per bucket (`mode="reduce-overhead"`). None
             (default) steps exactly the running requests eagerly. Phoneme alignment runs on both.
         audio_separator_token_id: the id of `<|audio_separator|>`: line-by-line prompts then draw
             it between their lines, as `generate(audio_separator_token_id=...)` does (None: no

@@ -78,7 +78,9 @@ class SpeechService:
         steps it itself (`driven_events`: on a ZeroGPU Space the GPU exists only inside the call
         that asked for it). `threads`: the scheduler thread's decode threads (`Drama3Engine`).
         `compile`: the engine steps the compiled decode step (`decoding.loop.default_compile_config`:
-        inductor, CUDA graphs on a GPU), one graph per batch-size bucket.
+        inductor, CUDA graphs on a GPU, torch's automatic dynamic shapes) in batch-size buckets: the
+        first bucket compiles its own graph, the next one a graph with its sizes symbolic that every
+        later bucket runs (batch 1 keeps its own); CUDA graphs record one graph per bucket.
         `adapter_specs` ("NAME=PATH", `--adapter`) are registered as voices at start; with them or an
         `adapter_root` (server folders adapters may be registered from at run time) the model gets
         `max_adapters` adapter slots of rank up to `adapter_rank` (`adapters.AdapterRegistry`), and
