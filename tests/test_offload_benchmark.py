@@ -1,19 +1,17 @@
 """benchmarks/offload.py parses its arguments and runs end to end at a tiny width (--dry-run)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offload.py"
+from script_helpers import BENCHMARKS, loaded_script
+
+SCRIPT = BENCHMARKS / "offload.py"
 
 
 @pytest.fixture(scope="module")
 def offload_benchmark():
-    spec = importlib.util.spec_from_file_location("offload_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with loaded_script(SCRIPT, "offload_benchmark") as module:
+        yield module
 
 
 @pytest.mark.parametrize("bad", [["--layers", "6"], ["--layers", "0"], ["--frames", "0"], ["--prompt-rows", "0"],

@@ -2,25 +2,19 @@
 streams it reports, its arguments, and a run on a model of random weights built in memory (what it
 serves on a GPU machine that holds no checkpoint), end to end on the CPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from script_helpers import BENCHMARKS, loaded_script
+
 RATE = 100.0  # samples per second: 200 bytes of 16-bit PCM are one second of audio
 
 
 @pytest.fixture(scope="module")
 def serve_load():
-    spec = importlib.util.spec_from_file_location("serve_load_benchmark", BENCHMARKS / "serve_load.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script(BENCHMARKS / "serve_load.py", "serve_load_benchmark") as module:
+        yield module
 
 
 def stream(*chunks):

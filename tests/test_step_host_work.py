@@ -2,25 +2,20 @@
 (`DecodeRun.steps()` against `steps_ahead()`): its graph timer, its arguments, and a short run whose
 table adds up."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_host_work.py"
+from script_helpers import BENCHMARKS, loaded_script
+
+SCRIPT = BENCHMARKS / "step_host_work.py"
 
 
 @pytest.fixture(scope="module")
 def host_work():
-    spec = importlib.util.spec_from_file_location("step_host_work", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script(SCRIPT, "step_host_work") as module:
+        yield module
 
 
 def test_the_graph_timer_adds_up_the_time_inside_its_graphs_and_computes_what_eager_computes(host_work):
