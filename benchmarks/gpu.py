@@ -17,8 +17,11 @@ next step queued before the host reads the last; the sampler made by
 `decoding.request.make_sampler`, the serving defaults):
 
   compiled  the step compiled as `generate(cache_implementation="static")` does on a GPU
-            (`default_compile_config()`: inductor, fullgraph, CUDA graphs); on the dry run's CPU
-            the same fullgraph trace through `aot_eager` (no CUDA graphs there);
+            (`default_compile_config()`: inductor, fullgraph, CUDA graphs, torch's automatic
+            dynamic shapes: the first batch size compiles a graph of its shapes, the second one
+            with the batch size symbolic that the later ones run, batch 1 its own; CUDA graphs
+            record one graph per batch size); on the dry run's CPU the same fullgraph trace through
+            `aot_eager` (no CUDA graphs there);
   eager     the same step, not compiled.
   in-order  (only when asked) compiled, stepped by `DecodeRun.steps()` as the text stream steps:
             `draw` and `feed` as two graphs, each draw read on the host before its row is fed;
@@ -26,6 +29,10 @@ next step queued before the host reads the last; the sampler made by
   prefill-graphs  (only when asked) compiled, and the prompt prefilled by the compiled prefill of
             its length bucket too (`generate(..., prefill_graphs=True)`): its TTFA against the
             compiled row's says what the prefill graphs are worth.
+
+On a GPU the batch sizes whose weights, codec and decode state do not fit its free memory (less
+10%, `planning.plan_memory`) are left out before anything is built, each named in a line
+"NOT MEASURED: ..." (the bf16 experts alone are 60 GiB); none fitting exits naming `--experts fp8`.
 
 Every timed shape is warmed first: for each batch size (`--batches`) one whole run of the timed
 length (the prefill of `--prompt-rows` rows, the compile and the CUDA-graph capture, Triton's
@@ -101,7 +108,8 @@ from transformers_drama3.codec import Drama3CodecConfig, Drama3CodecModel
 from transformers_drama3.decoding.loop import DecodeRun, default_compile_config
 from transformers_drama3.decoding.request import make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
-from transformers_drama3.planning import plan_memory
+from transformers_drama3.decoding.state import compiled_capacity
+from transformers_drama3.planning import GIB, plan_memory
 
 PAPER_FRAMES_PER_SECOND = 271.0
 """The paper's Drama 3 decode speed on one H200 (batch 1)."""
@@ -280,6 +288,25 @@ def weights_read_per_step(config: Drama3Config, experts: str, batch: int) -> int
     return dense + round(every_expert * reached / text.num_experts)
 
 
+def batches_that_fit(config: Drama3Config, experts: str, batches: list[int], rows: int,
+                     free_bytes: int) -> tuple[list[int], list[str]]:
+    """The batch sizes whose weights, codec and decode state (`plan_memory`: a compiled run's cache
+    of `rows` rows per item) fit `free_bytes` less the planner's 10% headroom (left for the
+    compile, the CUDA graphs' memory and the activations), and a line naming each that does not."""
+    quantization = "fp8" if experts == "fp8" else "none"
+    context = compiled_capacity(rows)
+    kept, refused = [], []
+    for batch in batches:
+        plan = plan_memory(config, quantization, gpu_gb=free_bytes / GIB, streams=batch, context=context)
+        if plan.fits:
+            kept.append(batch)
+        else:
+            refused.append(f"--experts {experts} batch {batch}: needs {plan.total / GIB:.1f} GiB (weights, codec, "
+                           f"decode state of {batch} x {context} rows) of the {plan.usable / GIB:.1f} GiB a run may "
+                           f"use here ({free_bytes / GIB:.1f} GiB free, 10% kept)")
+    return kept, refused
+
+
 def copy_bandwidth(device: str, megabytes: int, repeats: int = 10) -> float:
     """Bytes a large device-to-device copy moves per second (each byte read and written: both
     counted, as bandwidth tests count a copy); best of `repeats`."""
@@ -427,8 +454,8 @@ def compile_config_of(mode: str, device: str) -> CompileConfig | None:
         return None
     if device.startswith("cuda"):
         return default_compile_config()
-    # the same fullgraph trace on a CPU, run without code generation (no CUDA graphs there)
-    return CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager", mode=None)
+    # the same fullgraph trace (and dynamic shapes) on a CPU, run without code generation (no CUDA graphs there)
+    return CompileConfig(fullgraph=True, dynamic=default_compile_config().dynamic, backend="aot_eager", mode=None)
 
 
 def prompt(model, batch: int, rows: int, device: str):
@@ -605,8 +632,17 @@ def main(argv=None) -> None:
         fp8_quantizer()  # refused before anything is built
     on_gpu = device == "cuda"
     name = torch.cuda.get_device_name() if on_gpu else "CPU (dry run: tiny width, float32 for bf16)"
-    bandwidth = copy_bandwidth(device, 4096 if on_gpu else 64)
     config = published_config(arguments.layers, arguments.dry_run)
+    if on_gpu:  # refused before minutes of building and compiling end in an out-of-memory error
+        rows = arguments.prompt_rows + arguments.frames + 2
+        arguments.batches, refused = batches_that_fit(config, arguments.experts, arguments.batches, rows,
+                                                      torch.cuda.mem_get_info()[0])
+        for line in refused:
+            print(f"NOT MEASURED: {line}", flush=True)
+        if not arguments.batches:
+            raise SystemExit(f"benchmarks/gpu.py: no batch size fits this GPU with --experts {arguments.experts} "
+                             f"(see above): run --experts fp8, or on a GPU with more memory")
+    bandwidth = copy_bandwidth(device, 4096 if on_gpu else 64)
     header = {"device": name, "torch": torch.__version__, "layers": arguments.layers, "experts": arguments.experts,
               "prompt_rows": arguments.prompt_rows, "frames": arguments.frames, "copy_bandwidth_gb_per_s": bandwidth / 1e9}
     print(f"{name}, torch {torch.__version__}; {arguments.layers} backbone layers, {arguments.experts} routed experts; "
@@ -616,8 +652,9 @@ def main(argv=None) -> None:
     model = build(config, device, dtype, arguments.experts)
     codec = codec_of(arguments.dry_run, device)
     print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
-    # dynamo keeps 8 compiled variants of a function by default; each batch size is one variant of
-    # `step` (in-order: of `draw` and of `feed`; prefill-graphs: one prefill per bucket): room for twice that
+    # dynamo keeps 8 compiled variants of a function by default; each batch size is at most one variant
+    # of `step` (automatic dynamic shapes: batch 1's, then one symbolic graph for the others; in-order:
+    # of `draw` and of `feed`; prefill-graphs: one prefill per bucket): room for twice that
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arguments.batches))
     print(table_header(on_gpu), flush=True)
     rows, failures = [], []

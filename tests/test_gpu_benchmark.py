@@ -2,27 +2,23 @@
 the weights a step reads, the CUDA-graph capture check, and a run end to end at a tiny width on the
 CPU (--dry-run) whose table and numbers agree, so it is ready when a GPU is at hand."""
 
-import importlib.util
 import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+from script_helpers import BENCHMARKS, loaded_script
+
+SCRIPT = BENCHMARKS / "gpu.py"
 QUICK = ["--dry-run", "--frames", "12", "--prompt-rows", "8"]
 
 
 @pytest.fixture(scope="module")
 def gpu_benchmark():
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with loaded_script(SCRIPT, "gpu_benchmark") as module:
+        yield module
 
 
 def table(output: str) -> tuple[list[str], list[list[str]]]:
@@ -138,6 +134,7 @@ def test_the_compiled_mode_is_what_generate_compiles_on_a_gpu(gpu_benchmark):
     assert gpu_benchmark.compile_config_of("compiled", "cuda") == default_compile_config()
     on_cpu = gpu_benchmark.compile_config_of("compiled", "cpu")
     assert on_cpu.fullgraph and on_cpu.backend == "aot_eager" and on_cpu.mode is None  # no CUDA graphs on a CPU
+    assert on_cpu.dynamic == default_compile_config().dynamic  # the same graphs over the batch sizes
     assert gpu_benchmark.compile_config_of("eager", "cuda") is None
 
 
@@ -239,3 +236,26 @@ def test_the_in_order_mode_steps_draw_and_feed_as_the_text_stream_does(gpu_bench
     assert in_order["graphs_compiled"] == 2 and compiled["graphs_compiled"] == 1  # draw + feed; the step
     assert in_order["graphs_compiled_after_warm_up"] == compiled["graphs_compiled_after_warm_up"] == 0
     assert called == ["steps"] * 3 + ["steps_ahead"] * 3  # warm-up, timed, profiled
+
+
+def test_batch_sizes_whose_memory_does_not_fit_the_gpu_are_left_out_naming_each(gpu_benchmark):
+    """The published model at 40 layers (bf16 experts: 60 GiB of them), a compiled run of 256 + 40 + 2
+    rows (capacity 512): what fits is decided by the planner's bytes against the free memory less 10%."""
+    from transformers_drama3.planning import GIB, plan_memory
+
+    config = gpu_benchmark.published_config(40, dry_run=False)
+    batches, rows = [1, 8, 32, 64], 298
+
+    def total(batch, experts="none"):
+        return plan_memory(config, experts, streams=batch, context=512).total
+
+    assert gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, 200 * GIB) == (batches, [])
+    between = int((total(32) + total(64)) / 2 / 0.9)  # batch 32 fits, batch 64 does not
+    kept, refused = gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, between)
+    assert kept == [1, 8, 32] and len(refused) == 1
+    assert refused[0].startswith("--experts bf16 batch 64: needs ") and "64 x 512 rows" in refused[0]
+    assert f"{total(64) / GIB:.1f} GiB" in refused[0]
+    # too little for the bf16 weights, enough for the FP8 ones (1 byte per expert weight)
+    small = int(total(1, "fp8") / 0.9) + GIB
+    assert gpu_benchmark.batches_that_fit(config, "bf16", [1], rows, small)[0] == []
+    assert gpu_benchmark.batches_that_fit(config, "fp8", [1], rows, small)[0] == [1]
