@@ -58,11 +58,9 @@ def run_setting(arguments) -> list[dict]:
     from transformers import CompileConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gpu  # the published config at a tiny width, the meta-device build, the eos mask, the prompt
+    import gpu  # the published config at a tiny width, the meta-device build, the eos mask, the prefilled run
 
-    from transformers_drama3.decoding.loop import DecodeRun, compiled_functions
-    from transformers_drama3.decoding.request import make_sampler, resolve_request
-    from transformers_drama3.decoding.sampler import SamplingSettings
+    from transformers_drama3.decoding.loop import compiled_functions
     from transformers_drama3.decoding.steady_guards import graphs_of
 
     torch.set_num_threads(1)
@@ -72,13 +70,8 @@ def run_setting(arguments) -> list[dict]:
     rows = []
     with torch.no_grad():
         for batch in arguments.batches:
-            input_ids, audio_codes, mask = gpu.prompt(model, batch, 16, "cpu")
-            request = resolve_request(model, SamplingSettings(), input_ids, mask, arguments.frames,
-                                      arguments.frames / model.config.frame_rate)
-            sampler = make_sampler(model, request, input_ids, mask, seed=0)
             started = time.perf_counter()
-            run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler,
-                                      torch.full((batch,), arguments.frames), compile_config=config)
+            run = gpu.prefilled_run(model, batch, 16, arguments.frames, "cpu", config)
             frames = sum(1 for _ in run.steps_ahead())
             rows.append({"batch": batch, "seconds": time.perf_counter() - started, "frames": frames,
                          "graphs": graphs_of(compiled_functions(config).step)})

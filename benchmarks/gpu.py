@@ -466,14 +466,22 @@ def prompt(model, batch: int, rows: int, device: str):
     return input_ids, audio_codes, torch.ones_like(input_ids)
 
 
-def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str) -> DecodeRun:
-    """A decode run with its prompt prefilled, through the library's public loop."""
+def prefilled_run(model, batch: int, rows: int, frames: int, device: str, compile_config: CompileConfig | None,
+                  prefill_graphs: bool = False) -> DecodeRun:
+    """A decode run of `frames` frames per item (the serving defaults' sampler, seed 0) with a random
+    prompt of `rows` rows prefilled, through the library's public loop."""
     input_ids, audio_codes, mask = prompt(model, batch, rows, device)
     request = resolve_request(model, SamplingSettings(), input_ids, mask, frames, frames / model.config.frame_rate)
     sampler = make_sampler(model, request, input_ids, mask, seed=0)
     budgets = torch.full((batch,), frames, dtype=torch.long)
     return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, request.separators,
-                               compile_config=compile_config_of(mode, device), prefill_graphs=mode == "prefill-graphs")
+                               compile_config=compile_config, prefill_graphs=prefill_graphs)
+
+
+def start_run(model, batch: int, rows: int, frames: int, mode: str, device: str) -> DecodeRun:
+    """The prefilled run `mode` decodes."""
+    return prefilled_run(model, batch, rows, frames, device, compile_config_of(mode, device),
+                         prefill_graphs=mode == "prefill-graphs")
 
 
 def stepped(run: DecodeRun, mode: str):

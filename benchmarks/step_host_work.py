@@ -33,11 +33,9 @@ import torch
 from transformers import CompileConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu  # noqa: E402  (the published config, the meta-device build, the eos mask, the prompt)
+import gpu  # noqa: E402  (the published config, the meta-device build, the eos mask, the prefilled run)
 
 from transformers_drama3.decoding.loop import DecodeRun  # noqa: E402
-from transformers_drama3.decoding.request import make_sampler, resolve_request  # noqa: E402
-from transformers_drama3.decoding.sampler import SamplingSettings  # noqa: E402
 
 LOOPS = {"in order": DecodeRun.steps, "ahead": DecodeRun.steps_ahead}
 
@@ -82,11 +80,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 def timed_run(model, batch: int, frames: int, loop, compile_config: CompileConfig, timer: GraphTimer) -> tuple[float, float]:
     """(seconds per step, of which inside the graphs) of one run of `frames` frames through
     `loop`; the prefill is not timed."""
-    input_ids, audio_codes, mask = gpu.prompt(model, batch, 16, "cpu")
-    request = resolve_request(model, SamplingSettings(), input_ids, mask, frames, frames / model.config.frame_rate)
-    sampler = make_sampler(model, request, input_ids, mask, seed=0)
-    run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, torch.full((batch,), frames),
-                              compile_config=compile_config)
+    run = gpu.prefilled_run(model, batch, 16, frames, "cpu", compile_config)
     timer.seconds, steps = 0.0, 0
     started = time.perf_counter()
     for _ in loop(run):
