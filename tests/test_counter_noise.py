@@ -119,3 +119,30 @@ def test_unseeded_keys_follow_torchs_global_generator():
     torch.manual_seed(123)
     assert torch.equal(counter_noise.random_keys(4), first)
     assert first.unique().numel() == 4
+
+
+def test_the_streams_of_one_step_are_pairwise_distinct(monkeypatch):
+    """Every draw of a step (the main token, its RAS redraw, codebooks 1..9) takes its numbers from
+    its own stream: two draws on one stream would use the same numbers (codebook 1 reusing the RAS
+    redraw's, say), which no distribution test of a single draw can see. Recorded from a seeded
+    generate() of one frame through the real decode step."""
+    from generation_helpers import prompt, tiny_model
+
+    from transformers_drama3.decoding import sampler
+
+    model = tiny_model(seed=0)
+    streams = []
+
+    def recording(keys, steps, stream, lanes, widths=None):
+        streams.append((int(steps.max()), stream))
+        return exponentials(keys, steps, stream, lanes, widths)
+
+    monkeypatch.setattr(sampler, "exponentials", recording)
+    ids, codes = prompt(0)
+    with torch.no_grad():
+        model.generate(ids[None], codes[None], do_sample=True, seed=0, max_new_tokens=2, repetition_aware=True)
+    first_step = [stream for step, stream in streams if step == 0]
+    # the main token, its RAS redraw, and one stream per acoustic codebook
+    assert len(first_step) == 2 + model.config.num_codebooks - 1
+    assert len(set(first_step)) == len(first_step), f"streams drawn on twice in one step: {first_step}"
+    assert {counter_noise.MAIN_STREAM, counter_noise.RAS_STREAM} <= set(first_step)

@@ -252,3 +252,27 @@ def test_cuda_offloaded_forward_and_generate_equal_the_resident_model_on_cuda(re
     expected = on_gpu.generate(ids[None], codes[None], do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
     got = model.generate(ids[None], codes[None], do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
     assert torch.equal(got.audio_codes, expected.audio_codes)
+
+
+def test_the_least_recently_used_expert_is_the_one_evicted(resident):
+    """A known access sequence through one layer's cache of 2: after [0, 1], then [0] (0 is now the
+    most recently used), a miss on 2 evicts 1, the least recently used; then [3] evicts 0. Each slot
+    holds the weights of the expert the cache says it holds."""
+    experts = copy.deepcopy(resident.backbone.layers[0].mlp.experts)
+    layer = OffloadedExperts(experts, capacity=2, device=torch.device("cpu"))
+    hidden = torch.randn(1, experts.gate_up_proj.shape[-1])
+
+    def access(*chosen):
+        index = torch.tensor([list(chosen)])
+        with torch.no_grad():
+            layer(hidden.expand(1, -1), index, torch.full(index.shape, 1.0 / len(chosen)))
+        return list(layer.resident)  # least recently used first
+
+    assert access(0, 1) == [0, 1]
+    assert access(0) == [1, 0]
+    assert access(2) == [0, 2]  # 1 left, not 0 (the most recently used)
+    assert access(3) == [2, 3]
+    assert (layer.stats.hits, layer.stats.misses, layer.stats.evictions) == (1, 4, 2)
+    for expert, slot in layer.resident.items():
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(layer.compute, name)[slot], getattr(layer, name)[expert])

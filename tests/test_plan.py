@@ -262,6 +262,21 @@ def test_offload_gets_the_largest_cache_that_fits(saved_tiny):
     assert offloaded.fits
 
 
+def test_max_streams_is_the_most_streams_that_fit_the_card_less_its_headroom(saved_tiny):
+    """max_streams counts the streams a plan with that many streams fits (the card less 10%): one
+    more does not fit. On this card the 10% is room for more than 10 streams, so a count that
+    forgot the headroom would be far more than fit."""
+    folder = str(saved_tiny / "float")
+    one = plan_memory(folder)
+    card = (one.total - one.state + 30.5 * one.state_per_stream) / 0.9 / GIB
+    plan = plan_memory(folder, gpu_gb=card)
+    streams = planning.max_streams(plan)
+    assert streams == 30 and card * GIB * 0.1 > 10 * one.state_per_stream
+    assert plan_memory(folder, gpu_gb=card, streams=streams).fits
+    assert not plan_memory(folder, gpu_gb=card, streams=streams + 1).fits
+    assert planning.max_streams(plan_memory(folder)) == 0  # no card, no streams
+
+
 def test_refusal_names_the_option_and_what_fits(saved_tiny):
     folder = str(saved_tiny / "float")
     totals = {plan.quantization: plan.total for plan in plan_options(folder) if plan.offload is None}
