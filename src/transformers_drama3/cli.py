@@ -339,7 +339,9 @@ def check_adapter_flags(args) -> None:
 
 def check_adapter_specs(specs) -> None:
     """`--adapter NAME=PATH` values: the form, and a folder at PATH."""
-    from .serving.adapters import parse_adapter_spec
+    if not specs:
+        return
+    from .serving.adapters import parse_adapter_spec  # the adapter code loads only for a server given adapters
 
     for spec in specs:
         try:

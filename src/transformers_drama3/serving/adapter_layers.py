@@ -5,7 +5,7 @@
     with routed(torch.tensor([0, 3, 3, 0])):             # item i speaks with the adapter in slot index[i]
         model(...)                                       # slot 0 is the base model (no adapter)
 
-Every Linear the "light" LoRA preset targets (`training.lora.LIGHT_TARGET_MODULES`) becomes a
+Every Linear the "light" LoRA preset targets (`lora_targets.LIGHT_TARGET_MODULES`) becomes a
 `SlotLoraLinear`: the base layer's own weight, plus a stack of LoRA factors for every slot,
 A [slots, max_rank, in] and B [slots, out, max_rank] (B already scaled by alpha / r; a smaller
 rank is zero-padded; slot 0 is zeros). A batch of items computes
@@ -17,7 +17,7 @@ embedding table) become `SlotLinear` / `SlotEmbedding`: one full copy per slot (
 weight), gathered per item the same way. No branch reads a tensor and every shape is fixed, so a
 compiled decode step holds the adapters in its graph; writing a slot changes tensors in place.
 
-The index a forward uses belongs to the calling thread (`routed`): the serving engine's scheduler
+The index a forward uses belongs to the calling thread (`routing.routed`): the serving engine's scheduler
 thread and a text stream's worker thread run the same model at once, each with its own items.
 Without an index a layer computes its base layer alone. The index has one entry per batch item
 (or one entry for the whole batch); a layer that sees its input flattened to rows (the shared
@@ -35,15 +35,14 @@ import json
 import math
 import os
 import re
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..training.lora import LIGHT_TARGET_MODULES, full_trained_modules
+from ..lora_targets import LIGHT_TARGET_MODULES, full_trained_modules
+from .routing import routed, routing_index  # noqa: F401  (routed: re-exported)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -56,29 +55,6 @@ _PREFIX = "base_model.model."
 
 class AdapterError(ValueError):
     """An adapter folder that cannot be served by this model; the message names what differs."""
-
-
-# ---------------------------------------------------------------------------------- routing
-
-
-class _Routing(threading.local):
-    index: torch.Tensor | None = None
-
-
-_ROUTING = _Routing()
-
-
-@contextmanager
-def routed(index: torch.Tensor | None):
-    """Within the block, this thread's forwards give batch item i the adapter in slot `index[i]`
-    (index: long [items], or [1] for every item; None: the base model)."""
-    previous = _ROUTING.index
-    _ROUTING.index = index
-    try:
-        yield
-    finally:
-        _ROUTING.index = previous
-
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -98,7 +74,7 @@ class SlotLoraLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        index = _ROUTING.index
+        index = routing_index()
         if index is None:
             return out
         items = x.reshape(index.shape[0], -1, self.in_features)  # [items, rows, in]
@@ -129,7 +105,7 @@ class SlotLinear(nn.Linear):
         self.register_buffer("weight_slots", stack, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        index = _ROUTING.index
+        index = routing_index()
         if index is None:
             return F.linear(x, self.weight)
         items = x.reshape(index.shape[0], -1, self.in_features)
@@ -153,7 +129,7 @@ class SlotEmbedding(nn.Embedding):
         self.register_buffer("weight_slots", base.weight.detach()[None].repeat(slots, 1, 1), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        index = _ROUTING.index
+        index = routing_index()
         if index is None:
             return F.embedding(ids, self.weight)
         items = ids.reshape(index.shape[0], -1) + (index * self.num_embeddings)[:, None]  # rows of the stacked tables
@@ -364,7 +340,7 @@ def _checked_weights(tensors, model, name, path, rank, scale, what) -> AdapterWe
                 raise AdapterError(f"{what}: LoRA on {module!r}, a module the served model does not have")
             if module not in targets:
                 raise AdapterError(f"{what}: LoRA on {module!r}, which the server does not adapt (it serves the "
-                                   "\"light\" preset's layers: training.lora.LIGHT_TARGET_MODULES)")
+                                   "\"light\" preset's layers: lora_targets.LIGHT_TARGET_MODULES)")
             factors.setdefault(module, {})[factor] = tensor
             continue
         module, _, parameter = module_path.rpartition(".")

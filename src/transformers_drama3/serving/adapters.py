@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .adapter_layers import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE, AdapterError, AdapterSlots, read_adapter, routed
+from .adapter_layers import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE, AdapterError, AdapterSlots, read_adapter
+from .routing import AdapterSlotsBusy, routed  # noqa: F401  (AdapterSlotsBusy: re-exported)
 from .voices import check_voice_id
 
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE)
@@ -44,10 +45,6 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE)
 
 class AdapterExists(Exception):
     """An adapter of that name is registered already."""
-
-
-class AdapterSlotsBusy(Exception):
-    """Every slot holds an adapter that a running request uses."""
 
 
 @dataclass

@@ -46,8 +46,7 @@ from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancel
 from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
 from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming_wav_header
-from .adapter_routes import delete_adapter_voice, register_adapter_voice
-from .adapters import AdapterSlotsBusy
+from .routing import AdapterSlotsBusy
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
 from .protocol import (
@@ -296,6 +295,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
         service = service_or_503()
         body = await json_body(request)
         if isinstance(body, dict) and "adapter" in body:  # a fine-tuned voice (serving.adapter_routes)
+            from .adapter_routes import register_adapter_voice  # the adapter code loads only when it is used
+
             return await asyncio.to_thread(register_adapter_voice, service, body, settings.limits)
         voice_id, name, references = parse_voice_upload(body, settings.limits)
         if voice_id in service.voices:
@@ -318,6 +319,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
     async def delete_voice(voice_id: str):
         service = service_or_503()
         if service.adapter_of(voice_id) is not None:
+            from .adapter_routes import delete_adapter_voice
+
             return await asyncio.to_thread(delete_adapter_voice, service, voice_id)
         try:
             await asyncio.to_thread(service.voices.delete, voice_id)

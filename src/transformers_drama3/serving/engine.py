@@ -45,7 +45,7 @@ from ..decoding.state import DecodeCache, DecodeState
 from ..decoding.threads import check_threads, resolve_threads
 from ..decoding.request import line_separators
 from ..prompting.bare_rows import boundaries_left_of_rows
-from .adapter_layers import routed
+from .routing import routed
 from .decoding import (
     AlignmentMasks,
     ClickFilter,

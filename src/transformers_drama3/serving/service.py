@@ -27,8 +27,7 @@ from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
 from .protocol import ApiError, SpeechParams, TextStreamParams
 from .voices import DamagedVoice, VoiceStore, reference_file_voice, register_bundled_voices
-from .adapter_layers import routed
-from .adapters import AdapterRegistry, parse_adapter_spec
+from .routing import routed
 
 
 class TextStreamSlots:
@@ -55,7 +54,7 @@ class SpeechService:
 
     def __init__(self, model, processor, voices: VoiceStore, model_name: str, engine: Drama3Engine,
                  metrics: ServerMetrics, default_voice: str | None, codec_threads: int | None = None,
-                 adapters: AdapterRegistry | None = None):
+                 adapters=None):
         self.model, self.processor, self.voices = model, processor, voices
         self.adapters = adapters  # fine-tuned voices: LoRA adapters on the model (None: the server takes none)
         self.model_name, self.engine, self.metrics = model_name, engine, metrics
@@ -90,6 +89,8 @@ class SpeechService:
         `device` (`offload.offload_experts`); the engine then steps eagerly. `prefill_chunk`
         (`--prefill-chunk`): rows of prompt prefilled per scheduler step (`Drama3Engine`); None:
         `default_prefill_chunk(device)`."""
+        if adapter_specs or adapter_root is not None:  # the adapter code loads only for a server given adapters
+            from .adapters import AdapterRegistry, parse_adapter_spec
         named_adapters = [parse_adapter_spec(spec) for spec in adapter_specs]  # a bad flag is refused before loading
         bundled = source is None
         source = shipped.TINY_MODEL_PATH if bundled else source
@@ -235,7 +236,7 @@ class SpeechService:
             return work(*args)
 
 
-def adapter_stream(adapters: AdapterRegistry, name: str, stream):
+def adapter_stream(adapters, name: str, stream):
     """`stream`'s items, each made with adapter `name` routed in the thread that asks for it (the
     thread's routing is set only while an item is made); the adapter is held from the first item
     until the stream ends."""

@@ -21,21 +21,7 @@ import os
 
 from peft import LoraConfig, PeftModel, get_peft_model
 
-LIGHT_TARGET_MODULES = (
-    r".*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)"
-    r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)"
-    r"|shared_expert\.(gate_proj|up_proj|down_proj)"
-    r"|eh_proj|attention\.(wqkv|wo)|feed_forward\.(w1|w2|w3))"
-)
-EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-PRESETS = ("light", "heavy")
-
-
-def full_trained_modules(model) -> list[str]:
-    """Names (suffixes) of the modules trained in full: the tower heads and the codebook tables."""
-    names = ["codebook_embeddings"]
-    names += [f"audio_decoder_mtp.heads.{index}" for index in range(len(model.audio_decoder_mtp.heads))]
-    return names
+from ..lora_targets import EXPERT_PARAMETERS, LIGHT_TARGET_MODULES, PRESETS, full_trained_modules  # noqa: F401
 
 
 def lora_config(model, preset: str = "light", r: int = 16, alpha: int | None = None, dropout: float = 0.0) -> LoraConfig:
