@@ -36,7 +36,12 @@ a second later `--long-prompts` requests of 4,096 characters of input and 4,096 
 (one frame each) arrive with `--clients` fresh short streams, and the same round runs again
 without the long prompts. Prints per round: the worst gap between two chunks of a running stream,
 the fresh streams' time to first audio p50/p95, and the long prompts' time, with the ratios of the
-round with long prompts to the round without.
+round with long prompts to the round without. Then the body attack (issue 58), unless
+`--attack-bodies 0`: one stream of `--frames` frames runs while /health is asked every 0.1 s, and a
+second in `--attack-bodies` bodies of ~30 MiB of `[[],[],...]` are posted at once (then, in another
+round, one body of 2.9 M keys; and a round of none). Prints per round: the bodies' statuses and
+slowest answer, the worst /health latency, the stream's worst gap between chunks and the server's
+(this process's) peak resident memory growth.
 
 `--adapters N` runs the fine-tuned-voice mix instead (issue 48): N random "light" LoRA adapters of
 the model (rank `--adapter-rank`) are served as voices, each with voice A's reference clip, and
@@ -95,10 +100,12 @@ def start_server(service: SpeechService):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int, voices=VOICES) -> dict:
-    """Stream one request; returns its time to first audio, frames received and error (if any)."""
+def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int, voices=VOICES,
+               text: str | None = None) -> dict:
+    """Stream one request (`text`, else one of `TEXTS`); returns its time to first audio, frames
+    received and error (if any)."""
     body = {
-        "model": "drama3", "input": TEXTS[index % len(TEXTS)], "voice": voices[index % len(voices)],
+        "model": "drama3", "input": text or TEXTS[index % len(TEXTS)], "voice": voices[index % len(voices)],
         "response_format": "pcm", "stream_format": "audio", "seed": index, "max_new_tokens": frames,
     }
     started = time.perf_counter()
@@ -260,6 +267,8 @@ def attack(args) -> None:
             spf, names = service.processor.samples_per_frame, voices_of(service)
             one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf, names)  # warm-up
             rounds = {count: attack_round(base, args, spf, count, names) for count in (0, args.long_prompts)}
+            if args.attack_bodies:
+                body_attack(base, args, spf, names)
         finally:
             server.should_exit = True
             thread.join(timeout=10)
@@ -273,6 +282,117 @@ def attack(args) -> None:
               f"{result['ttfa'][0]:.3f} s, p95 {result['ttfa'][1]:.3f} s; longest long prompt {result['long']:.2f} s")
     print(f"  ratios (with / without): worst gap {attacked['worst_gap'] / quiet['worst_gap']:.2f}x, time to first "
           f"audio p50 {attacked['ttfa'][0] / quiet['ttfa'][0]:.2f}x, p95 {attacked['ttfa'][1] / quiet['ttfa'][1]:.2f}x")
+
+
+HOSTILE_BODIES = ("nested", "keys")
+"""The bodies of the body attack: ~30 MiB of `[[],[],...]` (10 M empty lists), and an object of
+2.9 M distinct keys (~29 MiB)."""
+
+
+def hostile_body(kind: str) -> bytes:
+    """One body of the body attack (`HOSTILE_BODIES`), under the server's default 32 MiB."""
+    if kind == "nested":
+        return b"[" + b"[]," * 10_000_000 + b"[]]"
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+    def key(number: int) -> str:
+        text = ""
+        while True:
+            number, digit = divmod(number, 36)
+            text = digits[digit] + text
+            if not number:
+                return text
+
+    return ("{" + ",".join(f'"{key(number)}":0' for number in range(2_900_000)) + "}").encode()
+
+
+def peak_rss_reset() -> None:
+    """Start this process's peak resident memory (VmHWM) afresh (Linux; elsewhere nothing happens)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since the last `peak_rss_reset`, in MB (nan off Linux)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def health_latencies(base: str, stop: threading.Event, every: float = 0.1) -> list[float]:
+    """Seconds each GET /health took, one every `every` s, until `stop` is set."""
+    latencies = []
+    with httpx.Client(base_url=base, timeout=120) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                client.get("/health")
+            except httpx.HTTPError:
+                latencies.append(float("inf"))
+                continue
+            latencies.append(time.perf_counter() - started)
+            stop.wait(every)
+    return latencies
+
+
+def post_body(base: str, body: bytes, deadline: float) -> dict:
+    """POST one hostile body to /v1/audio/speech; its status and how long the answer took."""
+    started = time.perf_counter()
+    try:
+        response = httpx.post(base + "/v1/audio/speech", content=body, headers={"Content-Type": "application/json"},
+                              timeout=max(1.0, deadline - started))
+    except httpx.HTTPError as error:
+        return {"error": type(error).__name__}
+    return {"status": response.status_code, "seconds": time.perf_counter() - started}
+
+
+def body_round(base: str, args, samples_per_frame: int, kind: str | None, count: int, voices=VOICES) -> dict:
+    """One stream of `--frames` frames runs, /health is asked every 0.1 s; a second in, `count`
+    hostile bodies of `kind` (None: none) are posted at once. Returns the worst /health latency,
+    the stream's worst gap between chunks, the bodies' statuses and slowest answer, and this
+    process's (the server's) peak resident memory during the round."""
+    deadline = time.perf_counter() + args.time_limit
+    bodies = [hostile_body(kind)] * count if kind is not None else []
+    stop = threading.Event()
+    peak_rss_reset()
+    before = peak_rss_mb()
+    with ThreadPoolExecutor(2 + count) as pool:
+        health = pool.submit(health_latencies, base, stop)
+        stream = pool.submit(one_stream, base, 400, args.frames, deadline, samples_per_frame, voices, " ".join(TEXTS * 6))
+        time.sleep(1.0)
+        answers = [future.result() for future in [pool.submit(post_body, base, body, deadline) for body in bodies]]
+        stream = stream.result()
+        stop.set()
+        health = health.result()
+    return {
+        "health": max(health, default=float("nan")), "gap": stream.get("worst_gap", float("nan")),
+        "stream_error": stream.get("error"), "statuses": sorted(a.get("status", a.get("error")) for a in answers),
+        "answer": max((a["seconds"] for a in answers if "seconds" in a), default=float("nan")),
+        "rss": peak_rss_mb() - before,
+    }
+
+
+def body_attack(base: str, args, samples_per_frame: int, voices=VOICES) -> None:
+    """The body attack (issue 58): a quiet round, `--attack-bodies` bodies of nested lists at once,
+    one body of 2.9 M keys; printed as a table."""
+    rounds = [("none", None, 0), (f"{args.attack_bodies} x ~30 MiB [[],[],...]", "nested", args.attack_bodies),
+              ("1 x 2.9 M keys", "keys", 1)]
+    print(f"body attack: one stream of {args.frames} frames, /health every 0.1 s, hostile bodies a second in")
+    print("| bodies | answers | slowest answer | worst /health | stream's worst gap | peak RSS growth |")
+    print("|---|---|---|---|---|---|")
+    for label, kind, count in rounds:
+        result = body_round(base, args, samples_per_frame, kind, count, voices)
+        error = f" (stream: {result['stream_error']})" if result["stream_error"] else ""
+        print(f"| {label} | {result['statuses'] or '-'} | {result['answer']:.2f} s | {result['health']:.3f} s | "
+              f"{result['gap']:.3f} s{error} | {result['rss']:.0f} MB |")
 
 
 def batch_occupancy(base: str) -> float:
@@ -510,6 +630,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--attack", action="store_true", help="run the attack mix (long prompts beside streams)")
     parser.add_argument("--streams", type=int, default=4, help="--attack: streams running when the long prompts come")
     parser.add_argument("--long-prompts", type=int, default=3, help="--attack: long prompts sent together")
+    parser.add_argument("--attack-bodies", type=int, default=4,
+                        help="--attack: hostile ~30 MiB bodies posted at once beside a stream (0: no body attack)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="--attack: the engine's prefill_chunk (rows per step; default: the server's for the device)")
     parser.add_argument("--adapters", type=int, default=None,
@@ -529,6 +651,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         for name, value in (("--streams", args.streams), ("--long-prompts", args.long_prompts)):
             if not 1 <= value <= 64:
                 parser.error(f"{name} {value}: expected 1..64")
+        if not 0 <= args.attack_bodies <= 8:
+            parser.error(f"--attack-bodies {args.attack_bodies}: expected 0..8")
     if args.adapters is not None and not 1 <= args.adapters <= 64:
         parser.error(f"--adapters {args.adapters}: expected 1..64")
     if args.random_model is not None and args.model is not None:

@@ -6,8 +6,12 @@ import base64
 import io
 import json
 import logging
+import os
 import shutil
 import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,13 +20,15 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from network_helpers import serving_on_loopback
+from network_helpers import free_port, serving_on_loopback
 
 uvicorn = pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
-ConnectionClosed = pytest.importorskip("websockets.exceptions").ConnectionClosed
+websockets_exceptions = pytest.importorskip("websockets.exceptions")
+ConnectionClosed = websockets_exceptions.ConnectionClosed
 
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app  # noqa: E402
+from transformers_drama3.serving.connections import header_timeout_protocol  # noqa: E402
 from transformers_drama3.tiny import shipped  # noqa: E402
 
 API_KEY = "attack-key"
@@ -37,11 +43,23 @@ def service(tmp_path_factory):
     service.engine.stop()
 
 
+def cli_protocol():
+    """The HTTP protocol `drama3 serve` runs (uvicorn's h11 with a deadline for request heads)."""
+    return header_timeout_protocol(10.0)
+
+
 @pytest.fixture(scope="module")
 def server(service):
     app = create_app(lambda: service, ServerSettings(api_key=API_KEY, request_timeout=60))
-    with serving_on_loopback(app) as port:
+    with serving_on_loopback(app, http=cli_protocol()) as port:
         yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def keyless(service):
+    """A default server, as `drama3 serve` starts without a key: the loopback port."""
+    with serving_on_loopback(create_app(lambda: service, ServerSettings(request_timeout=60)), http=cli_protocol()) as port:
+        yield port
 
 
 def post_raw(client: httpx.Client, path: str, body: str) -> httpx.Response:
@@ -343,13 +361,13 @@ def test_open_listings_let_a_front_end_list_models_and_voices_without_the_key_an
 
 
 def test_a_public_bind_without_a_key_warns(monkeypatch, capsys):
-    import uvicorn as uvicorn_module
-
+    from transformers_drama3 import cli
     from transformers_drama3.cli import main
     from transformers_drama3.serving import app as app_module
 
     monkeypatch.setattr(app_module, "serve_in_background", lambda *args, **kwargs: ((lambda: None), None))
-    monkeypatch.setattr(uvicorn_module, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli, "listen", lambda host, port: None)  # binds nothing
+    monkeypatch.setattr(cli, "run_server", lambda *args: None)
     monkeypatch.delenv("DRAMA3_API_KEY", raising=False)
     assert main(["serve", "--host", "0.0.0.0"]) == 0
     assert "warning" in capsys.readouterr().err.lower()
@@ -426,7 +444,7 @@ def raw_request(port: int, head: bytes, body_parts, wait: float = 10.0) -> bytes
 
 def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(strict_server):
     port, _ = strict_server
-    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + API_KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
     chunk = b"%x\r\n%s\r\n" % (16 * 2**10, b" " * 16 * 2**10)
     started = time.perf_counter()
@@ -437,7 +455,7 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(strict_server
 
 def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(strict_server):
     port, _ = strict_server
-    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
     started = time.perf_counter()
     answer = raw_request(port, head, [b'{"input": "'])  # 11 of 1000 declared bytes, then silence
@@ -478,7 +496,7 @@ def test_a_new_voice_s_audio_is_not_said_to_be_a_voice_id(server):
 
 def test_a_client_that_leaves_mid_body_logs_no_error(strict_server, caplog):
     port, _ = strict_server
-    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n")
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
@@ -488,3 +506,259 @@ def test_a_client_that_leaves_mid_body_logs_no_error(strict_server, caplog):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
             assert client.get("/health", timeout=WAIT).status_code == 200
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+# ---- issue 58: a web page cannot drive the server (content type, Host, Origin) -----------------------
+
+SPEAK = json.dumps({"input": "Hello.", "voice": "A", "max_new_tokens": 2, "response_format": "wav"})
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None],
+                         ids=["text-plain", "form", "multipart", "none"])
+def test_a_body_a_page_may_send_cross_site_unasked_is_refused_415_and_changes_nothing(keyless, content_type):
+    headers = {"Origin": f"http://127.0.0.1:{keyless}"} | ({"Content-Type": content_type} if content_type else {})
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+        stored = client.post("/v1/audio/voices", content=json.dumps(clip_body("csrf")).encode(), headers=headers,
+                             timeout=WAIT)
+        assert assert_openai_error(stored, 415, None)["code"] == "unsupported_media_type"
+        spoken = client.post("/v1/audio/speech", content=SPEAK.encode(), headers=headers, timeout=WAIT)
+        assert assert_openai_error(spoken, 415, None)["code"] == "unsupported_media_type"
+        assert "csrf" not in listed(client)
+        json_typed = client.post("/v1/audio/speech", content=SPEAK.encode(), timeout=WAIT,
+                                 headers={**headers, "Content-Type": "application/json; charset=utf-8"})
+        assert json_typed.status_code == 200 and json_typed.content[:4] == b"RIFF"
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/v1/audio/voices"), ("POST", "/v1/audio/speech"),
+                                          ("GET", "/metrics"), ("GET", "/openapi.json"), ("DELETE", "/v1/audio/voices/A")])
+def test_a_host_that_does_not_name_the_server_is_refused_403_so_dns_rebinding_reaches_nothing(keyless, service, method,
+                                                                                            path):
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+        answer = client.request(method, path, content=SPEAK.encode() if method == "POST" else None, timeout=WAIT,
+                                headers={"Host": f"evil.example:{keyless}", "Content-Type": "application/json"})
+        error = assert_openai_error(answer, 403, None)
+        assert (error["type"], error["code"]) == ("permission_error", "forbidden_host")
+        assert "evil.example" in error["message"]
+        assert client.get("/health", headers={"Host": "evil.example"}, timeout=WAIT).status_code == 200  # a probe by address
+        for name in ("localhost", "127.0.0.1", "[::1]", "LOCALHOST."):
+            assert client.get("/v1/models", headers={"Host": f"{name}:{keyless}"}, timeout=WAIT).status_code == 200, name
+    assert "A" in service.voices
+
+
+def test_a_trailing_slash_redirect_never_points_at_another_host(keyless):
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+        refused = client.get("/v1/models/", headers={"Host": "evil.example"}, timeout=WAIT)
+        assert refused.status_code == 403 and "location" not in refused.headers
+        redirect = client.get("/v1/models/", timeout=WAIT)
+        assert redirect.status_code == 307 and redirect.headers["location"] == f"http://127.0.0.1:{keyless}/v1/models"
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://localhost"])
+def test_a_page_of_another_origin_is_refused_403_on_http_and_the_websocket(keyless, origin):
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+        headers = {"Origin": origin, "Content-Type": "application/json"}
+        error = assert_openai_error(client.post("/v1/audio/speech", content=SPEAK.encode(), headers=headers, timeout=WAIT),
+                                    403, None)
+        assert (error["type"], error["code"]) == ("permission_error", "forbidden_origin")
+        assert client.get("/v1/audio/voices", headers={"Origin": origin}, timeout=WAIT).status_code == 403
+        same_site = client.post("/v1/audio/speech", content=SPEAK.encode(), timeout=WAIT,
+                                headers={"Origin": f"http://127.0.0.1:{keyless}", "Content-Type": "application/json"})
+        assert same_site.status_code == 200  # the server's own page (/docs) speaks
+    with pytest.raises(websockets_exceptions.InvalidStatus) as refused:
+        websockets_sync.connect(f"ws://127.0.0.1:{keyless}/v1/audio/speech/stream", origin=origin, open_timeout=WAIT)
+    assert refused.value.response.status_code == 403
+    assert json.loads(refused.value.response.body)["error"]["code"] == "forbidden_origin"
+    for own in (f"http://127.0.0.1:{keyless}", None):  # the server's own page, and a client that is no browser
+        with websockets_sync.connect(f"ws://127.0.0.1:{keyless}/v1/audio/speech/stream", origin=own,
+                                     open_timeout=WAIT) as connection:
+            connection.send(START[:-2] + "}")
+            assert json.loads(connection.recv(timeout=WAIT))["type"] == "ready"
+
+
+def test_allowed_hosts_and_origins_let_those_names_and_pages_in_with_cors_headers(service):
+    settings = ServerSettings(allowed_hosts=("localhost", "127.0.0.1", "tts.example"),
+                              allowed_origins=("https://app.example",))
+    app = create_app(lambda: service, settings)
+    with serving_on_loopback(app, http=cli_protocol()) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        named = client.get("/v1/models", headers={"Host": f"tts.example:{port}"}, timeout=WAIT)
+        assert named.status_code == 200
+        asked = client.options("/v1/audio/speech", timeout=WAIT, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == "https://app.example"
+        spoken = client.post("/v1/audio/speech", content=SPEAK.encode(), timeout=WAIT,
+                             headers={"Origin": "https://app.example", "Content-Type": "application/json"})
+        assert spoken.status_code == 200 and spoken.headers["access-control-allow-origin"] == "https://app.example"
+        assert "x-seed" in spoken.headers["access-control-expose-headers"].lower()
+        other = client.post("/v1/audio/speech", content=SPEAK.encode(), timeout=WAIT,
+                            headers={"Origin": "https://other.example", "Content-Type": "application/json"})
+        assert assert_openai_error(other, 403, None)["code"] == "forbidden_origin"
+        assert client.get("/v1/models", headers={"Host": "evil.example"}, timeout=WAIT).status_code == 403
+
+
+def test_drama3_serve_allows_the_loopback_names_its_bound_address_and_the_names_given(monkeypatch, capsys):
+    from transformers_drama3 import cli
+    from transformers_drama3.serving import app as app_module
+
+    started = {}
+    monkeypatch.setattr(app_module, "serve_in_background", lambda *args, **kwargs: ((lambda: None), None))
+    monkeypatch.setattr(app_module, "create_app", lambda get_service, settings: started.setdefault("settings", settings))
+    monkeypatch.setattr(cli, "listen", lambda host, port: None)  # binds nothing
+    monkeypatch.setattr(cli, "run_server", lambda *args: None)
+    monkeypatch.setenv("DRAMA3_API_KEY", "key")
+    assert cli.main(["serve"]) == 0
+    assert (started.pop("settings").allowed_hosts, capsys.readouterr().err.count("--allowed-hosts")) == (
+        ("localhost", "127.0.0.1", "[::1]"), 0)
+    assert cli.main(["serve", "--host", "192.168.1.5", "--allowed-hosts", "tts.example,Box.Local",
+                     "--allowed-origins", "https://App.example", "--allowed-origins", "http://localhost:3000"]) == 0
+    settings = started.pop("settings")
+    assert settings.allowed_hosts == ("localhost", "127.0.0.1", "[::1]", "192.168.1.5", "tts.example", "box.local")
+    assert settings.allowed_origins == ("https://app.example", "http://localhost:3000")
+    assert cli.main(["serve", "--host", "0.0.0.0"]) == 0
+    assert started.pop("settings").allowed_hosts == ("localhost", "127.0.0.1", "[::1]")
+    assert "--allowed-hosts" in capsys.readouterr().err  # a wildcard bind says which names it answers
+    assert cli.main(["serve", "--host", "::", "--allowed-hosts", "*"]) == 0
+    assert "*" in started.pop("settings").allowed_hosts
+    assert cli.main(["serve", "--allowed-origins", "evil.example"]) == 2
+    assert "--allowed-origins 'evil.example'" in capsys.readouterr().err
+
+
+# ---- issue 58: one framing per request, heads of bounded size ----------------------------------------
+
+
+def read_until_closed(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
+    """Send `data` in one write; what arrives until the server closes (True) or `wait` s pass (False)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        try:
+            connection.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        try:
+            while True:
+                received = connection.recv(65536)
+                if not received:
+                    return answer, True
+                answer += received
+        except socket.timeout:
+            return answer, False
+        except ConnectionResetError:
+            return answer, True
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_the_smuggled_request_never_answered(keyless):
+    body = b'{"input": "Hello.", "voice": "A", "max_new_tokens": 2}'
+    smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    request = (b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) + smuggled)
+    answer, closed = read_until_closed(keyless, request)
+    assert closed and answer.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer  # the GET after the last chunk got no answer
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "ambiguous_framing"
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:  # one framing still works, either one
+        assert client.post("/v1/audio/speech", content=SPEAK.encode(), headers={"Content-Type": "application/json"},
+                           timeout=WAIT).status_code == 200
+        assert client.post("/v1/audio/speech", content=iter([SPEAK.encode()]), timeout=WAIT,
+                           headers={"Content-Type": "application/json"}).status_code == 200
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 17_000 + b"\r\n\r\n", 431),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-%d: 1\r\n" % n for n in range(5000)) + b"\r\n", 431),
+    (b"GET /health?" + b"q" * 100_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 414),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 17_000, 431),
+], ids=["17-kb-header", "5000-headers", "100-kb-url", "incomplete-17-kb"])
+def test_a_head_over_the_limits_sent_in_one_write_is_refused_and_its_connection_closed(keyless, head, status):
+    answer, closed = read_until_closed(keyless, head)
+    assert closed and answer.startswith(b"HTTP/1.1 %d" % status), answer[:300]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
+    with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+        assert client.get("/health", headers={"X-Fits": "a" * 8000}, timeout=WAIT).status_code == 200
+
+
+# ---- issue 58: bodies are counted before they are parsed, off the event loop -------------------------
+
+
+def test_hostile_bodies_are_refused_while_health_keeps_answering(keyless):
+    nested = b"[" + b"[]," * 10_000_000 + b"[]]"  # ~30 MiB: 10 M lists once parsed
+    keys = ("{" + ",".join(f'"{n:x}":0' for n in range(2_900_000)) + "}").encode()
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=f"http://127.0.0.1:{keyless}") as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert client.get("/health", timeout=WAIT).status_code == 200
+                latencies.append(time.perf_counter() - started)
+                stop.wait(0.05)
+
+    def post(body):
+        return httpx.post(f"http://127.0.0.1:{keyless}/v1/audio/speech", content=body, timeout=WAIT,
+                          headers={"Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(4) as pool:
+        poller = pool.submit(poll)
+        answers = list(pool.map(post, [nested, nested, keys]))
+        stop.set()
+        poller.result()
+    for answer, bound in zip(answers, ("10000 items", "10000 items", "2000 keys")):
+        assert bound in assert_openai_error(answer, 400, None)["message"]
+    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies  # the loop parsed none of them
+
+
+def test_a_text_stream_message_of_too_many_items_is_refused_with_4400(server):
+    code, error = closed_with(server, [START + '"x": [' + "[]," * 500_000 + "[]]}"])
+    assert code == 4400 and error["param"] == "messages[0]" and "10000 items" in error["message"]
+
+
+# ---- issue 58: exit codes that say what failed -----------------------------------------------------
+
+
+def serve_process(*flags, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`drama3 serve` on loopback in a subprocess, until it exits by itself."""
+    command = [sys.executable, "-m", "transformers_drama3.cli", "serve", "--host", "127.0.0.1", "--threads", "1", *flags]
+    return subprocess.run(command, capture_output=True, timeout=timeout, env={**os.environ, "DRAMA3_API_KEY": ""})
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    """The server's last stderr line, after checking it printed no traceback."""
+    error = done.stderr.decode(errors="replace")
+    assert "Traceback" not in error, error[-3000:]
+    return error.strip().splitlines()[-1]
+
+
+def test_a_port_in_use_exits_with_exit_bind_and_one_line_before_anything_loads(tmp_path):
+    from transformers_drama3.cli_arguments import EXIT_BIND
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.perf_counter()
+        done = serve_process("--port", str(port), "--voices-dir", str(tmp_path / "voices"))
+    assert done.returncode == EXIT_BIND, done.stderr.decode(errors="replace")[-3000:]
+    line = last_line(done)
+    assert line.startswith(f"drama3 serve: cannot listen on 127.0.0.1:{port}: address already in use"), line
+    assert not (tmp_path / "voices").exists()  # refused before the model and its voices were loaded
+    assert time.perf_counter() - started < 120
+
+
+@pytest.mark.parametrize("what", ["model", "adapter"])
+def test_a_model_or_adapter_that_fails_to_load_exits_with_exit_load_and_one_line(tmp_path, what):
+    from transformers_drama3.cli_arguments import EXIT_LOAD
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    flags = ["--voices-dir", str(tmp_path / "voices"), "--port", str(free_port())]
+    if what == "model":
+        (broken / "config.json").write_text('{"model_type": "drama3"', encoding="utf-8")  # cut short
+        flags += ["--model", str(broken)]
+    else:
+        flags += ["--adapter", f"me={broken}"]  # a folder without the adapter's files
+    done = serve_process(*flags)
+    assert done.returncode == EXIT_LOAD, done.stderr.decode(errors="replace")[-3000:]
+    line = last_line(done)
+    assert line.startswith("drama3 serve: could not load: ") and ("--model" if what == "model" else "me") in line, line

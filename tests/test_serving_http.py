@@ -233,7 +233,7 @@ def test_503_while_the_model_loads():
     from fastapi.testclient import TestClient
 
     app = create_app(lambda: None, ServerSettings())
-    with TestClient(app) as local:
+    with TestClient(app, base_url="http://localhost") as local:
         assert local.get("/health").status_code == 503
         response = local.post("/v1/audio/speech", json={"model": "m", "input": "hi"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "loading"

@@ -63,7 +63,7 @@ def read_until_closed(connection: socket.socket, wait: float) -> tuple[bytes, bo
         return answer, True
 
 
-PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "
+PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
 
 def test_a_request_head_that_stalls_is_answered_408_and_closed(port):
@@ -104,7 +104,7 @@ def test_a_head_trickled_byte_by_byte_is_held_to_the_deadline_of_the_whole_head(
 
 def test_a_kept_alive_connection_whose_next_head_stalls_is_closed(port):
     with socket.create_connection((LOOPBACK, port), timeout=WAIT) as connection:
-        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         first = b""
         while not first.rstrip().endswith(b"}"):
             first += connection.recv(65536)
@@ -133,7 +133,7 @@ def test_requests_whose_heads_arrive_in_time_are_served_on_one_connection(port):
 
 def test_a_malformed_request_gets_a_json_400(port):
     with socket.create_connection((LOOPBACK, port), timeout=WAIT) as connection:
-        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nbroken header line\r\n\r\n")
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nbroken header line\r\n\r\n")
         answer, closed = read_until_closed(connection, 5)
     assert closed and answer.startswith(b"HTTP/1.1 400"), answer
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -141,15 +141,15 @@ def test_a_malformed_request_gets_a_json_400(port):
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
-def test_an_incomplete_head_over_h11_s_limit_gets_a_json_400(port):
+def test_an_incomplete_head_over_h11_s_limit_gets_a_json_431(port):
     with socket.create_connection((LOOPBACK, port), timeout=WAIT) as connection:
         try:
-            connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000)  # still incomplete
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000)  # still incomplete
         except (BrokenPipeError, ConnectionResetError):
             pass
         answer, closed = read_until_closed(connection, 5)
-    assert closed and answer.startswith(b"HTTP/1.1 400"), answer[:200]
-    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "bad_request"
+    assert closed and answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "headers_too_large"
 
 
 def closed_with(port: int, messages) -> tuple[int, str, dict]:
@@ -207,8 +207,7 @@ def test_the_key_comes_from_the_option_its_file_or_the_environment(tmp_path):
 
 
 def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_bad_ones(monkeypatch, capsys, tmp_path):
-    import uvicorn as uvicorn_module
-
+    from transformers_drama3 import cli
     from transformers_drama3.cli import main
     from transformers_drama3.serving import app as app_module
 
@@ -216,7 +215,9 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     monkeypatch.setattr(app_module, "serve_in_background",
                         lambda *args, **kwargs: (started.setdefault("load", kwargs), ((lambda: None), None))[1])
     monkeypatch.setattr(app_module, "create_app", lambda get_service, settings: started.setdefault("settings", settings))
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: started.setdefault("run", kwargs))
+    monkeypatch.setattr(cli, "listen", lambda host, port: None)  # binds nothing
+    monkeypatch.setattr(cli, "run_server", lambda app, listener, header_timeout, loading: started.setdefault(
+        "run", {"header_timeout": header_timeout}))
     monkeypatch.delenv("DRAMA3_API_KEY", raising=False)
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")
@@ -228,7 +229,7 @@ def test_drama3_serve_reads_its_key_file_header_timeout_and_aliases_and_refuses_
     assert started["settings"].voice_aliases.aliases == {"alloy": "B", "echo": "A"}
     settings = started["settings"]
     assert (settings.limits.max_input_chars, settings.max_body_bytes, settings.max_text_streams) == (100, 2 * 2**20, 1)
-    assert started["run"]["http"].header_timeout == 2.5
+    assert started["run"]["header_timeout"] == 2.5
     assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
     assert "--api-key-file" in capsys.readouterr().err
     assert main(["serve", "--header-timeout", "0"]) == 2

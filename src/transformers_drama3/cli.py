@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -28,7 +30,8 @@ from .evaluation.espeak import INSTALL_HINT as ESPEAK_HINT
 from .evaluation.espeak import espeak_available
 from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, check_voices, measure_intelligibility
 from .files import atomic_output, check_output_path, same_file, write_text_atomic
-from .loading import DEFAULT_MODEL, EXIT_USAGE, CommandError, load_model_and_processor, resolve_device
+from .cli_arguments import EXIT_BIND, EXIT_LOAD
+from .loading import DEFAULT_MODEL, CommandError, load_model_and_processor, resolve_device
 from .long_form import generate_long_form
 from .planning import fitting, format_plans, load_code, plan_options, refusal
 from .decoding.alignment import resolve_alignment
@@ -266,14 +269,15 @@ def run_table(args) -> int:
 
 
 def run_serve(args) -> int:
+    """Check the flags, bind the address (`listen`), load the model in the background and serve
+    (`run_server`) until stopped: exit 0; `EXIT_BIND` when the address cannot be bound, `EXIT_LOAD`
+    when the model, a voice or an adapter fails to load, each said in one line."""
     try:  # fastapi and uvicorn come with the optional [serve] extra: import them only here
-        import uvicorn
-
         from .serving.app import ServerSettings, create_app, is_loopback, serve_in_background
-        from .serving.connections import header_timeout_protocol
         from .serving.keys import resolve_api_key
         from .serving.openai_names import VoiceAliases
         from .serving.protocol import Limits
+        from .serving.request_guard import allowed_hosts_for, origin_of
         from .serving.voices import reference_file_voice
     except ImportError as error:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
@@ -304,26 +308,94 @@ def run_serve(args) -> int:
     try:
         api_key = resolve_api_key(args.api_key, args.api_key_file)
         aliases = VoiceAliases.from_specs(args.voice_alias)
+        origins = tuple(origin_of(origin) for origin in _listed(args.allowed_origins))
     except ValueError as error:
         raise CommandError(str(error)) from None
+    hosts = allowed_hosts_for(args.host, _listed(args.allowed_hosts))
     device = resolve_device(args.device)
+    listener = listen(args.host, args.port)  # a port in use is said now, not after minutes of loading
+    loading = LoadWatch()
     get_service, _ = serve_in_background(
-        args.model, args.voices_dir, device=device, max_batch=args.max_batch, max_queue=args.max_queue,
-        voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads, compile=args.compile,
-        adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
+        args.model, args.voices_dir, on_failure=loading.failed, device=device, max_batch=args.max_batch,
+        max_queue=args.max_queue, voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
+        compile=args.compile, adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
         adapter_rank=args.adapter_rank, quant=args.quant, offload=args.offload_experts, prefill_chunk=args.prefill_chunk,
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,
                               voice_aliases=aliases, limits=Limits(max_input_chars=args.max_input_chars),
-                              max_body_bytes=args.max_body_mb * 2**20, max_text_streams=args.max_text_streams)
+                              max_body_bytes=args.max_body_mb * 2**20, max_text_streams=args.max_text_streams,
+                              allowed_hosts=hosts, allowed_origins=origins)
     app = create_app(get_service, settings)
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
     if api_key is None and not is_loopback(args.host):
         print(f"drama3 serve: warning: --host {args.host} serves every route, voice create and delete included, to "
               "anyone who can reach it, without a key; set DRAMA3_API_KEY (or --api-key-file)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=header_timeout_protocol(args.header_timeout))
+    if "*" not in hosts and not is_loopback(args.host):
+        print(f"drama3 serve: requests must name this server as one of {', '.join(hosts)} (the Host header); give the "
+              "names clients use with --allowed-hosts", file=sys.stderr)
+    run_server(app, listener, args.header_timeout, loading)
+    if loading.message is not None:
+        raise CommandError(loading.message, exit_code=EXIT_LOAD)
     return 0
+
+
+def _listed(values) -> list[str]:
+    """Values of a repeatable flag that also takes comma-separated lists, blanks left out."""
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+class LoadWatch:
+    """Whether the model's background load failed (its one-line message), and how to stop the
+    server then: whichever of the two comes first, the server stops."""
+
+    def __init__(self):
+        self.message: str | None = None
+        self._stop = None
+        self._lock = threading.Lock()
+
+    def failed(self, message: str) -> None:
+        with self._lock:
+            self.message = message.replace("\n", " ")
+            stop = self._stop
+        if stop is not None:
+            stop()
+
+    def stop_with(self, stop) -> None:
+        """Call `stop()` when the load fails (now, if it has failed already)."""
+        with self._lock:
+            self._stop = stop
+            failed = self.message is not None
+        if failed:
+            stop()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` (uvicorn listens on it); CommandError `EXIT_BIND` naming the
+    address when it cannot be bound (in use, not this machine's, not permitted)."""
+    address = host.strip("[]")
+    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((address, port))
+    except OSError as error:
+        listener.close()
+        reason = error.strerror or str(error)
+        raise CommandError(f"cannot listen on {host}:{port}: {reason.lower()} (choose another --port or --host)",
+                           exit_code=EXIT_BIND) from None
+    return listener
+
+
+def run_server(app, listener: socket.socket, header_timeout: float, loading: LoadWatch) -> None:
+    """uvicorn serving `app` on `listener` (request heads held to `header_timeout` seconds) until it
+    is stopped, or `loading` fails."""
+    import uvicorn
+
+    from .serving.connections import header_timeout_protocol
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(header_timeout)))
+    loading.stop_with(lambda: setattr(server, "should_exit", True))
+    server.run(sockets=[listener])
 
 
 def check_adapter_flags(args) -> None:
@@ -488,12 +560,13 @@ HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_
 
 
 def run(args) -> int:
-    """Run the parsed command; an error the user can fix is one line on stderr and `EXIT_USAGE`."""
+    """Run the parsed command; an error the user can fix is one line on stderr and its exit code
+    (`EXIT_USAGE`, or e.g. `EXIT_BIND` / `EXIT_LOAD` of `drama3 serve`)."""
     try:
         return HANDLERS[args.command](args)
     except CommandError as error:
         print(f"drama3 {args.command}: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return error.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

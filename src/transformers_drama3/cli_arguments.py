@@ -27,6 +27,11 @@ import argparse
 
 DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2
+"""A flag or input the user can fix (also argparse's own)."""
+EXIT_LOAD = 3
+"""`drama3 serve`: the model, a voice or an adapter could not be loaded."""
+EXIT_BIND = 4
+"""`drama3 serve`: the address could not be bound (the port in use, an address not this machine's)."""
 MAX_CHARS = 4096
 """Default cap of `say`'s text, in characters (OpenAI's speech endpoint has the same)."""
 THREADS_HELP = (
@@ -164,6 +169,17 @@ def add_serve(subparsers) -> None:
         "--open-listings", action="store_true",
         help="with a key, still answer GET /v1/models, /v1/audio/models and /v1/audio/voices without it "
              "(for front ends such as Open WebUI that list without credentials)",
+    )
+    parser.add_argument(
+        "--allowed-hosts", action="append", default=[], metavar="NAME[,NAME...]",
+        help="host names requests may give in their Host header besides localhost, 127.0.0.1, [::1] and the --host "
+             "address (repeatable; * allows any). Other names get 403: a web page cannot reach the server by a name "
+             "its site resolves to this machine (DNS rebinding)",
+    )
+    parser.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+        help="web pages of these origins may use the server, e.g. https://app.example (repeatable; * allows any; "
+             "default none). A browser page of another site gets 403; the server's own pages always may",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--body-timeout", type=float, default=30.0,

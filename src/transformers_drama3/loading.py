@@ -24,7 +24,12 @@ from .processing_drama3 import Drama3Processor
 
 
 class CommandError(Exception):
-    """An error the user can fix; printed as one message, without a traceback."""
+    """An error the user can fix; printed as one message, without a traceback; the command exits
+    with `exit_code` (`EXIT_USAGE` unless the error says otherwise)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def load_model_and_processor(source: str, device: str, dtype: str, progress: bool = True, quant: str | None = None,

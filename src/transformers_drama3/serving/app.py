@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -49,6 +50,7 @@ from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming
 from .routing import AdapterSlotsBusy
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
+from .request_guard import LOOPBACK_HOSTS, RequestGuard
 from .protocol import (
     ApiError,
     Limits,
@@ -100,6 +102,11 @@ class ServerSettings:
     """Seconds a text stream waits for its `start`, and then for each next message (then close code 4408)."""
     voice_aliases: VoiceAliases = field(default_factory=VoiceAliases)
     """Names a request may give for a stored voice (OpenAI's presets; `--voice-alias`)."""
+    allowed_hosts: tuple = LOOPBACK_HOSTS
+    """Host names requests may name (`--allowed-hosts`; "*": any): others get 403 (`request_guard`)."""
+    allowed_origins: tuple = ()
+    """Origins of other sites whose pages may use the server (`--allowed-origins`; "*": any; the
+    server's own origin always may): others get 403, and these get CORS headers."""
 
 
 class ErrorResponse(JSONResponse):
@@ -258,7 +265,9 @@ def create_app(get_service, settings: ServerSettings | None = None):
         return await call_next(request)
 
     async def json_body(request: Request):
-        return load_json(await _read_body(request, settings.max_body_bytes, settings.body_timeout))
+        _check_json_content_type(request.headers.get("content-type"))
+        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
+        return await asyncio.to_thread(load_json, raw)  # counted, then parsed, off the event loop
 
     @app.get("/health")
     async def health():
@@ -386,7 +395,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
             if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
                 raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
             service = service_or_503()
-            start = parse_message(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
+            start = await _parsed(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
             params = parse_stream_start(start, settings.limits, service.has_voice, 4 * CHUNK_BYTES)
             params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
             references = await asyncio.to_thread(service.references_of, params)
@@ -410,7 +419,25 @@ def create_app(get_service, settings: ServerSettings | None = None):
             await _close_with_error(websocket, _unexpected(error, "WebSocket /v1/audio/speech/stream"))
 
     app.add_middleware(CatchAll)
+    if settings.allowed_origins:  # pages of these sites may read the answers (and send JSON, after a preflight)
+        app.add_middleware(CORSMiddleware, allow_origins=["*"] if "*" in settings.allowed_origins else list(
+            settings.allowed_origins), allow_methods=["GET", "POST", "DELETE"], allow_headers=["Authorization", "Content-Type"],
+            expose_headers=list(EXPOSED_HEADERS))
+    app.add_middleware(RequestGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
     return app
+
+
+EXPOSED_HEADERS = ("X-Sample-Rate", "X-Seed", "X-Finish-Reason", "X-Anomalies", "Retry-After")
+"""Response headers a page of an allowed origin may read."""
+
+
+def _check_json_content_type(value: str | None) -> None:
+    """ApiError 415 unless `Content-Type` is application/json: a page of another site may send
+    text/plain or a form without asking the server first, never JSON."""
+    media = (value or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        shown = "none" if value is None else repr(value if len(value) <= 64 else value[:61] + "...")
+        raise ApiError(415, f"Content-Type {shown}: expected application/json", None, "unsupported_media_type")
 
 
 _END = object()
@@ -423,6 +450,11 @@ async def _receive(websocket: WebSocket):
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
     return message.get("text") if message.get("text") is not None else message.get("bytes")
+
+
+async def _parsed(raw, location: str) -> dict:
+    """`parse_message` off the event loop (a message of megabytes is counted, then parsed)."""
+    return await asyncio.to_thread(parse_message, raw, location)
 
 
 async def _close_with_error(websocket: WebSocket, error: ApiError) -> None:
@@ -507,7 +539,7 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
         try:
             while True:
                 raw = await _receive_within(websocket, settings.stream_idle_timeout, "text or done")
-                message = parse_message(raw, f"messages[{index}]")
+                message = await _parsed(raw, f"messages[{index}]")
                 piece = parse_text_message(message, received, settings.limits, index)
                 index += 1
                 if piece is None:

@@ -6,7 +6,8 @@ file descriptor) for as long as it likes; a thousand such clients exhaust the se
 request head has `header_timeout` seconds to arrive whole, counted from the connection's opening
 or from the first byte of a kept-alive connection's next request; a head still incomplete then is
 answered 408 (in OpenAI's error shape) and its connection closed. A malformed request gets its
-400 in the same JSON shape instead of uvicorn's plain text.
+400 in the same JSON shape instead of uvicorn's plain text, and a head still incomplete past h11's
+16 KiB 431, as a whole head over the limit gets from the app (`request_guard`).
 
     uvicorn.run(app, host="127.0.0.1", port=8000, http=header_timeout_protocol(10.0))
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 
@@ -29,10 +30,28 @@ def _error_bytes(status: int, reason: str, message: str, error_type: str, code: 
     return head.encode("ascii") + body
 
 
+class _Connection(h11.Connection):
+    """h11's connection, keeping the last protocol error (uvicorn answers every one 400 without it)."""
+
+    refusal: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            return super().next_event()
+        except h11.RemoteProtocolError as error:
+            self.refusal = error
+            raise
+
+
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request head (`header_timeout` seconds)."""
 
     header_timeout = DEFAULT_HEADER_TIMEOUT
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.head_limit = config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = _Connection(h11.SERVER, self.head_limit)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -51,8 +70,13 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(_error_bytes(400, "Bad Request", f"not a valid HTTP request ({msg})",
-                                          "invalid_request_error", "bad_request"))
+        if getattr(self.conn.refusal, "error_status_hint", 400) == 431:  # the head passed h11's limit, unfinished
+            answer = _error_bytes(431, "Request Header Fields Too Large", f"the request's head is over {self.head_limit} "
+                                  "bytes", "invalid_request_error", "headers_too_large")
+        else:
+            answer = _error_bytes(400, "Bad Request", f"not a valid HTTP request ({msg})", "invalid_request_error",
+                                  "bad_request")
+        self.transport.write(answer)
         self.transport.close()
 
     def _waiting_for_head(self) -> bool:

@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 
 from ..decoding.sampler import check_sampling_values
 from .audio_formats import STREAMABLE, supported_formats
+from .json_bounds import JsonBounds, json_cost
 from .voices import VoiceReference, read_audio_bytes
 
 STREAM_FORMATS = ("audio", "sse")
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 MAX_SEED = 2**63 - 1
-MAX_JSON_DEPTH = 32
-"""How deeply a request body or message may nest (the API's own bodies nest 4 levels)."""
+JSON_BOUNDS = JsonBounds()
+"""How much JSON a request body or message may make the server build: 32 levels deep (the API's own
+bodies nest 4), 10,000 items, 2,000 keys."""
+MAX_JSON_DEPTH = JSON_BOUNDS.depth
 MAX_NUMBER_DIGITS = 40
 """Longer integer literals are not converted (a 5,000-digit one costs time and fails Python's limit)."""
 
@@ -31,10 +34,10 @@ MAX_NUMBER_DIGITS = 40
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
-             413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error", 504: "timeout_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
+             413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
@@ -62,32 +65,25 @@ def _integer(text: str):
     return int(text) if len(text) <= MAX_NUMBER_DIGITS else LongNumber(text)
 
 
-def _too_deep(value, limit: int) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
-
-
-def load_json(raw, location: str | None = None):
+def load_json(raw, location: str | None = None, bounds: JsonBounds = JSON_BOUNDS):
     """A request body (`location` None) or message (bytes or str) -> its JSON value; an ApiError (400)
-    for text that is not JSON, not UTF-8, or nested deeper than `MAX_JSON_DEPTH`. Long integers stay
-    `LongNumber`s and NaN / Infinity stay floats: the field that holds one is refused by name."""
+    for text that is not UTF-8 JSON, or whose parse would pass `bounds` (nesting depth, items,
+    keys: counted from the bytes by `json_bounds.json_cost` before anything is parsed). Long
+    integers stay `LongNumber`s and NaN / Infinity stay floats: the field that holds one is
+    refused by name. Slow for a large body (a scan, then a parse): call it off the event loop."""
     where = location or "the body"
-    too_deep = ApiError(400, f"{where}: nested deeper than {MAX_JSON_DEPTH} levels", location)
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if not isinstance(raw, str) and json.detect_encoding(data) not in ("utf-8", "utf-8-sig"):
+        raise ApiError(400, f"{where}: not JSON in UTF-8", location)  # UTF-16's bytes would hide brackets from the count
+    cost = json_cost(data, bounds)
+    if cost.over is not None:
+        raise ApiError(400, f"{where}: {cost.over}", location)
     try:
-        value = json.loads(raw, parse_int=_integer)
-    except RecursionError:  # deeper than the parser's stack, so deeper than the limit
-        raise too_deep from None
+        return json.loads(raw, parse_int=_integer)
+    except RecursionError:  # not reached within the depth bound; kept for a bound set past the parser's stack
+        raise ApiError(400, f"{where}: nested too deeply", location) from None
     except ValueError as error:  # not JSON, or not UTF-8
         raise ApiError(400, f"{where}: not JSON ({error})", location) from None
-    if _too_deep(value, MAX_JSON_DEPTH):
-        raise too_deep
-    return value
 
 
 def unicode_text(value: str, location: str) -> str:

@@ -292,16 +292,21 @@ def default_prefill_chunk(device: str) -> int:
     return 512 if str(device).startswith("cuda") else 128
 
 
-def serve_in_background(source, voices_dir, **load_kwargs):
+def serve_in_background(source, voices_dir, on_failure=None, **load_kwargs):
     """(get_service, thread): the service loads in a thread; `get_service()` is None until it is
-    ready. A failed load is printed and stops the server (the main thread is interrupted)."""
+    ready. A failed load calls `on_failure(message)` (one line naming what failed), which stops the
+    server; without one the message is printed and the main thread interrupted."""
     holder: dict = {}
 
     def load():
         try:
             holder["service"] = SpeechService.load(source, voices_dir, **load_kwargs)
         except Exception as error:  # the server cannot serve without its model: say why and stop
-            print(f"drama3 serve: could not load the model: {error}", file=sys.stderr)
+            message = f"could not load: {error}".replace("\n", " ")
+            if on_failure is not None:
+                on_failure(message)
+                return
+            print(f"drama3 serve: {message}", file=sys.stderr)
             _thread.interrupt_main()
 
     thread = threading.Thread(target=load, name="drama3-load", daemon=True)
