@@ -762,3 +762,140 @@ def test_a_model_or_adapter_that_fails_to_load_exits_with_exit_load_and_one_line
     assert done.returncode == EXIT_LOAD, done.stderr.decode(errors="replace")[-3000:]
     line = last_line(done)
     assert line.startswith("drama3 serve: could not load: ") and ("--model" if what == "model" else "me") in line, line
+
+
+# ---- issue 58: a stream cut by --timeout ends with an error ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hasty(service):
+    """A server whose requests may take 4 s (`--timeout 4`): the loopback port."""
+    app = create_app(lambda: service, ServerSettings(request_timeout=4.0))
+    with serving_on_loopback(app, http=cli_protocol()) as port:
+        yield port
+
+
+def long_stream_body(stream_format: str) -> dict:
+    return {"input": LONG_TEXT, "voice": "A", "max_new_tokens": 3000, "seed": 3, "response_format": "pcm",
+            "stream_format": stream_format}
+
+
+def test_an_sse_stream_cut_by_the_timeout_ends_with_an_error_event_and_no_done(hasty, caplog):
+    events = []
+    with httpx.stream("POST", f"http://127.0.0.1:{hasty}/v1/audio/speech", json=long_stream_body("sse"),
+                      timeout=WAIT) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+    kinds = [event["type"] for event in events]
+    assert "speech.audio.done" not in kinds and kinds[-1] == "error" and kinds.count("error") == 1, kinds
+    assert set(kinds[:-1]) <= {"speech.audio.delta"}  # audio (if any came in time), then the cut
+    error = events[-1]["error"]
+    assert set(error) == {"message", "type", "param", "code"} and (error["type"], error["code"]) == ("timeout_error", "timeout")
+
+
+def test_a_raw_audio_stream_cut_by_the_timeout_is_an_unfinished_chunked_stream(hasty):
+    received = b""
+    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+        with httpx.stream("POST", f"http://127.0.0.1:{hasty}/v1/audio/speech", json=long_stream_body("audio"),
+                          timeout=WAIT) as response:
+            assert response.status_code == 200
+            for chunk in response.iter_bytes():
+                received += chunk
+    with httpx.Client(base_url=f"http://127.0.0.1:{hasty}") as client:  # and the server serves on
+        assert client.get("/health", timeout=WAIT).status_code == 200
+
+
+# ---- issue 58: the WebSocket checks text and closes as HTTP answers ----------------------------------
+
+
+def stream_outcome(server, messages) -> tuple[int, list[dict], int]:
+    """(close code, JSON events, bytes of audio) of a text stream sent `messages`."""
+    connection = websockets_sync.connect(f"ws://{server}/v1/audio/speech/stream", open_timeout=WAIT, max_size=None,
+                                         additional_headers={"Authorization": f"Bearer {API_KEY}"})
+    events, audio = [], 0
+    try:
+        for message in messages:
+            connection.send(message)
+        while True:
+            message = connection.recv(timeout=WAIT)
+            if isinstance(message, str):
+                events.append(json.loads(message))
+            else:
+                audio += len(message)
+    except ConnectionClosed:
+        pass
+    return connection.close_code, events, audio
+
+
+@pytest.mark.parametrize("pieces", [["\U0001f600", "\U0001f600 "], ["\u200b\u200b"], ["\u0000"], ["?! ", "... --"], ["   "], []],
+                         ids=["emoji", "zero-width", "nul", "punctuation", "blank", "no-text"])
+def test_a_text_stream_with_nothing_speakable_is_refused_as_http_refuses_it(server, pieces):
+    messages = [START[:-2] + "}", *[json.dumps({"type": "text", "text": piece}) for piece in pieces], '{"type": "done"}']
+    code, events, audio = stream_outcome(server, messages)
+    errors = [event["error"] for event in events if event["type"] == "error"]
+    assert (code, audio, len(errors)) == (4400, 0, 1), events
+    assert errors[0]["param"] == "input" and "nothing" in errors[0]["message"]
+    with httpx.Client(base_url=f"http://{server}") as client:  # what HTTP says of the same text
+        http = post_raw(client, "/v1/audio/speech", json.dumps({"input": "".join(pieces), "voice": "A", "max_new_tokens": 2}))
+        assert assert_openai_error(http, 400, "input")["message"] == errors[0]["message"]
+
+
+def test_a_text_stream_that_starts_with_emoji_speaks_all_of_it(server):
+    messages = [START[:-2] + "}", json.dumps({"type": "text", "text": "\U0001f600 "}),
+                json.dumps({"type": "text", "text": "Hello there."}), '{"type": "done"}']
+    code, events, audio = stream_outcome(server, messages)
+    assert code == 1000 and audio > 0 and events[-1]["type"] == "done"
+    spoken = "".join(event["text"] for event in events if event["type"] == "chunk.started")
+    assert "\U0001f600 Hello there." in spoken, spoken  # the held piece was spoken with the rest
+
+
+def write_adapter(base, folder, seed: int) -> None:
+    """A "light" LoRA adapter of drama3-tiny (rank 4, small random weights) saved in `folder`."""
+    import copy
+
+    from transformers_drama3.serving.adapter_layers import BASE_FILE, base_fingerprint
+    from transformers_drama3.training.lora import apply_lora
+
+    peft = apply_lora(copy.deepcopy(base), "light", r=4)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in (parameter for parameter in peft.parameters() if parameter.requires_grad):
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    peft.save_pretrained(folder)
+    (folder / BASE_FILE).write_text(json.dumps(base_fingerprint(base.config)))
+
+
+def test_a_text_stream_for_an_adapter_when_every_slot_is_busy_closes_4429_with_the_retry_delay(tmp_path, bundled_tiny):
+    for name, seed in (("calm", 1), ("bright", 2)):
+        write_adapter(bundled_tiny[0], tmp_path / name, seed)
+    service = SpeechService.load(None, str(tmp_path / "voices"), max_batch=2, max_queue=4, max_adapters=1, adapter_rank=8,
+                                 adapter_specs=[f"calm={tmp_path / 'calm'}", f"bright={tmp_path / 'bright'}"])
+    app = create_app(lambda: service, ServerSettings(api_key=API_KEY))
+    lease = service.adapters.acquire("calm")  # the one slot serves a running request
+    try:
+        with serving_on_loopback(app, http=cli_protocol()) as port:
+            start = json.dumps({"type": "start", "voice": "bright", "max_new_tokens": 2})
+            messages = [start, '{"type": "text", "text": "Hello there."}', '{"type": "done"}']
+            connection = websockets_sync.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream", open_timeout=WAIT,
+                                                 additional_headers={"Authorization": f"Bearer {API_KEY}"})
+            events = []
+            with pytest.raises(ConnectionClosed):
+                for message in messages:
+                    connection.send(message)
+                while True:
+                    message = connection.recv(timeout=WAIT)
+                    if isinstance(message, str):
+                        events.append(json.loads(message))
+            http = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", headers=HEADERS, timeout=WAIT,
+                              json={"input": "Hello there.", "voice": "bright", "max_new_tokens": 2})
+    finally:
+        lease.release()
+        service.engine.stop()
+    error = events[-1]
+    assert connection.close_code == 4429 and error["type"] == "error", events
+    assert (error["error"]["code"], error["retry_after"]) == ("adapter_slots_busy", 1)
+    assert connection.close_reason.endswith("; retry after 1 s")
+    assert http.status_code == 429 and http.headers["Retry-After"] == "1"  # what HTTP answers the same request
+    assert http.json()["error"]["code"] == error["error"]["code"]

@@ -54,6 +54,8 @@ from .request_guard import LOOPBACK_HOSTS, RequestGuard
 from .protocol import (
     ApiError,
     Limits,
+    check_speakable,
+    speakable,
     SpeechParams,
     TextStreamParams,
     load_json,
@@ -130,7 +132,9 @@ def _unexpected(error: Exception, where: str) -> ApiError:
 
 class CatchAll:
     """ASGI middleware: an HTTP request that raises gets a 500 in OpenAI's shape (if its response has
-    not started) instead of a plain-text one, and its keep-alive connection keeps serving."""
+    not started) instead of a plain-text one, and its keep-alive connection keeps serving. A
+    streamed response cut midway (`StreamCut`) is left unfinished: the server closes its
+    connection without the chunked stream's last chunk."""
 
     def __init__(self, app):
         self.app = app
@@ -149,10 +153,42 @@ class CatchAll:
             await self.app(scope, receive, tracked)
         except ClientDisconnect:
             return  # the client left while sending its body: nobody to answer, nothing went wrong here
+        except StreamCut as cut:  # uvicorn closes the connection of a response left unfinished
+            logger.warning("%s %s: the stream was cut: %s", scope.get("method"), scope.get("path"), cut)
+            return
         except Exception as error:  # the catch-all: every route answers JSON
             response = _error_response(_unexpected(error, f"{scope.get('method')} {scope.get('path')}"))
             if not started:
                 await response(scope, receive, send)
+
+
+class KeyGuard:
+    """ASGI middleware: the API key on every HTTP route that needs it (401), and a declared body
+    over the limit refused before it is read (413). Plain ASGI, not Starlette's BaseHTTPMiddleware,
+    which ends a streamed response cleanly even when its route failed midway (`StreamCut`)."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app, self.settings = app, settings
+
+    def needs_key(self, request: Request) -> bool:
+        path, settings = request.url.path, self.settings
+        if settings.api_key is None or path in OPEN_PATHS:
+            return False
+        return not (settings.open_listings and request.method == "GET" and path in LISTING_PATHS)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            request, limit = Request(scope), self.settings.max_body_bytes
+            error = None
+            if self.needs_key(request) and not _key_matches(request.headers, self.settings.api_key):
+                error = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
+            elif request.url.path.startswith("/v1/"):
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > limit:
+                    error = ApiError(413, f"the body is {length} bytes; at most {limit}")
+            if error is not None:
+                return await _error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def _next_event(handle, request):
@@ -247,22 +283,6 @@ def create_app(get_service, settings: ServerSettings | None = None):
                                             {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)))
         response.headers.update(error.headers or {})
         return response
-
-    def needs_key(request) -> bool:
-        path = request.url.path
-        if settings.api_key is None or path in OPEN_PATHS:
-            return False
-        return not (settings.open_listings and request.method == "GET" and path in LISTING_PATHS)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if needs_key(request) and not _key_matches(request.headers, settings.api_key):
-            return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key"))
-        if request.url.path.startswith("/v1/"):
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-                return _error_response(ApiError(413, f"the body is {length} bytes; at most {settings.max_body_bytes}"))
-        return await call_next(request)
 
     async def json_body(request: Request):
         _check_json_content_type(request.headers.get("content-type"))
@@ -406,7 +426,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
                 raise ApiError(400, str(error)) from None
             if not slots.acquire():
                 service.metrics.count("rejected")
-                raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None, "queue_full")
+                raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None, "queue_full",
+                               {"Retry-After": str(RETRY_AFTER_SECONDS)})
             try:
                 await _run_text_stream(websocket, service, params, references, settings)
             finally:
@@ -418,6 +439,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
         except Exception as error:  # the catch-all: the client gets an error and a close code
             await _close_with_error(websocket, _unexpected(error, "WebSocket /v1/audio/speech/stream"))
 
+    app.add_middleware(KeyGuard, settings=settings)
     app.add_middleware(CatchAll)
     if settings.allowed_origins:  # pages of these sites may read the answers (and send JSON, after a preflight)
         app.add_middleware(CORSMiddleware, allow_origins=["*"] if "*" in settings.allowed_origins else list(
@@ -459,10 +481,17 @@ async def _parsed(raw, location: str) -> dict:
 
 async def _close_with_error(websocket: WebSocket, error: ApiError) -> None:
     """Send the error in OpenAI's shape, then close with code 4000 + its HTTP status and the
-    message as the close frame's reason (cut to the 123 bytes a close frame holds)."""
+    message as the close frame's reason (cut to the 123 bytes a close frame holds). A 429 says
+    when to retry, as HTTP's `Retry-After` does: `retry_after` (seconds) in the event, and the
+    reason ends "retry after N s"."""
+    event, reason = {"type": "error", **error.body()}, close_reason(error.message)
+    retry = (error.headers or {}).get("Retry-After")
+    if retry is not None:
+        event["retry_after"] = int(retry)
+        reason = close_reason(error.message, 123 - len(f"; retry after {retry} s")) + f"; retry after {retry} s"
     try:
-        await websocket.send_json({"type": "error", **error.body()})
-        await websocket.close(code=4000 + error.status, reason=close_reason(error.message))
+        await websocket.send_json(event)
+        await websocket.close(code=4000 + error.status, reason=reason)
     except (WebSocketDisconnect, RuntimeError):
         pass  # the client has gone already
 
@@ -528,6 +557,8 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
                         loop.call_soon_threadsafe(outbox.put_nowait, message)
         except TextStreamCancelled:
             outcome = ApiError(504, "the text stream ran past its time limit", None, "timeout") if timed_out.is_set() else _CANCEL
+        except AdapterSlotsBusy as error:  # as /v1/audio/speech answers it: 429, retry shortly
+            outcome = ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)})
         except ValueError as error:
             outcome = ApiError(400, str(error), "text")
         except Exception as error:  # a failed stream fails its client, not the server
@@ -535,7 +566,7 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
         loop.call_soon_threadsafe(outbox.put_nowait, (_END, outcome))
 
     async def receive():
-        index, received = 1, 0
+        index, received, held = 1, 0, []  # held: the pieces before the first letter or digit
         try:
             while True:
                 raw = await _receive_within(websocket, settings.stream_idle_timeout, "text or done")
@@ -543,10 +574,19 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
                 piece = parse_text_message(message, received, settings.limits, index)
                 index += 1
                 if piece is None:
+                    if held is not None:  # the whole text had nothing to say: refused as HTTP refuses it
+                        check_speakable("".join(held))
                     pieces.put(_END)
                     return
                 received += len(piece)
-                pieces.put(piece)
+                if held is None:
+                    pieces.put(piece)
+                    continue
+                held.append(piece)
+                if speakable(piece):  # the text has something to say: speak it, from its first piece
+                    for earlier in held:
+                        pieces.put(earlier)
+                    held = None
         except ApiError as error:
             cancelled.set()
             pieces.put(_CANCEL)
@@ -612,8 +652,15 @@ def _usage(job, event: DoneEvent) -> dict:
     return {"input_tokens": prompt, "output_tokens": frames, "total_tokens": prompt + frames}
 
 
+class StreamCut(Exception):
+    """A streamed take that failed after its response began (past `--timeout`): the raw audio
+    stream is cut without its last chunk, so the client sees it failed (`CatchAll`)."""
+
+
 async def _stream(service, handle, request, params: SpeechParams):
-    """The bytes (or SSE events) of a streamed take; cancels the request if the client goes away."""
+    """The bytes (or SSE events) of a streamed take; cancels the request if the client goes away.
+    A take that fails midway ends with an error: SSE an `{"type": "error", "error": ...}` event
+    (no `speech.audio.done`), raw audio a chunked stream cut before its last chunk (`StreamCut`)."""
     streamer = WaveformStreamer(service.processor.codec, handle.submitted)
     rate = service.processor.sampling_rate
     sse = params.stream_format == "sse"
@@ -631,7 +678,13 @@ async def _stream(service, handle, request, params: SpeechParams):
             yield wrap(encoder.head())
         while True:
             event = await _next_event(handle, request)
-            if event is None or isinstance(event, ErrorEvent):
+            if event is None or (isinstance(event, ErrorEvent) and event.kind == "cancelled"):
+                return  # nobody is listening
+            if isinstance(event, ErrorEvent):  # past --timeout, or failed: the client must not take it as whole
+                error = _failure(event)
+                if not sse:
+                    raise StreamCut(error.message)
+                yield f"data: {json.dumps({'type': 'error', **error.body()})}\n\n".encode()
                 return
             if isinstance(event, FramesEvent):
                 chunks = await asyncio.to_thread(service.codec_work, streamer.push, list(event.frames))

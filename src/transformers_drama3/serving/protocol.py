@@ -213,17 +213,28 @@ def parse_references(value, limits: Limits, is_voice) -> list:
     return references
 
 
+def speakable(text: str) -> bool:
+    """Whether `text` holds a letter or digit (emoji, symbols, controls and invisible characters
+    alone give the model nothing to say)."""
+    return any(character.isalnum() for character in text)
+
+
+def check_speakable(text: str, location: str = "input") -> None:
+    """ApiError 400 for an input with nothing to say: blank, or not `speakable`."""
+    if not text.strip():
+        raise ApiError(400, f"{location}: nothing to say", location)
+    if not speakable(text):
+        raise ApiError(400, f"{location}: nothing speakable (no letters or digits; only symbols, emoji, controls or "
+                            "invisible characters)", location)
+
+
 def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     """Check a `/v1/audio/speech` body; `is_voice(id)` says whether a voice is registered."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = _string(body, "model")  # one model is served; SGLang-Omni's clients leave it out
     text = _string(body, "input", required=True)
-    if not text.strip():
-        raise ApiError(400, "input: nothing to say", "input")
-    if not any(character.isalnum() for character in text):
-        raise ApiError(400, "input: nothing speakable (no letters or digits; only symbols, emoji, controls or "
-                            "invisible characters)", "input")
+    check_speakable(text)
     if len(text) > limits.max_input_chars:
         raise ApiError(413, f"input: {len(text)} characters; at most {limits.max_input_chars}", "input")
     instructions = _string(body, "instructions")
