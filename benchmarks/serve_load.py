@@ -31,12 +31,16 @@ the GPU machine holds no checkpoint), with a tokenizer carrying every Drama 3 sp
 random S2 codec at the published shape, and one voice "A" from a synthetic clip; `--random-model
 tiny` is the same at `benchmarks/gpu.py --dry-run`'s width (a CPU check).
 
-`--attack` runs the attack mix instead (issue 47): `--streams` streams run (`--frames` frames each);
-a second later `--long-prompts` requests of 4,096 characters of input and 4,096 of instructions
-(one frame each) arrive with `--clients` fresh short streams, and the same round runs again
-without the long prompts. Prints per round: the worst gap between two chunks of a running stream,
-the fresh streams' time to first audio p50/p95, and the long prompts' time, with the ratios of the
-round with long prompts to the round without. Then the body attack (issue 58), unless
+`--attack` runs the attack mix instead (issues 47, 58): `--streams` streams run (`--frames` frames
+each); a second later `--long-prompts` requests of 4,096 characters of input and 4,096 of
+instructions (one frame each) arrive with `--clients` fresh short streams, all at once or, with
+`--sequential`, one after the answer to the last, and the same round runs again without the long
+prompts. Prints per round: the worst gap between two chunks of a running stream, the fresh
+streams' time to first audio p50/p95, the long prompts' time, and the engine's decode steps per
+second and share of its time spent prefilling from the long prompts' arrival until the running
+streams or the long prompts end (whichever is first; the round without long prompts over the same
+seconds), with the ratios of the round with long prompts to the round without. `--prefill-chunk`
+and `--prefill-share` are `drama3 serve`'s. Then the body attack (issue 58), unless
 `--attack-bodies 0`: one stream of `--frames` frames runs while /health is asked every 0.1 s, and a
 second in `--attack-bodies` bodies of ~30 MiB of `[[],[],...]` are posted at once (then, in another
 round, one body of 2.9 M keys; and a round of none). Prints per round: the bodies' statuses and
@@ -128,7 +132,7 @@ def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_
     except httpx.HTTPError as error:
         return {"error": type(error).__name__}
     return {"ttfa": first, "frames": received / 2 / samples_per_frame, "seconds": time.perf_counter() - started,
-            "worst_gap": worst_gap, "chunks": chunks}
+            "worst_gap": worst_gap, "chunks": chunks, "ended": time.perf_counter()}
 
 
 def playback_stall(result: dict, sampling_rate: float) -> float:
@@ -224,6 +228,46 @@ def load_service(args, voices_dir: str, **options) -> SpeechService:
 LONG_CHARS = 4096
 
 
+class EngineCounters:
+    """The engine's decode steps and prefill seconds, sampled every `period` seconds in a thread
+    while the block runs: `rates(start, end)` gives steps per second and the fraction of time spent
+    prefilling between two moments (`time.perf_counter()`)."""
+
+    def __init__(self, engine, period: float = 0.05):
+        self.engine, self.period, self.samples = engine, period, []
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self):
+        while True:
+            stats = self.engine.stats
+            self.samples.append((time.perf_counter(), stats.steps, stats.prefill_seconds))
+            if self._stop.wait(self.period):
+                return
+
+    def rates(self, start: float, end: float) -> tuple[float, float]:
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        if len(inside) < 2:
+            return float("nan"), float("nan")
+        (t0, steps0, prefill0), (t1, steps1, prefill1) = inside[0], inside[-1]
+        return (steps1 - steps0) / (t1 - t0), (prefill1 - prefill0) / (t1 - t0)
+
+
+def long_prompts(base: str, count: int, deadline: float, sequential: bool, pool, voices=VOICES) -> list[dict]:
+    """`count` long prompts at once, or one after the answer to the last (`sequential`)."""
+    if sequential:
+        return [long_prompt(base, index, deadline, voices) for index in range(count)]
+    return [future.result() for future in [pool.submit(long_prompt, base, i, deadline, voices) for i in range(count)]]
+
+
 def long_prompt(base: str, index: int, deadline: float, voices=VOICES) -> dict:
     """One attack request: 4,096 characters of input and 4,096 of instructions, one frame."""
     text = " ".join(TEXTS[(index + n) % len(TEXTS)] for n in range(200))[:LONG_CHARS]
@@ -236,52 +280,69 @@ def long_prompt(base: str, index: int, deadline: float, voices=VOICES) -> dict:
         return {"error": type(error).__name__}
     if response.status_code != 200:
         return {"error": f"status {response.status_code}"}
-    return {"seconds": time.perf_counter() - started}
+    return {"seconds": time.perf_counter() - started, "ended": time.perf_counter()}
 
 
-def attack_round(base: str, args, samples_per_frame: int, long_prompts: int, voices=VOICES) -> dict:
-    """Running streams, then (a second later) `long_prompts` long prompts and fresh short streams."""
+def attack_round(base: str, args, samples_per_frame: int, count: int, engine, window: float | None = None,
+                 voices=VOICES) -> dict:
+    """Running streams, then (a second later) `count` long prompts and fresh short streams. The
+    engine's rates are taken from the long prompts' arrival for `window` seconds (None: until the
+    running streams or the long prompts end, whichever is first)."""
     deadline = time.perf_counter() + args.time_limit
-    with ThreadPoolExecutor(args.streams + long_prompts + args.clients) as pool:
+    with ThreadPoolExecutor(args.streams + count + args.clients + 1) as pool, EngineCounters(engine) as counters:
         running = [pool.submit(one_stream, base, 200 + i, args.frames, deadline, samples_per_frame, voices)
                    for i in range(args.streams)]
         time.sleep(1.0)
-        longs = [pool.submit(long_prompt, base, i, deadline, voices) for i in range(long_prompts)]
+        arrival = time.perf_counter()
+        longs = pool.submit(long_prompts, base, count, deadline, args.sequential, pool, voices)
         fresh = [pool.submit(one_stream, base, 300 + i, 8, deadline, samples_per_frame, voices) for i in range(args.clients)]
-        running, longs, fresh = ([f.result() for f in group] for group in (running, longs, fresh))
+        running, fresh = ([f.result() for f in group] for group in (running, fresh))
+        longs = longs.result()
     errors = [r["error"] for r in running + longs + fresh if "error" in r]
     ttfa = np.array([r["ttfa"] for r in fresh if r.get("ttfa") is not None])
+    if window is None:
+        ends = [r["ended"] for r in running if "ended" in r] or [arrival]
+        window = min(max(ends), max((r["ended"] for r in longs if "ended" in r), default=max(ends))) - arrival
+    steps, prefilling = counters.rates(arrival, arrival + window)
     return {
         "errors": errors,
         "worst_gap": max((r.get("worst_gap", 0.0) for r in running), default=float("nan")),
         "ttfa": (np.percentile(ttfa, 50), np.percentile(ttfa, 95)) if ttfa.size else (float("nan"),) * 2,
         "long": max((r["seconds"] for r in longs if "seconds" in r), default=float("nan")),
+        "window": window, "steps_per_second": steps, "prefilling": prefilling,
     }
 
 
 def attack(args) -> None:
+    options = {} if args.prefill_share is None else {"prefill_share": args.prefill_share}
     with tempfile.TemporaryDirectory() as voices:
-        service = load_service(args, voices, max_batch=args.max_batch, max_queue=64, prefill_chunk=args.prefill_chunk)
+        service = load_service(args, voices, max_batch=args.max_batch, max_queue=64, prefill_chunk=args.prefill_chunk,
+                               **options)
         server, thread, base = start_server(service)
         try:
-            spf, names = service.processor.samples_per_frame, voices_of(service)
+            spf, names, engine = service.processor.samples_per_frame, voices_of(service), service.engine
             one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf, names)  # warm-up
-            rounds = {count: attack_round(base, args, spf, count, names) for count in (0, args.long_prompts)}
+            attacked = attack_round(base, args, spf, args.long_prompts, engine, voices=names)
+            quiet = attack_round(base, args, spf, 0, engine, window=attacked["window"], voices=names)
             if args.attack_bodies:
                 body_attack(base, args, spf, names)
         finally:
             server.should_exit = True
             thread.join(timeout=10)
             service.engine.stop()
-    quiet, attacked = rounds[0], rounds[args.long_prompts]
+    arrival = "one after another" if args.sequential else "at once"
     print(f"attack mix: {args.streams} running streams of {args.frames} frames, then {args.long_prompts} prompts of "
-          f"{LONG_CHARS} + {LONG_CHARS} characters and {args.clients} fresh streams; max batch {args.max_batch}")
+          f"{LONG_CHARS} + {LONG_CHARS} characters ({arrival}) and {args.clients} fresh streams; max batch "
+          f"{args.max_batch}, prefill chunk {engine.prefill_chunk} rows, prefill share {engine.prefill_share}")
     for label, result in (("without long prompts", quiet), (f"with {args.long_prompts} long prompts", attacked)):
         print(f"  {label}: errors {len(result['errors'])} {sorted(set(result['errors'])) or ''}; worst gap between "
               f"chunks of a running stream {result['worst_gap']:.3f} s; fresh streams' time to first audio p50 "
-              f"{result['ttfa'][0]:.3f} s, p95 {result['ttfa'][1]:.3f} s; longest long prompt {result['long']:.2f} s")
+              f"{result['ttfa'][0]:.3f} s, p95 {result['ttfa'][1]:.3f} s; longest long prompt {result['long']:.2f} s; "
+              f"engine {result['steps_per_second']:.1f} steps/s, {100 * result['prefilling']:.0f}% of its time "
+              f"prefilling (the {attacked['window']:.1f} s after the long prompts' arrival)")
     print(f"  ratios (with / without): worst gap {attacked['worst_gap'] / quiet['worst_gap']:.2f}x, time to first "
-          f"audio p50 {attacked['ttfa'][0] / quiet['ttfa'][0]:.2f}x, p95 {attacked['ttfa'][1] / quiet['ttfa'][1]:.2f}x")
+          f"audio p50 {attacked['ttfa'][0] / quiet['ttfa'][0]:.2f}x, p95 {attacked['ttfa'][1] / quiet['ttfa'][1]:.2f}x, "
+          f"engine steps/s {attacked['steps_per_second'] / quiet['steps_per_second']:.2f}x")
 
 
 HOSTILE_BODIES = ("nested", "keys")
@@ -634,6 +695,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="--attack: hostile ~30 MiB bodies posted at once beside a stream (0: no body attack)")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="--attack: the engine's prefill_chunk (rows per step; default: the server's for the device)")
+    parser.add_argument("--prefill-share", type=float, default=None,
+                        help="--attack: the engine's prefill_share (fraction of its time; default: the server's)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="--attack: send the long prompts one after the answer to the last, not all at once")
     parser.add_argument("--adapters", type=int, default=None,
                         help="run the fine-tuned-voice mix: N adapters, mixes of 0, 1, 4, 16 (up to N) against the base")
     parser.add_argument("--adapter-rank", type=int, default=16, help="--adapters: the adapters' LoRA rank")
@@ -653,6 +718,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                 parser.error(f"{name} {value}: expected 1..64")
         if not 0 <= args.attack_bodies <= 8:
             parser.error(f"--attack-bodies {args.attack_bodies}: expected 0..8")
+    if args.prefill_share is not None and not 0.0 < args.prefill_share <= 1.0:
+        parser.error(f"--prefill-share {args.prefill_share}: expected a fraction in (0, 1]")
     if args.adapters is not None and not 1 <= args.adapters <= 64:
         parser.error(f"--adapters {args.adapters}: expected 1..64")
     if args.random_model is not None and args.model is not None:

@@ -169,9 +169,9 @@ def test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_bus
         return request
 
     alone_cache = PrefixCache()
-    (alone,) = drive(Drama3Engine(model, prefill=alone_cache.prefill), {0: [voiced(5)]})
+    (alone,) = drive(Drama3Engine(model, prefix_cache=alone_cache), {0: [voiced(5)]})
     cache = PrefixCache()
-    busy = drive(Drama3Engine(model, prefill=cache.prefill), {0: [voiced(6), job(7, 92)], 2: [voiced(5)]})
+    busy = drive(Drama3Engine(model, prefix_cache=cache), {0: [voiced(6), job(7, 92)], 2: [voiced(5)]})
     assert torch.equal(busy[2].result(timeout=1).codes, alone.result(timeout=1).codes)
     assert cache.hits == 1 and cache.misses == 1
 
@@ -204,7 +204,7 @@ def test_slots_that_outgrow_the_pool_capacity_keep_their_codes(model):
     engine = Drama3Engine(model, capacity=8)
     capacities = []
     original = engine._grow
-    engine._grow = lambda: original() or capacities.append(engine._pool.capacity)
+    engine._grow = lambda *capacity: original(*capacity) or capacities.append(engine._pool.capacity)
     handles = drive(engine, {0: requests[:1], 2: requests[1:]})
     assert capacities and capacities[-1] > 8  # grown while the requests ran
     for request, handle in zip(requests, handles):
@@ -400,103 +400,7 @@ def test_an_engine_refuses_a_separator_that_is_not_a_text_token(model):
         Drama3Engine(model, audio_separator_token_id=model.config.eos_token_id)
 
 
-# ---- chunked prefill: a long prompt never stalls the running requests for longer than one chunk ----------
-
-
-def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_keeps_drawing(model):
-    """With `prefill_chunk=6` a prompt of ~40 rows is prefilled over several steps; every step in
-    between draws one frame of the running request (the stall is bounded by frames: one per
-    chunk), and both get the codes they get alone, with or without the prefix cache."""
-    from transformers_drama3.serving.prefix_cache import PrefixCache
-
-    for prefill in (None, PrefixCache().prefill):
-        running = job(seed=3, prompt_seed=70, text_rows=12)  # draws 40 frames: it outlasts the prefill
-        running.max_new_tokens = 40
-        ids, codes = prompt(seed=71, tail_rows=30)  # a long turn to speak after a short system turn
-        long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=2, max_new_tokens=MAX_FRAMES, prefix="voice")
-        turn = 30
-        engine = Drama3Engine(model, max_batch=2, prefill_chunk=6, **({} if prefill is None else {"prefill": prefill}))
-        first = engine.submit(running)
-        while engine.state_of(first) is None:  # its own prompt is prefilled a chunk per step too
-            engine.step()
-        second = engine.submit(long)
-        produced, prefill_steps = [], 0
-        while engine.state_of(second) is None and not engine.idle:
-            engine.step()
-            prefill_steps += 1
-            produced.append(int(engine.state_of(first)[0].produced[0]))
-        assert prefill_steps >= turn // 6  # the turn's rows take a step per chunk
-        assert produced == list(range(produced[0], produced[0] + len(produced)))  # a frame every step
-        while not engine.idle:
-            engine.step()
-        for request, handle in ((running, first), (long, second)):
-            assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
-
-
-def test_a_short_prompt_behind_a_long_one_starts_before_the_long_one_is_prefilled(model):
-    """A short request that arrives behind a long prompt is prefilled whole in the same step (it fits
-    three quarters of the chunk) and draws frames while the long prompt is still being prefilled;
-    the long prompt still advances every step (at least a quarter of the chunk); both get the codes
-    they get alone."""
-    ids, codes = prompt(seed=74, tail_rows=40)
-    long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=3, max_new_tokens=MAX_FRAMES)
-    short = job(seed=4, prompt_seed=75)
-    chunk = 24
-    assert short.input_ids.shape[1] <= chunk - chunk // 4 < long.input_ids.shape[1]
-    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
-    first = engine.submit(long)
-    second = engine.submit(short)
-    engine.step()
-    assert engine.state_of(second) is not None  # the short one runs from the first step on
-    filled = []
-    while engine._prefilling:  # the long one is still being prefilled
-        filled.append(engine._prefilling[0][1].cache.backbone_part.filled)
-        engine.step()
-    assert len(filled) >= 2 and all(b > a for a, b in zip(filled, filled[1:]))  # never starved
-    while not engine.idle:
-        engine.step()
-    for request, handle in ((long, first), (short, second)):
-        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
-
-
-def test_the_fewest_rows_left_go_first_even_past_one_chunk_and_a_cancelled_prompt_leaves(model):
-    """A request whose prompt is twice the chunk, arriving while a longer prompt is being prefilled,
-    is prefilled over a few steps (after the long prompt's quarter of each chunk) and runs before the
-    long one is whole; both get their codes alone. A prompt in part prefilled that is cancelled
-    leaves at the next step."""
-    ids, codes = prompt(seed=74, tail_rows=40)
-    long = SpeechJob(ids[None], codes[None], SamplingSettings(), seed=3, max_new_tokens=MAX_FRAMES)
-    short = job(seed=4, prompt_seed=75)
-    chunk = 8
-    assert 2 * chunk == short.input_ids.shape[1] < long.input_ids.shape[1] - chunk
-    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
-    first = engine.submit(long)
-    engine.step()
-    second = engine.submit(short)
-    steps = 0
-    while engine.state_of(second) is None:
-        engine.step()
-        steps += 1
-    assert steps == 3  # 16 rows at 6 a step (the long prompt takes 2 of each 8)
-    assert [handle for handle, _ in engine._prefilling] == [first]  # still in part prefilled
-    while not engine.idle:
-        engine.step()
-    for request, handle in ((long, first), (short, second)):
-        assert torch.equal(handle.result(timeout=1).codes, generate_alone(model, request)[0])
-
-    engine = Drama3Engine(model, max_batch=2, prefill_chunk=chunk)
-    first = engine.submit(long)
-    engine.step()
-    assert [handle for handle, _ in engine._prefilling] == [first]
-    first.cancel()
-    engine.step()
-    assert engine._prefilling == [] and engine.idle
-    assert first.result(timeout=1).kind == "cancelled"
-
-
-def test_a_prefill_chunk_under_two_rows_is_refused(model):
-    with pytest.raises(ValueError, match="prefill_chunk=1; expected at least 2"):
-        Drama3Engine(model, prefill_chunk=1)
+# ---- a pool grown by a long prompt (chunked prefill: tests/test_serving_chunked_prefill.py) ---------------
 
 
 def test_the_pool_a_long_prompt_grew_is_given_back_when_no_request_runs(model):

@@ -11,7 +11,6 @@ from test_serving_engine import (  # noqa: F401  (the fixtures these tests use, 
     drive, job, make_engine, model,
     test_a_cancelled_request_leaves_at_the_next_step_and_others_are_unchanged,
     test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it_has_alone,
-    test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_running_request_keeps_drawing,
     test_a_request_alone_gives_generates_codes,
     test_line_by_line_prompts_draw_their_boundaries_in_the_engine_as_generate_draws_them,
     test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone,
@@ -20,6 +19,9 @@ from test_serving_engine import (  # noqa: F401  (the fixtures these tests use, 
     test_streamed_frames_join_to_the_final_codes,
     test_waiting_requests_beyond_max_batch_run_when_a_slot_frees,
     test_with_the_prefix_cache_a_request_gives_the_same_codes_alone_and_in_a_busy_batch,
+)
+from test_serving_chunked_prefill import (  # noqa: F401  (run again with the next step queued ahead)
+    test_long_prompts_hold_a_running_request_one_turn_of_chunk_rows_at_most_and_change_no_codes,
 )
 from transformers_drama3.serving import engine as engine_module
 from transformers_drama3.serving.engine import Drama3Engine

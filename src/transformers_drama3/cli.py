@@ -283,6 +283,8 @@ def run_serve(args) -> int:
         raise CommandError(f"serving needs the [serve] extra ({error}); pip install 'transformers-drama3[serve]'") from None
     if args.prefill_chunk is not None and args.prefill_chunk < 2:
         raise CommandError(f"--prefill-chunk {args.prefill_chunk}: expected at least 2 rows")
+    if args.prefill_share is not None and not 0.0 < args.prefill_share <= 1.0:
+        raise CommandError(f"--prefill-share {args.prefill_share}: expected a fraction in (0, 1]")
     for name, value in (("--max-batch", args.max_batch), ("--port", args.port), ("--max-input-chars", args.max_input_chars),
                         ("--max-body-mb", args.max_body_mb), ("--max-text-streams", args.max_text_streams)):
         if value < 1:
@@ -320,6 +322,7 @@ def run_serve(args) -> int:
         max_queue=args.max_queue, voice_specs=args.voice, prefix_cache=not args.no_prefix_cache, threads=args.threads,
         compile=args.compile, adapter_specs=args.adapter, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
         adapter_rank=args.adapter_rank, quant=args.quant, offload=args.offload_experts, prefill_chunk=args.prefill_chunk,
+        prefill_share=args.prefill_share,
     )
     settings = ServerSettings(api_key=api_key, open_listings=args.open_listings, request_timeout=args.timeout,
                               body_timeout=args.body_timeout, stream_idle_timeout=args.stream_idle_timeout,

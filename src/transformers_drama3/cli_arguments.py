@@ -126,8 +126,13 @@ def add_serve(subparsers) -> None:
     add_offload_argument(parser, " or --compile")
     parser.add_argument(
         "--prefill-chunk", type=int, default=None, metavar="ROWS",
-        help="rows of prompt prefilled per scheduler step, between two frames of every running stream (default 512 "
-             "on a GPU, 128 on a CPU; smaller: shorter stalls of running streams beside a long prompt)",
+        help="rows of prompt prefilled at most between two frames of the running streams; prompts are prefilled in "
+             "pieces of this many rows (default 512 on a GPU, 128 on a CPU; smaller: shorter stalls beside a long prompt)",
+    )
+    parser.add_argument(
+        "--prefill-share", type=float, default=None, metavar="FRACTION",
+        help="while streams run, the largest fraction of the engine's time spent prefilling new prompts (default 0.5: "
+             "running streams keep at least half their frame rate; 1.0: a piece of prefill between every two frames)",
     )
     parser.add_argument("--model", default=None, help="checkpoint folder or Hub repo (default: the bundled drama3-tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -13,7 +13,10 @@ Each scheduler step advances every running request by one frame with the decode 
 and the running requests are its first items. Between steps, a finished, failed or cancelled
 request leaves at once (the items after it move up), and waiting requests are prefilled alone
 (the prefill/decode split: a one-item `DecodeRun`, from a cached voice prefix where one matches)
-and placed into the next free item, each with its own columns. On CUDA the next step is queued
+and placed into the next free item, each with its own columns. Prompts are prefilled in pieces of
+at most `prefill_chunk` rows, at most that many rows between two steps, and while requests run,
+prefill takes at most `prefill_share` of the scheduler's time (`chunked_prefill`): a long prompt
+never holds a running request for more than one step and one piece. On CUDA the next step is queued
 before the last one is read (as `generate()` queues it: `decoding.loop.runs_ahead`), so the device
 makes a step while the scheduler sends out the frames of the one before; a request that leaves
 while a step made with it is queued gets nothing from that step.
@@ -46,6 +49,10 @@ from ..decoding.threads import check_threads, resolve_threads
 from ..decoding.request import line_separators
 from ..prompting.bare_rows import boundaries_left_of_rows
 from .routing import routed
+from .chunked_prefill import (
+    DEFAULT_PREFILL_SHARE, OLDEST_EVERY, PrefillShare, PromptPrefill, check_prefill_settings, next_prompt,
+    system_turn_boundary,
+)
 from .decoding import (
     AlignmentMasks,
     ClickFilter,
@@ -209,12 +216,15 @@ class _QueuedStep:
 
 @dataclass
 class EngineStats:
-    """Counters the metrics read: steps run, sum of batch sizes over steps, prefills."""
+    """Counters the metrics read: steps run, sum of batch sizes over steps, prefills (requests
+    prefilled whole), seconds and rows of prefill."""
 
     steps: int = 0
     occupied: int = 0
     prefills: int = 0
     prefill_seconds: float = 0.0
+    prefill_rows: int = 0
+    """Prompt rows the model prefilled (a cached voice prefix copied is not counted)."""
 
 
 class Drama3Engine:
@@ -224,15 +234,24 @@ class Drama3Engine:
         model: the model (eval mode, on its device).
         max_batch: requests decoded together (slots).
         max_queue: requests that may wait for a slot; `submit` raises `QueueFull` beyond it.
-        prefill: how a job's prompt is prefilled: `prefill(model, job) -> DecodeRun` of one item
-            (default: `prefill_alone`; `prefix_cache.PrefixCache.prefill` reuses voice prefixes).
+        prefill: how a job's first rows are prefilled: `prefill(model, job, rows) -> DecodeRun` of
+            one item holding at least the first `rows` rows (default: `prefill_alone`); the engine
+            prefills the rest a piece at a time.
+        prefix_cache: a `prefix_cache.PrefixCache`: a job with a voice key (`SpeechJob.prefix`)
+            starts from its voice's prefilled system turn; on a miss the system turn is prefilled
+            a piece at a time like any rows, then cached.
         on_finish: called with (handle, outcome) when a request leaves ("eos", "length",
             "cancelled", "timeout", "error"): the metrics hook.
         capacity: columns (rows) each slot holds at first; the pool doubles when a request
             outgrows it.
-        prefill_chunk: rows of prompt prefilled per scheduler step (chunked prefill): a long prompt
-            is prefilled a chunk at a time, each chunk followed by one frame of every running
-            request, so it never stalls them longer than one chunk's prefill.
+        prefill_chunk: rows of prompt prefilled at most between two steps of the running requests
+            (chunked prefill, `chunked_prefill`): a prompt is prefilled in pieces of at most this
+            many rows, cut at rows that depend only on the prompt, so a running request waits at
+            most one step and `prefill_chunk` rows of prefill between two frames.
+        prefill_share: while requests run, the largest fraction of the scheduler's time prefill
+            takes (0 < share <= 1): after a turn of prefill the running requests decode for
+            (1 - share) / share times as long before the next one. 1.0 prefills between every
+            two steps.
         compile_config: a transformers `CompileConfig` compiles the step (`draw` and `feed` in one
             graph) and steps the running requests in batch-size buckets (1, 2, 4, ... up to
             `max_batch`; the items past the running ones hold no request): with fixed shapes
@@ -254,7 +273,8 @@ class Drama3Engine:
 
     def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill=None, on_finish=None,
                  capacity: int = INITIAL_CAPACITY, threads: int | str | None = "auto", compile_config=None,
-                 audio_separator_token_id: int | None = None, prefill_chunk: int = 512, adapters=None):
+                 audio_separator_token_id: int | None = None, prefill_chunk: int = 512, adapters=None,
+                 prefix_cache=None, prefill_share: float = DEFAULT_PREFILL_SHARE):
         check_threads(threads)
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch}; expected at least 1")
@@ -264,10 +284,12 @@ class Drama3Engine:
         self.overlong = overlong_factor(model)  # read once; a bad value is refused before any request
         self.alignment = resolve_alignment(model, [])  # the model's phoneme alignment, checked once
         self.compile_config = compile_config
-        if prefill_chunk < 2:
-            raise ValueError(f"prefill_chunk={prefill_chunk}; expected at least 2 rows")
-        self.prefill_chunk = prefill_chunk
-        self._prefilling: list[tuple[RequestHandle, DecodeRun]] = []  # prompts prefilled chunk by chunk, oldest first
+        check_prefill_settings(prefill_chunk, prefill_share)
+        self.prefill_chunk, self.prefill_share = prefill_chunk, prefill_share
+        self._share = PrefillShare(prefill_share)
+        self._turns = 0  # prefill turns taken: every OLDEST_EVERY-th starts with the oldest prompt
+        self._prefilling: list[PromptPrefill] = []  # prompts prefilled a piece at a time, oldest first
+        self.prefix_cache = prefix_cache
         self.separator_id = audio_separator_token_id
         if audio_separator_token_id is not None:  # refused here, before any request, when it is not a text token
             probe = torch.zeros(1, 2, dtype=torch.long)
@@ -307,7 +329,7 @@ class Drama3Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        prefilling = [handle for handle, _ in self._prefilling]
+        prefilling = [prompt.handle for prompt in self._prefilling]
         self._prefilling = []
         for handle in [*self._waiting, *prefilling, *(slot.handle for slot in self._slots)]:
             self._finish(handle, "error", ErrorEvent("error", "the engine stopped"))
@@ -385,7 +407,9 @@ class Drama3Engine:
             with torch.no_grad():
                 self._admit()
                 if self._slots:
+                    started = self._share.clock()
                     self._step()
+                    self._share.decoded(self._share.clock() - started)
         except Exception as error:  # a failed step fails the requests it ran, not the server
             for slot in self._slots:
                 self._finish(slot.handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
@@ -397,111 +421,124 @@ class Drama3Engine:
         return not self._waiting and not self._slots and not self._prefilling
 
     def _admit(self) -> None:
-        """Drop waiting requests that were cancelled or ran out of time, then prefill prompts: at
-        most `prefill_chunk` rows per scheduler step, so a long prompt is prefilled over several
-        steps, each followed by a frame of every running request.
-
-        The prompt with the fewest rows left goes first (a waiting one, or one part prefilled), so a
-        short request does not wait behind the chunks of a long prompt that arrived before it; the
-        oldest prompt in part prefilled gets a quarter of every chunk first, so a run of short
-        requests cannot starve it. Prompts are started only while the batch has room for them."""
+        """Drop waiting requests that were cancelled or ran out of time, then take a prefill turn
+        unless the running requests are still owed decode time for the last one (`prefill_share`)."""
         self._drop_abandoned()
-        budget = self.prefill_chunk
-        if self._prefilling:
-            budget -= self._prefill_some(self._prefilling[0], max(1, budget // 4))
-        while budget > 0:
-            waiting = self._fewest_rows_waiting() if len(self._slots) + len(self._prefilling) < self.max_batch else None
-            partial = min(self._prefilling, key=lambda entry: entry[0].job.input_ids.shape[1] - entry[1].cache.backbone_part.filled,
-                          default=None)
-            if waiting is None and partial is None:
-                return
-            if partial is None or (waiting is not None and waiting[1] < self._rows_left(partial)):
-                handle = self._take(waiting[0])
-                run = self._start_prefill(handle, budget)
-                if run is None:
-                    continue
-                budget -= run.cache.backbone_part.filled
-                self._prefilling.append((handle, run))
-                self._join_if_prefilled((handle, run))
-            else:
-                budget -= self._prefill_some(partial, budget)
+        running = bool(self._slots)
+        if not self._share.may_prefill(running) or not (self._prefilling or self._waiting):
+            return
+        started = self._share.clock()
+        if self._prefill_turn() and running:
+            self._settle()
+            self._share.prefilled(self._share.clock() - started, running)
 
-    def _rows_left(self, entry) -> int:
-        handle, run = entry
-        return handle.job.input_ids.shape[1] - run.cache.backbone_part.filled
+    def _prefill_turn(self) -> int:
+        """Prefill whole pieces of at most `prefill_chunk` rows in all (at least one piece): the
+        prompt with the fewest rows left first (a waiting one, or one part prefilled), every
+        OLDEST_EVERY-th turn the oldest first; prompts start only while the batch has room for them.
+        Returns the rows prefilled."""
+        self._turns += 1
+        oldest_first = self._turns % OLDEST_EVERY == 0
+        done = 0
+        while True:
+            prompt = self._next_prompt(oldest_first and not done)
+            if prompt is None or (done and done + prompt.next_end(self.prefill_chunk) - prompt.filled > self.prefill_chunk):
+                return done
+            done += self._prefill_piece(prompt)
 
-    def _fewest_rows_waiting(self) -> tuple[RequestHandle, int] | None:
-        """The waiting request with the shortest prompt (the oldest among equals) and its rows."""
+    def _next_prompt(self, oldest_first: bool) -> PromptPrefill | None:
+        """The prompt whose piece comes next, started (taken from the waiting queue) if it was waiting."""
         with self._lock:
-            if not self._waiting:
-                return None
-            handle = min(self._waiting, key=lambda waiting: waiting.job.input_ids.shape[1])
-        return handle, handle.job.input_ids.shape[1]
+            waiting = list(self._waiting) if len(self._slots) + len(self._prefilling) < self.max_batch else []
+        candidates = [*self._prefilling, *waiting]
+        chosen = next_prompt(candidates, self._rows_left, lambda candidate: self._handle_of(candidate).id, oldest_first)
+        if chosen is None or isinstance(chosen, PromptPrefill):
+            return chosen
+        return self._start(self._take(chosen))
+
+    @staticmethod
+    def _handle_of(candidate) -> RequestHandle:
+        return candidate.handle if isinstance(candidate, PromptPrefill) else candidate
+
+    def _rows_left(self, candidate) -> int:
+        """Rows a prompt has left to prefill (a waiting one: all its rows; its cached prefix is not
+        looked up before it starts)."""
+        return candidate.left if isinstance(candidate, PromptPrefill) else candidate.job.input_ids.shape[1]
 
     def _take(self, handle: RequestHandle) -> RequestHandle:
         with self._lock:
             self._waiting.remove(handle)
         return handle
 
-    def _prefill_some(self, entry, rows: int) -> int:
-        """Prefill up to `rows` more rows of a prompt in part prefilled (joining the batch once it is
-        whole); the rows used. A cancelled, timed-out or failed prompt is dropped (its handle ends)."""
-        handle, run = entry
-        if self._dropped_if_abandoned(entry):
+    def _start(self, handle: RequestHandle) -> PromptPrefill:
+        """A waiting request starts its prefill: from its voice's cached system turn where the
+        prefix cache has it, else from row 0 (its first piece is prefilled by `_prefill_piece`)."""
+        job = handle.job
+        prompt = PromptPrefill(handle, job.input_ids.shape[1], system_turn_boundary(job.input_ids, self.model.config.eos_token_id))
+        if self.prefix_cache is not None and prompt.boundary:
+            state = self.prefix_cache.lookup(self.model, job)
+            if state is not None:
+                prompt.run, prompt.from_prefix = state.run.copy(), True
+        self._prefilling.append(prompt)
+        return prompt
+
+    def _prefill_piece(self, prompt: PromptPrefill) -> int:
+        """Prefill the next piece of a prompt (joining the batch once it is whole; at the end of its
+        system turn, caching it as its voice's prefix); the rows prefilled. A cancelled, timed-out
+        or failed prompt is dropped (its handle ends)."""
+        if self._dropped_if_abandoned(prompt):
             return 0
-        done = run.cache.backbone_part.filled
-        end = min(handle.job.input_ids.shape[1], done + rows)
+        handle, job = prompt.handle, prompt.handle.job
+        done, end = prompt.filled, prompt.next_end(self.prefill_chunk)
         started = time.perf_counter()
         try:
             with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
-                run.extend(handle.job.input_ids[:, done:end], handle.job.audio_codes[:, done:end])
+                if prompt.run is None:
+                    prompt.run = self.prefill(self.model, job, end)
+                else:
+                    prompt.run.extend(job.input_ids[:, done:end], job.audio_codes[:, done:end])
+                if self._reached_uncached_prefix(prompt):
+                    self.prefix_cache.store(job, prompt.run)
         except Exception as error:
-            self._prefilling.remove(entry)
+            self._prefilling.remove(prompt)
             self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
             return end - done
         self.stats.prefill_seconds += time.perf_counter() - started
-        self._join_if_prefilled(entry)
-        return end - done
+        self.stats.prefill_rows += prompt.filled - done
+        self._join_if_prefilled(prompt)
+        return prompt.filled - done
 
-    def _dropped_if_abandoned(self, entry) -> bool:
+    def _reached_uncached_prefix(self, prompt: PromptPrefill) -> bool:
+        return (self.prefix_cache is not None and prompt.handle.job.prefix is not None and not prompt.from_prefix
+                and prompt.boundary and prompt.filled == prompt.boundary)
+
+    def _settle(self) -> None:
+        """Wait for the prefill queued on the device, so the clock times its work (CUDA)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _dropped_if_abandoned(self, prompt: PromptPrefill) -> bool:
         """Drop a prompt in part prefilled whose request was cancelled or ran out of time."""
-        handle = entry[0]
+        handle = prompt.handle
         if not (handle.cancelled.is_set() or self._timed_out(handle)):
             return False
-        self._prefilling.remove(entry)
+        self._prefilling.remove(prompt)
         kind = "cancelled" if handle.cancelled.is_set() else "timeout"
         self._finish(handle, kind, ErrorEvent(kind, f"the request was {'cancelled' if kind == 'cancelled' else 'past its time limit'}"))
         return True
 
-    def _join_if_prefilled(self, entry) -> None:
+    def _join_if_prefilled(self, prompt: PromptPrefill) -> None:
         """A prompt prefilled whole leaves the prefilling list and takes a slot of the batch."""
-        handle, run = entry
-        if run.cache.backbone_part.filled < handle.job.input_ids.shape[1]:
+        if prompt.left:
             return
-        self._prefilling.remove(entry)
+        self._prefilling.remove(prompt)
         try:
-            slot = self._new_slot(handle)
+            slot = self._new_slot(prompt.handle)
         except Exception as error:
-            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
+            self._finish(prompt.handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
             return
         self.stats.prefills += 1
-        self._join(run, slot)
-
-    def _start_prefill(self, handle: RequestHandle, rows: int) -> DecodeRun | None:
-        """Prefill at most `rows` rows of a request's prompt (all of it when it fits); None when the
-        request was cancelled or its prefill failed (its handle is finished)."""
-        if handle.cancelled.is_set():
-            self._finish(handle, "cancelled", ErrorEvent("cancelled", "the request was cancelled"))
-            return None
-        started = time.perf_counter()
-        try:
-            with self._routed(torch.tensor([handle.adapter_slot], device=self.model.device)):
-                run = self.prefill(self.model, handle.job, rows)
-        except Exception as error:
-            self._finish(handle, "error", ErrorEvent("error", f"{type(error).__name__}: {error}"))
-            return None
-        self.stats.prefill_seconds += time.perf_counter() - started
-        return run
+        self._join(prompt.run, slot)
 
     def _drop_abandoned(self) -> None:
         with self._lock:
@@ -516,8 +553,8 @@ class Drama3Engine:
                 kept.append(handle)
         with self._lock:
             self._waiting = kept + self._waiting
-        for entry in list(self._prefilling):
-            self._dropped_if_abandoned(entry)
+        for prompt in list(self._prefilling):
+            self._dropped_if_abandoned(prompt)
 
     def _new_slot(self, handle: RequestHandle) -> _Slot:
         """The budgets and sampling of a request, as `generate()` resolves them for a batch of one."""
@@ -566,8 +603,11 @@ class Drama3Engine:
             self._pool = DecodeCache.pool_like(run.cache, self.max_batch, capacity)
             if self.compile_config is not None:
                 self._pool.mark_static()
-        while self._pool.capacity < rows + 1:
-            self._grow()
+        if self._pool.capacity < rows + 1:
+            capacity = self._pool.capacity
+            while capacity < rows + 1:
+                capacity *= 2
+            self._grow(capacity)  # one copy of the pool, however many doublings the prompt needs
         item = len(self._slots)
         self._pool.place(item, run.cache)
         state = run.state
@@ -656,9 +696,10 @@ class Drama3Engine:
         sampler.steps = torch.cat([fresh if slot.steps is None else slot.steps for slot in slots] + [zeros])
         return sampler
 
-    def _grow(self) -> None:
-        """Double every slot's columns (one copy); the key masks widen with them."""
-        self._pool.grow(2 * self._pool.capacity)
+    def _grow(self, capacity: int | None = None) -> None:
+        """Give every slot `capacity` columns (default: twice as many; one copy); the key masks
+        widen with them."""
+        self._pool.grow(capacity or 2 * self._pool.capacity)
         self._guards.reset()
         if self.compile_config is not None:
             self._pool.mark_static()

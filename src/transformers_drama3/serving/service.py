@@ -70,7 +70,8 @@ class SpeechService:
              max_batch: int = 16, max_queue: int = 64, voice_specs=(), prefix_cache: bool = True,
              start_engine: bool = True, threads: int | str | None = "auto", compile: bool = False,
              adapter_specs=(), adapter_root: str | None = None, max_adapters: int = 8, adapter_rank: int = 16,
-             quant: str | None = None, offload: int | None = None, prefill_chunk: int | None = None):
+             quant: str | None = None, offload: int | None = None, prefill_chunk: int | None = None,
+             prefill_share: float | None = None):
         """Load a model (default: the bundled drama3-tiny, with its voices A and B registered).
 
         `start_engine=False` leaves the engine without its scheduler thread, for a caller that
@@ -87,8 +88,10 @@ class SpeechService:
         quantised (`checkpoint.quantization.WEIGHT_OPTIONS`); adapters need unquantised weights.
         `offload` (`--offload-experts K`): the routed experts in CPU RAM, K of each layer cached on
         `device` (`offload.offload_experts`); the engine then steps eagerly. `prefill_chunk`
-        (`--prefill-chunk`): rows of prompt prefilled per scheduler step (`Drama3Engine`); None:
-        `default_prefill_chunk(device)`."""
+        (`--prefill-chunk`): rows of prompt prefilled at most between two decode steps, in pieces of
+        that many rows (`Drama3Engine`); None: `default_prefill_chunk(device)`. `prefill_share`
+        (`--prefill-share`): while requests run, the largest fraction of the engine's time spent
+        prefilling; None: the engine's default (`chunked_prefill.DEFAULT_PREFILL_SHARE`)."""
         if adapter_specs or adapter_root is not None:  # the adapter code loads only for a server given adapters
             from .adapters import AdapterRegistry, parse_adapter_spec
         named_adapters = [parse_adapter_spec(spec) for spec in adapter_specs]  # a bad flag is refused before loading
@@ -117,10 +120,11 @@ class SpeechService:
         metrics = ServerMetrics()
         cache = PrefixCache() if prefix_cache else None
         metrics.prefix_cache = cache
-        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefill=cache.prefill if cache else None,
+        engine = Drama3Engine(model, max_batch=max_batch, max_queue=max_queue, prefix_cache=cache,
                               on_finish=lambda handle, outcome: metrics.count(outcome), threads=threads,
                               compile_config=default_compile_config() if compile else None, adapters=adapters,
-                              prefill_chunk=prefill_chunk if prefill_chunk is not None else default_prefill_chunk(device))
+                              prefill_chunk=prefill_chunk if prefill_chunk is not None else default_prefill_chunk(device),
+                              **({} if prefill_share is None else {"prefill_share": prefill_share}))
         if start_engine:
             engine.start()
         name = "drama3-tiny" if bundled else os.path.basename(os.path.normpath(source))
