@@ -899,3 +899,74 @@ def test_a_text_stream_for_an_adapter_when_every_slot_is_busy_closes_4429_with_t
     assert connection.close_reason.endswith("; retry after 1 s")
     assert http.status_code == 429 and http.headers["Retry-After"] == "1"  # what HTTP answers the same request
     assert http.json()["error"]["code"] == error["error"]["code"]
+
+
+# ---- issue 58: error messages without server paths or Python internals -------------------------------
+
+
+def assert_public(error: dict, *hidden: str) -> None:
+    """A client's error message: short, no absolute path of the server, no Python internals."""
+    message = error["message"]
+    assert len(message) <= 400, len(message)
+    for text in ("embedded null byte", "BytesIO", " object at 0x", "Traceback", *hidden):
+        assert text not in message, message
+
+
+def test_unreadable_audio_and_long_echoes_are_answered_without_python_internals(server):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        garbage = {"name": "noise", "audio": base64.b64encode(b"garbage" * 10).decode(), "text": "Hello."}
+        error = assert_openai_error(client.post("/v1/audio/voices", json=garbage, headers=HEADERS, timeout=WAIT),
+                                    400, "references[0].audio")
+        assert_public(error)
+        assert "not a readable audio file" in error["message"]
+        for body in ({"input": "Hello.", "voice": "v" * 100_000}, {"input": "Hello.", "response_format": "x" * 100_000}):
+            answer = post_raw(client, "/v1/audio/speech", json.dumps(body))
+            assert answer.status_code in (400, 404)
+            assert_public(answer.json()["error"])
+            assert "characters left out" in answer.json()["error"]["message"]
+
+
+def test_a_failure_s_text_and_a_failed_write_s_path_stay_in_the_server_log(service, monkeypatch, caplog):
+    from transformers_drama3.serving import voices as voices_module
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error", "/srv/drama3/secret/cache.bin")
+
+    app = create_app(lambda: service, ServerSettings(api_key=API_KEY))
+    with serving_on_loopback(app, http=cli_protocol()) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        monkeypatch.setattr(service, "job", broken)
+        with caplog.at_level(logging.ERROR, logger="transformers_drama3.serving"):
+            failed = post_raw(client, "/v1/audio/speech", '{"input": "Hello.", "voice": "A"}')
+        error = assert_openai_error(failed, 500, None)
+        assert_public(error, "/srv", "secret", "Input/output")
+        assert "OSError" in error["message"]
+        monkeypatch.setattr(voices_module.os, "replace", broken)
+        refused = client.post("/v1/audio/voices", json=clip_body("unwritten"), headers=HEADERS, timeout=WAIT)
+        error = assert_openai_error(refused, 500, None)
+        assert error["code"] == "voice_write_failed" and "Input/output error" in error["message"]
+        assert_public(error, "/srv", "secret")
+    assert "/srv/drama3/secret/cache.bin" in " ".join(record.getMessage() for record in caplog.records)
+
+
+def test_adapter_paths_are_refused_naming_the_field_without_the_server_s_folders(tmp_path):
+    root = tmp_path / "adapter-root"
+    (root / "empty").mkdir(parents=True)
+    service = SpeechService.load(None, str(tmp_path / "voices"), max_batch=2, max_queue=4, adapter_root=str(root),
+                                 max_adapters=1, adapter_rank=4, start_engine=False)
+    app = create_app(lambda: service, ServerSettings(api_key=API_KEY))
+    with serving_on_loopback(app, http=cli_protocol()) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        def register(path):
+            return client.post("/v1/audio/voices", json={"id": "far", "adapter": {"path": path}}, headers=HEADERS,
+                               timeout=WAIT)
+
+        for path in ("me\x00/adapter", "x" * 100_000):
+            assert_public(assert_openai_error(register(path), 400, "adapter.path"), str(tmp_path))
+        for path in ("empty", "missing"):  # inside the root, not an adapter: named as the client gave it
+            error = assert_openai_error(register(path), 400, "adapter")
+            assert_public(error, str(tmp_path))
+            assert f"({path})" in error["message"]
+        refused = register("../..")
+        outside = refused.json()["error"]
+        assert refused.status_code == 403 and outside["param"] == "adapter.path"
+        assert outside["type"] == "permission_error" and outside["code"] == "adapter_forbidden"
+        assert_public(outside, str(tmp_path))

@@ -18,6 +18,10 @@ from .protocol import ApiError, parse_references
 from .voices import VoiceBusy, VoiceExists
 
 
+MAX_PATH_CHARS = 1024
+"""The longest `adapter.path` read (PATH_MAX is 4096 bytes; adapter folders are a few levels deep)."""
+
+
 def register_adapter_voice(service, body: dict, limits) -> dict:
     """Register the adapter (and its optional reference clips) a checked JSON body describes."""
     registry = service.adapters
@@ -34,8 +38,10 @@ def register_adapter_voice(service, body: dict, limits) -> dict:
     adapter = body["adapter"]
     try:
         if isinstance(adapter, dict) and set(adapter) == {"path"}:
-            if not isinstance(adapter["path"], str):
-                raise ApiError(400, "adapter.path: expected a string", "adapter.path")
+            path = adapter["path"]
+            if not isinstance(path, str) or not path or "\0" in path or len(path) > MAX_PATH_CHARS:
+                raise ApiError(400, f"adapter.path: expected a folder's path under the server's --adapter-root, a "
+                                    f"string of 1 to {MAX_PATH_CHARS} characters without NUL", "adapter.path")
             registry.register_path(voice_id, adapter["path"])
         else:
             registry.register_upload(voice_id, decode_upload(adapter))

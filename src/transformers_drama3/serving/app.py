@@ -124,10 +124,12 @@ def _error_response(error: ApiError):
 
 
 def _unexpected(error: Exception, where: str) -> ApiError:
-    """A failure no check foresaw: logged as one line, answered as a 500 in OpenAI's shape."""
+    """A failure no check foresaw: logged as one line, answered as a 500 in OpenAI's shape naming
+    only the kind of failure (its text may hold server paths and Python internals: the log has it)."""
     summary = f"{type(error).__name__}: {error}".replace("\n", " ")
     logger.error("%s failed: %s", where, summary)
-    return ApiError(500, f"the server failed: {summary}", None, "internal_error")
+    return ApiError(500, f"the server failed ({type(error).__name__}); the server's log has the details", None,
+                    "internal_error")
 
 
 class CatchAll:
@@ -256,9 +258,13 @@ def is_loopback(host: str) -> bool:
 
 
 def _failure(event: ErrorEvent) -> ApiError:
+    """The answer to a request the engine ended: 504 past its time limit; else a 500 naming the kind
+    of failure, its text logged (it may hold server paths and Python internals)."""
     if event.kind == "timeout":
         return ApiError(504, "the request ran past its time limit", None, "timeout")
-    return ApiError(500, f"generation failed: {event.message}", None, event.kind)
+    logger.error("generation failed: %s", event.message.replace("\n", " "))
+    return ApiError(500, f"generation failed ({event.message.split(':', 1)[0]}); the server's log has the details",
+                    None, event.kind)
 
 
 def create_app(get_service, settings: ServerSettings | None = None):
@@ -340,7 +346,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
         except VoiceBusy as error:
             raise ApiError(409, str(error), "id", "voice_busy") from None
         except OSError as error:
-            raise ApiError(500, f"the voice {voice_id!r} could not be stored ({type(error).__name__}: {error}); "
+            logger.error("storing voice %r failed: %s", voice_id, error)
+            raise ApiError(500, f"the voice {voice_id!r} could not be stored ({error.strerror or type(error).__name__}); "
                                 "nothing was changed", None, "voice_write_failed") from None
         return {"id": voice_id, "name": name}
 
@@ -562,7 +569,7 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
         except ValueError as error:
             outcome = ApiError(400, str(error), "text")
         except Exception as error:  # a failed stream fails its client, not the server
-            outcome = ApiError(500, f"generation failed: {type(error).__name__}: {error}", None, "error")
+            outcome = _unexpected(error, "a text stream")
         loop.call_soon_threadsafe(outbox.put_nowait, (_END, outcome))
 
     async def receive():

@@ -13,6 +13,7 @@ import base64
 import binascii
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..decoding.sampler import check_sampling_values
@@ -31,6 +32,23 @@ MAX_NUMBER_DIGITS = 40
 """Longer integer literals are not converted (a 5,000-digit one costs time and fails Python's limit)."""
 
 
+MAX_MESSAGE_CHARS = 400
+"""Longer error messages keep their start and end (a long input echoed whole is left out)."""
+_SERVER_PATH = re.compile(r"(?<![\w/:.~-])/(?:[^\s/'\"(),:;<>]+/)+[^\s/'\"(),:;<>]*")
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>")
+
+
+def public_message(message: str) -> str:
+    """An error message fit for a client: an absolute path of the server's disk cut to its last
+    part, no Python object reprs, at most `MAX_MESSAGE_CHARS` characters (the middle left out)."""
+    message = _SERVER_PATH.sub(lambda path: path.group().rstrip("/").rsplit("/", 1)[-1] or "/", message)
+    message = _OBJECT_REPR.sub("the data", message)
+    if len(message) > MAX_MESSAGE_CHARS:
+        left_out = len(message) - MAX_MESSAGE_CHARS + 40
+        message = f"{message[:240]} [... {left_out} characters left out ...] {message[-120:]}"
+    return message
+
+
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
@@ -41,8 +59,10 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
+        message = public_message(message)
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.code = status, message, code
+        self.param = param if param is None or len(param) <= 64 else param[:61] + "..."
         self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:

@@ -99,8 +99,9 @@ def read_audio_bytes(data: bytes, location: str) -> tuple[np.ndarray, int]:
     """Audio file bytes (WAV, FLAC, OGG, ...) -> mono float32 samples and their rate."""
     try:
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (RuntimeError, soundfile.LibsndfileError) as error:
-        raise ValueError(f"{location}: not a readable audio file ({error})") from None
+    except (RuntimeError, soundfile.LibsndfileError) as error:  # its text names the BytesIO object: left out
+        reason = getattr(error, "error_string", None) or "unknown format"
+        raise ValueError(f"{location}: not a readable audio file ({reason.rstrip('.')})") from None
     if samples.shape[0] == 0:
         raise ValueError(f"{location}: the audio is empty")
     return samples.mean(axis=1), int(rate)
