@@ -89,7 +89,7 @@ def _headers(scope, name: bytes) -> list[str]:
 
 
 def check_head(scope) -> None:
-    """Refusal (closing) for a head over the limits or framed twice; None when it may go on."""
+    """Raise a Refusal (closing the connection) for a head over the limits or framed twice."""
     target = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 1
     if target > MAX_TARGET_BYTES:
         raise Refusal(414, f"the request target is {target} bytes; at most {MAX_TARGET_BYTES}", "invalid_request_error",
@@ -111,7 +111,7 @@ def check_head(scope) -> None:
 
 
 def check_site(scope, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...]) -> None:
-    """Refusal (403) for a Host that does not name this server or an Origin of another site."""
+    """Raise a Refusal (403) for a Host that does not name this server or an Origin of another site."""
     hosts = _headers(scope, b"host")
     host = hosts[0] if hosts else None
     if host is not None and "*" not in allowed_hosts and host_name(host) not in allowed_hosts:
