@@ -89,6 +89,33 @@ def test_an_input_written_in_place_must_keep_its_address():
     assert capture_report(count, counter, torch.randn(3)).capturable
 
 
+def scaled_and_counted(x, counter):
+    counter.add_(1)
+    return x * torch.tensor(2.0)  # a constant the trace makes on the CPU
+
+
+def test_on_a_device_every_op_touching_a_cpu_tensor_is_named_with_its_line():
+    """With the arguments on a device (meta stands in for CUDA), a counter left on the CPU (marked
+    static or not) and a constant made there are each named, with the line that made them, by the
+    dispatch mode the graph runs under; on the device itself the counter passes. A graph whose
+    arguments are all on the CPU has nothing to name."""
+    x, counter = torch.randn(3, 4, device="meta"), torch.zeros((), dtype=torch.long)
+    torch._dynamo.mark_static_address(counter)
+    report = capture_report(scaled_and_counted, x, counter)
+    assert report.device == "meta" and report.graphs == 1 and report.mutated_inputs == []
+    lines = {finding.where.rsplit(": ", 1)[-1] for finding in report.cpu_tensors}
+    assert lines == {"counter.add_(1)", "return x * torch.tensor(2.0)  # a constant the trace makes on the CPU"}
+    assert all("on CPU tensor(s) 0-d" in finding.what for finding in report.cpu_tensors)
+    with pytest.raises(NotCapturable, match="CPU tensor in a graph on meta: aten.add.Tensor"):
+        check_capturable(scaled_and_counted, x, counter)
+    on_device = torch.zeros((), dtype=torch.long, device="meta")
+    torch._dynamo.mark_static_address(on_device)
+    report = capture_report(lambda x, counter: (counter.add_(1), x * 2)[1], x, on_device)
+    assert report.capturable and report.device == "meta"
+    on_host = capture_report(scaled_and_counted, torch.randn(3, 4), counter)
+    assert on_host.device == "cpu" and on_host.cpu_tensors == []
+
+
 def test_a_clean_function_passes_and_its_ops_are_counted():
     report = check_capturable(clean, torch.randn(3, 5))
     assert report.graphs == 1 and report.ops == sum(report.op_counts.values()) >= 4

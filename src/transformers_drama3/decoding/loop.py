@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from transformers import CompileConfig
 
+from ..kernels.cuda_paths import takes_cuda_path
 from . import step as decode_step
 from .steady_guards import SteadyGuards, checked_call
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
@@ -516,7 +517,7 @@ def capturable_experts(model):
 def _with_capturable_experts(compiled, cuda_only: bool = False):
     @functools.wraps(compiled)
     def call(model, *args):
-        if cuda_only and model.device.type != "cuda":
+        if cuda_only and not takes_cuda_path(model.device):
             return compiled(model, *args)
         with capturable_experts(model):
             return compiled(model, *args)

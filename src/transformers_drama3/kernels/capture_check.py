@@ -27,6 +27,12 @@ arguments' state advances by one call, as it would under any compile), and retur
 - `mutated_inputs`: inputs the graph writes in place that are neither parameters nor marked
   static (`torch._dynamo.mark_static_address`, as transformers' static cache layers are): inductor
   skips CUDA graphs for those ("mutated inputs");
+- `cpu_tensors`: when the arguments are on a device other than the CPU (CUDA, or `meta` standing in
+  for it on a machine without a GPU, `cuda_paths.cuda_stand_in`), every operator of the graph that
+  reads, writes or makes a tensor on the CPU: a counter or buffer left on the CPU, a constant the
+  trace made there. The graph runs under a `TorchDispatchMode` that sees every operator call, each
+  named with the source line of the graph node that made it. Inductor skips CUDA graphs for a
+  graph with any tensor on the CPU ("skipping cudagraphs due to cpu device");
 - `ops`: the number of operator calls (call_function nodes, `getitem` excluded) in the aten graph,
   an upper bound on the kernels of one step before inductor fuses them (input mutations count as
   one `copy_` each; shape arithmetic and `getitem` do not); `op_counts` by operator.
@@ -47,10 +53,13 @@ nothing, so a check takes about as long as a trace.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 HOST_SYNC_OPS = frozenset({
     "aten._local_scalar_dense",  # .item(), int(t), float(t), bool(t) traced as a value
@@ -73,6 +82,7 @@ HOST_SYNC_OVERLOADS = frozenset({"aten.repeat_interleave.Tensor"})
 
 OPAQUE_HOST_SYNC_OPS = frozenset({
     "transformers.grouped_mm_fallback",  # transformers' grouped GEMM for float32 under torch.compile: reads `offs` on the host
+    "drama3.chunk_gated_delta_rule_varlen",  # fla's chunked kernel on packed documents: reads `cu_seqlens` on the host
 })
 """Custom operators that read a tensor on the host inside their own code, which a graph shows only
 as one opaque call."""
@@ -116,13 +126,16 @@ class CaptureReport:
     tensor_constants: list[Finding] = field(default_factory=list)
     host_syncs: list[Finding] = field(default_factory=list)
     mutated_inputs: list[Finding] = field(default_factory=list)
+    cpu_tensors: list[Finding] = field(default_factory=list)
+    device: str = "cpu"
+    """The device type of the graph's inputs (the CPU unless some are elsewhere)."""
     graphs: int = 0
     ops: int = 0
     op_counts: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def capturable(self) -> bool:
-        problems = self.graph_breaks or self.tensor_constants or self.host_syncs or self.mutated_inputs
+        problems = self.graph_breaks or self.tensor_constants or self.host_syncs or self.mutated_inputs or self.cpu_tensors
         return not problems and self.graphs == 1
 
     def problems(self) -> list[str]:
@@ -130,6 +143,7 @@ class CaptureReport:
         lines += [f"tensor constant created inside the graph: {finding}" for finding in self.tensor_constants]
         lines += [f"host sync: {finding}" for finding in self.host_syncs]
         lines += [f"input mutated in place but not marked static: {finding}" for finding in self.mutated_inputs]
+        lines += [f"CPU tensor in a graph on {self.device}: {finding}" for finding in self.cpu_tensors]
         if not self.graph_breaks and self.graphs != 1:
             lines.append(f"{self.graphs} graphs traced, expected exactly 1")
         return lines
@@ -138,7 +152,7 @@ class CaptureReport:
         return (
             f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s), {len(self.tensor_constants)} tensor "
             f"constant(s), {len(self.host_syncs)} host sync(s), {len(self.mutated_inputs)} unmarked mutated "
-            f"input(s), {self.ops} ops"
+            f"input(s), {len(self.cpu_tensors)} op(s) on CPU tensors (inputs on {self.device}), {self.ops} ops"
         )
 
 
@@ -218,6 +232,54 @@ def _attribute(module: torch.nn.Module, target: str):
     return value
 
 
+def _graph_device(values) -> str:
+    """The device type of a graph's tensor inputs: the first that is not the CPU, else "cpu"."""
+    types = {value.device.type for value in values if isinstance(value, torch.Tensor)}
+    return next(iter(sorted(types - {"cpu"})), "cpu")
+
+
+def _cpu_tensors(value) -> list[str]:
+    """'shape dtype' of every CPU tensor among `value`'s leaves (arguments or results of an op)."""
+    return [f"{'x'.join(map(str, leaf.shape)) or '0-d'} {leaf.dtype}" for leaf in tree_leaves(value)
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"]
+
+
+class _CpuTensorOps(TorchDispatchMode):
+    """Records every operator call that reads, writes or makes a CPU tensor, with the graph node
+    being run (`node`, set by `_NodeRunner`)."""
+
+    supports_higher_order_operators = True  # functionalised custom ops (auto_functionalized_v2) pass through too
+
+    def __init__(self):
+        super().__init__()
+        self.node: torch.fx.Node | None = None
+        self.found: dict[tuple[str, str], Finding] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        touched = _cpu_tensors((args, kwargs)) or _cpu_tensors(result)
+        if touched and str(getattr(func, "overloadpacket", func)) not in BOOKKEEPING_OPS:
+            where = "" if self.node is None else _where(self.node)
+            key = (str(func), where)
+            if key not in self.found:
+                node = "" if self.node is None else f" (node {self.node.name})"
+                self.found[key] = Finding(f"{func}{node} on CPU tensor(s) {', '.join(touched)}", where)
+        return result
+
+
+class _NodeRunner(torch.fx.Interpreter):
+    """Runs an aten graph node by node, telling `mode` which node each operator call comes from."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode: _CpuTensorOps):
+        super().__init__(gm)
+        self.mode = mode
+
+    def run_node(self, node):
+        self.mode.node = node
+        return super().run_node(node)
+
+
 class _CheckingBackend:
     """A dynamo backend that records what makes a graph uncapturable and runs it eagerly."""
 
@@ -260,6 +322,7 @@ class _CheckingBackend:
                 self.report.mutated_inputs.append(Finding(f"input {target.name} ({shape} {value.dtype})", _where(node)))
 
     def _aten_graph(self, gm: torch.fx.GraphModule, example_inputs):
+        self.report.device = _graph_device(self.inputs)
         self._constants(gm, "aten graph")
         self._mutations(gm)
         for node in gm.graph.nodes:
@@ -276,7 +339,25 @@ class _CheckingBackend:
                 continue
             self.report.ops += 1
             self.report.op_counts[name] += 1
-        return gm.forward if hasattr(gm, "forward") else gm
+        if self.report.device == "cpu":
+            return gm.forward if hasattr(gm, "forward") else gm
+        return self._runner_naming_cpu_tensors(gm)
+
+    def _runner_naming_cpu_tensors(self, gm: torch.fx.GraphModule):
+        """The graph, run node by node under `_CpuTensorOps`: what touches a CPU tensor goes into
+        the report."""
+        report = self.report
+
+        def run(*args):
+            mode = _CpuTensorOps()
+            # FakeTensors (on "cuda" without a GPU): the graph's own factory calls make fakes too
+            fake_mode = torch._guards.detect_fake_mode(args) or contextlib.nullcontext()
+            with fake_mode, mode:
+                result = _NodeRunner(gm, mode).run(*args)
+            report.cpu_tensors.extend(mode.found.values())
+            return result
+
+        return run
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from functorch.compile import make_boxed_func

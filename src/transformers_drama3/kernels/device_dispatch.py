@@ -23,6 +23,14 @@ would run its PyTorch reference, several kernels, unless the `causal_conv1d` pac
 and `torch_recurrent_gated_delta_rule` -> `recurrent_decode.gated_delta_rule_decode` (transformers
 would run fla's fused recurrent kernel, through its autograd function, or the reference). Every other
 call keeps the route above.
+
+Compiled regions. What a CUDA branch calls inside `torch.compile(fullgraph=True)` must trace: fla's
+chunked kernel is `torch.compiler.disable`d, so there (without gradients) the chunked rule calls it
+through one custom op (`chunk_delta_rule`); fla's fused recurrent kernel does not trace, so there the
+recurrent rule's calls that are not a decode row run the reference. Which tensors take a CUDA branch
+is `cuda_paths.takes_cuda_path`'s answer, so that a CPU can trace these branches on a stand-in
+device (`cuda_paths.cuda_stand_in`): such a tensor calls the package kernel transformers bound
+(`_stand_in_kernel`), which transformers' own wrapper would not hand a meta tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from . import recurrent_decode, short_conv
+from . import chunk_delta_rule, recurrent_decode, short_conv
+from .cuda_paths import takes_cuda_path
 
 # The names of the module-level functions of transformers' Qwen3.5-MoE modeling that get a router.
 ROUTED_FUNCTIONS = (
@@ -60,15 +69,41 @@ def _accepted_kwargs(function) -> set[str] | None:
     return {p.name for p in parameters}
 
 
-def route_by_device(kernel, reference):
-    """A function that calls `kernel` for CUDA tensors and `reference` otherwise."""
+def _stand_in_kernel(kernel, implementation):
+    """What a tensor on a device standing in for CUDA (`cuda_paths.cuda_stand_in`) calls: what
+    `kernel` (transformers' wrapper) calls for a CUDA tensor, `implementation` (the package kernel;
+    the wrapper itself would see the stand-in device and take its reference instead), given the
+    keyword arguments it takes, as the wrapper passes them. `kernel` where there is no package kernel."""
+    if implementation is None:
+        return kernel
+    accepted = _accepted_kwargs(implementation)
+
+    @functools.wraps(implementation)
+    def call(*args, **kwargs):
+        if accepted is not None:
+            kwargs = {name: value for name, value in kwargs.items() if name in accepted}
+        return implementation(*args, **kwargs)
+
+    return call
+
+
+def _cuda_callee(tensor: torch.Tensor, kernel, stand_in):
+    """`kernel` for a CUDA tensor, `stand_in` (`_stand_in_kernel`) for one on a stand-in device."""
+    return kernel if tensor.is_cuda else stand_in
+
+
+def route_by_device(kernel, reference, implementation=None):
+    """A function that calls `kernel` for CUDA tensors and `reference` otherwise. implementation:
+    the package kernel `kernel` calls for CUDA tensors (None: none, `kernel` runs the reference),
+    which tensors on a stand-in device call (`_stand_in_kernel`)."""
     accepted = _accepted_kwargs(reference)
+    stand_in = _stand_in_kernel(kernel, implementation)
 
     @functools.wraps(reference)
     def routed(*args, **kwargs):
         tensor = _first_tensor(args, kwargs)
-        if tensor is not None and tensor.is_cuda:
-            return kernel(*args, **kwargs)
+        if tensor is not None and takes_cuda_path(tensor):
+            return _cuda_callee(tensor, kernel, stand_in)(*args, **kwargs)
         if accepted is not None:
             kwargs = {name: value for name, value in kwargs.items() if name in accepted}
         return reference(*args, **kwargs)
@@ -160,23 +195,39 @@ def _no_initial_state(initial_state) -> None:
         raise ValueError("packed documents start from an empty state; got an initial_state with cu_seqlens")
 
 
-def route_chunk_delta_rule(kernel, reference, kernel_is_reference: bool):
+def route_chunk_delta_rule(kernel, reference, implementation):
     """Device router for `torch_chunk_gated_delta_rule` that honours `cu_seqlens` everywhere.
 
-    kernel_is_reference: transformers bound no package kernel (fla is not installed), so `kernel`
-    runs the reference and takes no `cu_seqlens`."""
-    plain = route_by_device(kernel, reference)
+    implementation: what `kernel` calls for CUDA tensors; the reference itself when transformers bound
+    no package kernel (fla is not installed): `kernel` then takes no `cu_seqlens`. Otherwise, inside a compiled region, CUDA calls
+    reach the kernel through one custom op (`chunk_delta_rule`: fla's kernel is
+    `torch.compiler.disable`d, which a `fullgraph=True` trace refuses)."""
+    kernel_is_reference = implementation is reference
+    plain = route_by_device(kernel, reference, None if kernel_is_reference else implementation)
+    stand_in = _stand_in_kernel(kernel, None if kernel_is_reference else implementation)
+    if not kernel_is_reference:
+        chunk_delta_rule.bind(kernel)
 
     @functools.wraps(reference)
     def routed(query, key, value, g, beta, *, cu_seqlens=None, initial_state=None, **kwargs):
+        package_kernel = takes_cuda_path(query) and not kernel_is_reference
+        through_op = package_kernel and chunk_delta_rule.serves_compiled(query, kwargs)
+        flags = dict(output_final_state=bool(kwargs.get("output_final_state", False)),
+                     use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)))
         if cu_seqlens is None:
+            if through_op:
+                return chunk_delta_rule.chunk_gated_delta_rule(query, key, value, g, beta, initial_state, **flags)
             return plain(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
         _no_initial_state(initial_state)
-        if query.is_cuda and not kernel_is_reference:
+        if package_kernel:
             # fla's varlen kernels take one flattened sequence (batch 1) and the offsets into it.
             batch, rows = query.shape[:2]
             flat = [t.reshape(1, batch * rows, *t.shape[2:]) for t in (query, key, value, g, beta)]
-            out, state = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, **kwargs)
+            if through_op:
+                out, state = chunk_delta_rule.chunk_gated_delta_rule(*flat, cu_seqlens=cu_seqlens, **flags)
+            else:
+                callee = _cuda_callee(query, kernel, stand_in)
+                out, state = callee(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, **kwargs)
             return out.reshape(batch, rows, *out.shape[2:]), state
         return delta_rule_per_document(reference, query, key, value, g, beta, cu_seqlens, **kwargs)
 
@@ -185,9 +236,9 @@ def route_chunk_delta_rule(kernel, reference, kernel_is_reference: bool):
     return routed
 
 
-def route_causal_conv1d(kernel, reference):
+def route_causal_conv1d(kernel, reference, implementation=None):
     """Device router for `causal_conv1d_fn`; with `cu_seq_lens_q` it restarts at each document."""
-    plain = route_by_device(kernel, reference)
+    plain = route_by_device(kernel, reference, implementation)
 
     @functools.wraps(reference)
     def routed(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, **kwargs):
@@ -200,10 +251,10 @@ def route_causal_conv1d(kernel, reference):
     return routed
 
 
-def route_short_conv_update(kernel, reference):
+def route_short_conv_update(kernel, reference, implementation=None):
     """Device router for `causal_conv1d_update`: a CUDA decode row runs `short_conv.short_conv_update`
     (one op, the conv state updated in place); anything else takes `route_by_device`."""
-    plain = route_by_device(kernel, reference)
+    plain = route_by_device(kernel, reference, implementation)
 
     @functools.wraps(reference)
     def routed(hidden_states, conv_state, weight, bias=None, activation=None):
@@ -217,11 +268,11 @@ def route_short_conv_update(kernel, reference):
     return routed
 
 
-def route_recurrent_delta_rule(kernel, reference):
+def route_recurrent_delta_rule(kernel, reference, implementation=None):
     """Device router for `torch_recurrent_gated_delta_rule`: a CUDA decode row (one row, no
     `cu_seqlens`) runs `recurrent_decode.gated_delta_rule_decode` (one op); anything else takes
     `route_by_device`."""
-    plain = route_by_device(kernel, reference)
+    plain = route_by_device(kernel, reference, implementation)
 
     @functools.wraps(reference)
     def routed(query, key, value, g, beta, initial_state=None, output_final_state=False,
@@ -231,6 +282,14 @@ def route_recurrent_delta_rule(kernel, reference):
                 query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel
             )
             return out, state if output_final_state else None
+        if torch.compiler.is_compiling() and takes_cuda_path(query):
+            # fla's fused recurrent kernel does not trace (dynamo stops inside its decorators): a
+            # compiled region gets the reference, which inductor compiles
+            if kwargs.get("cu_seqlens") is not None:
+                raise ValueError("torch_recurrent_gated_delta_rule: packed documents (cu_seqlens) inside a compiled "
+                                 "region; call it eagerly (fla's kernel keeps the documents apart)")
+            return reference(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return plain(query, key, value, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
 
@@ -248,9 +307,10 @@ def router_for(name: str, kernel, reference, implementation):
     if name not in ROUTED_FUNCTIONS:
         raise ValueError(f"name: {name!r} is not a routed function; routed: {ROUTED_FUNCTIONS}")
     if name == "torch_chunk_gated_delta_rule":
-        return route_chunk_delta_rule(kernel, reference, kernel_is_reference=implementation is reference)
+        return route_chunk_delta_rule(kernel, reference, implementation)
+    package_kernel = None if implementation is reference else implementation
     if name == "causal_conv1d_fn":
-        return route_causal_conv1d(kernel, reference)
+        return route_causal_conv1d(kernel, reference, package_kernel)
     if name == "causal_conv1d_update":
-        return route_short_conv_update(kernel, reference)
-    return route_recurrent_delta_rule(kernel, reference)
+        return route_short_conv_update(kernel, reference, package_kernel)
+    return route_recurrent_delta_rule(kernel, reference, package_kernel)

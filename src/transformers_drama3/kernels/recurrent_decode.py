@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_paths import takes_cuda_path
 from .fused_step import interpreting
 
 triton = None
@@ -110,7 +111,7 @@ def kernel_serves(query: torch.Tensor, cu_seqlens=None) -> bool:
     of at most `MAX_K_DIM`, no gradient wanted (the op has no backward), Triton installed."""
     return (
         triton is not None
-        and query.is_cuda
+        and takes_cuda_path(query)
         and cu_seqlens is None
         and query.dim() == 4
         and query.shape[1] == 1

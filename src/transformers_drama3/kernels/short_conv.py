@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cuda_paths import takes_cuda_path
 from .fused_step import interpreting
 
 triton = None
@@ -88,7 +89,7 @@ def kernel_serves(hidden_states: torch.Tensor, activation: str | None) -> bool:
     wanted (the op has no backward), Triton installed. Everything else keeps transformers' path."""
     return (
         triton is not None
-        and hidden_states.is_cuda
+        and takes_cuda_path(hidden_states)
         and hidden_states.dim() == 3
         and hidden_states.shape[-1] == 1
         and activation in ACTIVATIONS
