@@ -215,9 +215,10 @@ class DecodeRun:
                 input_ids, audio_codes, attention_mask, prefill_bucket(input_ids.shape[1]))
         batch, rows = input_ids.shape
         device = input_ids.device
-        budgets = budgets.to(device)
-        left = torch.zeros(batch, dtype=torch.long, device=device) if separators is None else separators.left.to(device).clone()
-        most = rows + int((budgets + left.clamp(min=0)).max()) + 2  # room for `steps_ahead`: `_start_loop`
+        # sized on the host, from the host's numbers (budgets and separators come from the request)
+        left = torch.zeros(batch, dtype=torch.long) if separators is None else separators.left.cpu()
+        most = rows + int((budgets.cpu() + left.clamp(min=0)).max()) + 2  # room for `steps_ahead`: `_start_loop`
+        budgets, left = budgets.to(device), left.to(device).clone()
         capacity = most if compile_config is None else compiled_capacity(most)
         cache = DecodeCache(model, capacity, device, batch)
         state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)

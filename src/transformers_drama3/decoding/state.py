@@ -108,10 +108,33 @@ class ColumnKeysLayer(CacheLayerMixin):
             self.values = _grown(self.values, capacity)
 
 
-def _linear_layer(conv: torch.Tensor, recurrent: torch.Tensor) -> LinearAttentionLayer:
-    """A Gated DeltaNet layer's cache over the given states (views: its in-place updates land in
-    the tensors given), past its prefill."""
+def linear_layer_counters(layer: LinearAttentionLayer) -> dict[str, torch.Tensor]:
+    """The tensors a Gated DeltaNet layer's cache keeps besides its conv and recurrent states, by
+    attribute name: transformers' token counter (`cumulative_length_linear`, a 0-d long tensor that
+    every forward adds its rows to, in place). transformers creates it on the CPU and moves it to
+    the states' device only in `lazy_initialization`, which a layer built here never runs."""
+    return {name: value for name, value in vars(layer).items() if isinstance(value, torch.Tensor)}
+
+
+def empty_linear_layer(device: torch.device) -> LinearAttentionLayer:
+    """An empty Gated DeltaNet layer's cache whose counters are on `device` already: a prefill
+    (eager, or compiled, where moving them inside the graph would leave them unmarked graph
+    outputs) writes them in place."""
     layer = LinearAttentionLayer()
+    for name, counter in linear_layer_counters(layer).items():
+        setattr(layer, name, counter.to(device))
+    return layer
+
+
+def _linear_layer(conv: torch.Tensor, recurrent: torch.Tensor, counters: dict[str, torch.Tensor] | None = None) -> LinearAttentionLayer:
+    """A Gated DeltaNet layer's cache over the given states (views: its in-place updates land in
+    the tensors given), past its prefill. `counters`: the counters to share (a view of a pool shares
+    the pool's, so their address stays the same for every view); by default new ones, on the
+    states' device."""
+    layer = empty_linear_layer(conv.device) if counters is None else LinearAttentionLayer()
+    if counters is not None:
+        for name, counter in counters.items():
+            setattr(layer, name, counter)
     layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
     layer.conv_kernel_size[0] = conv.shape[-1]
     layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
@@ -138,7 +161,7 @@ class DecodeCache:
         self.backbone_part = _Part(capacity, torch.zeros(batch, dtype=torch.long, device=device))
         self.tower_part = _Part(capacity, torch.zeros(batch, dtype=torch.long, device=device))
         self.backbone = Cache(layers=[
-            LinearAttentionLayer() if kind == "linear_attention" else ColumnKeysLayer(self.backbone_part)
+            empty_linear_layer(device) if kind == "linear_attention" else ColumnKeysLayer(self.backbone_part)
             for kind in text.layer_types[: text.num_hidden_layers]
         ])
         self.tower = Cache(layers=[ColumnKeysLayer(self.tower_part) for _ in model.tower_layers])
@@ -218,7 +241,7 @@ class DecodeCache:
                 viewed.keys, viewed.values = layer.keys[:items], layer.values[:items]
                 viewed.dtype, viewed.device, viewed.is_initialized = layer.dtype, layer.device, True
                 return viewed
-            return _linear_layer(layer.conv_states[0][:items], layer.recurrent_states[0][:items])
+            return _linear_layer(layer.conv_states[0][:items], layer.recurrent_states[0][:items], linear_layer_counters(layer))
 
         view.backbone = Cache(layers=[layer_view(layer, view.backbone_part) for layer in self.backbone.layers])
         view.tower = Cache(layers=[layer_view(layer, view.tower_part) for layer in self.tower.layers])
@@ -268,38 +291,59 @@ class DecodeCache:
 
     def mark_counters_static(self) -> None:
         """Before a compiled prefill: the tensors it writes in place that exist before it (the
-        parts' next columns, transformers' token counters of the Gated DeltaNet layers) keep their
-        addresses; the prefill allocates the rest (`own_states` copies them out after)."""
+        parts' next columns, the Gated DeltaNet layers' counters, `linear_layer_counters`) keep
+        their addresses; the prefill allocates the rest (`own_states` copies them out after)."""
         for part in self.parts:
             torch._dynamo.mark_static_address(part.next_column)
-        for layer in self.backbone.layers:
-            counter = getattr(layer, "cumulative_length_linear", None)
-            if isinstance(counter, torch.Tensor):
-                torch._dynamo.mark_static_address(counter)
+        for counter in self._counters():
+            torch._dynamo.mark_static_address(counter)
+
+    def _counters(self) -> list[torch.Tensor]:
+        return [counter for layer in self.backbone.layers if isinstance(layer, LinearAttentionLayer)
+                for counter in linear_layer_counters(layer).values()]
 
     def own_states(self) -> None:
-        """After a compiled prefill: every layer's tensors copied into memory of their own (what a
-        CUDA-graph replay allocated, the next replay reuses)."""
+        """After a compiled prefill: every layer's tensors, counters included, copied into memory of
+        their own (what a CUDA-graph replay allocated, the next replay reuses; a counter the graph
+        replaced would be such an output too). The copies are not marked static: `mark_static`
+        does that for a compiled step."""
         for layer in (*self.backbone.layers, *self.tower.layers):
             if isinstance(layer, ColumnKeysLayer) and layer.is_initialized:
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-            elif isinstance(layer, LinearAttentionLayer) and layer.is_conv_states_initialized[0]:
-                layer.conv_states[0] = layer.conv_states[0].clone()
-                layer.recurrent_states[0] = layer.recurrent_states[0].clone()
+            elif isinstance(layer, LinearAttentionLayer):
+                if layer.is_conv_states_initialized[0]:
+                    layer.conv_states[0] = layer.conv_states[0].clone()
+                    layer.recurrent_states[0] = layer.recurrent_states[0].clone()
+                for name, counter in linear_layer_counters(layer).items():
+                    setattr(layer, name, counter.clone())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the cache holds, by a name that says where (`backbone.3.conv_states`,
+        `backbone.3.cumulative_length_linear`, `tower_part.next_column`, ...): what a compiled
+        step reads and writes, all of it on the states' device."""
+        held = {f"{name}.next_column": part.next_column for name, part in (("backbone_part", self.backbone_part),
+                                                                           ("tower_part", self.tower_part))}
+        for cache_name, cache in (("backbone", self.backbone), ("tower", self.tower)):
+            for index, layer in enumerate(cache.layers):
+                prefix = f"{cache_name}.{index}"
+                if isinstance(layer, ColumnKeysLayer):
+                    if layer.is_initialized:
+                        held[f"{prefix}.keys"], held[f"{prefix}.values"] = layer.keys, layer.values
+                    continue
+                for kind in ("conv_states", "recurrent_states"):
+                    for state_index, tensor in getattr(layer, kind).items():
+                        if isinstance(tensor, torch.Tensor):
+                            held[f"{prefix}.{kind}.{state_index}"] = tensor
+                for name, counter in linear_layer_counters(layer).items():
+                    held[f"{prefix}.{name}"] = counter
+        return held
 
     def mark_static(self) -> None:
-        """For a compiled step: every layer reads the whole capacity, and the cache's tensors keep
-        their addresses (CUDA graphs replay on them)."""
+        """For a compiled step: every layer reads the whole capacity, and the cache's tensors
+        (counters included) keep their addresses (CUDA graphs replay on them)."""
         self.compiled = True
-        for part in self.parts:
-            torch._dynamo.mark_static_address(part.next_column)
-        for layer in (*self.backbone.layers, *self.tower.layers):
-            if isinstance(layer, ColumnKeysLayer) and layer.is_initialized:
-                torch._dynamo.mark_static_address(layer.keys)
-                torch._dynamo.mark_static_address(layer.values)
-            elif isinstance(layer, LinearAttentionLayer) and layer.is_conv_states_initialized[0]:
-                torch._dynamo.mark_static_address(layer.conv_states[0])
-                torch._dynamo.mark_static_address(layer.recurrent_states[0])
+        for tensor in self.tensors().values():
+            torch._dynamo.mark_static_address(tensor)
 
 
 @dataclass
