@@ -62,11 +62,12 @@ def run_setting(arguments) -> list[dict]:
 
     from transformers_drama3.decoding.loop import compiled_functions
     from transformers_drama3.decoding.steady_guards import graphs_of
+    from transformers_drama3.torch_compat import raise_recompile_limit
 
     torch.set_num_threads(1)
     model = gpu.without_eos(gpu.materialised(gpu.published_config(arguments.layers, dry_run=True), "cpu", torch.float32))
     config = CompileConfig(fullgraph=True, dynamic=SETTINGS[arguments.setting], backend=arguments.backend, mode=None)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(arguments.batches))
+    raise_recompile_limit(2 * len(arguments.batches))
     rows = []
     with torch.no_grad():
         for batch in arguments.batches:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu  # noqa: E402  (the published config, the meta-device build, the eos mask, the prefilled run)
 
 from transformers_drama3.decoding.loop import DecodeRun  # noqa: E402
+from transformers_drama3.torch_compat import raise_recompile_limit  # noqa: E402
 
 LOOPS = {"in order": DecodeRun.steps, "ahead": DecodeRun.steps_ahead}
 
@@ -94,7 +95,7 @@ def main(argv=None) -> None:
     model = gpu.without_eos(gpu.materialised(gpu.published_config(arguments.layers, dry_run=True), "cpu", torch.float32))
     timer = GraphTimer()
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=timer, mode=None)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(arguments.batches))
+    raise_recompile_limit(4 * len(arguments.batches))
     print(f"{arguments.layers} backbone layers, tiny width, CPU, {arguments.frames} frames per run, aot_eager graphs, "
           f"best of {arguments.repeats}")
     print("| batch | loop | ms/step | in graphs ms | outside ms |\n|---|---|---|---|---|")

@@ -31,6 +31,7 @@ import torch
 from transformers import CompileConfig
 
 from ..kernels.cuda_paths import takes_cuda_path
+from ..torch_compat import keep_recording_new_static_inputs
 from . import step as decode_step
 from .steady_guards import SteadyGuards, checked_call
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
@@ -567,6 +568,7 @@ def compiled_prefill(config: CompileConfig):
         options["dynamic"] = False  # a bucket is a graph of its own shapes, as the buckets intend
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED_PREFILL:
+        keep_recording_new_static_inputs()  # each run's cache is new: its static addresses change
         _COMPILED_PREFILL[key] = _with_capturable_experts(torch.compile(_prefill_rows, **options), cuda_only=True)
     return _COMPILED_PREFILL[key]
 
@@ -589,5 +591,6 @@ def compiled_functions(config: CompileConfig | None) -> StepFunctions:
     options = compile_options(config)
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED:
+        keep_recording_new_static_inputs()  # each run's cache is new: its static addresses change
         _COMPILED[key] = StepFunctions(*(_with_capturable_experts(torch.compile(function, **options)) for function in plain))
     return _COMPILED[key]

@@ -1,0 +1,63 @@
+"""The torch settings that differ between the releases the GPU path runs on (CI: torch 2.13; the
+device image lent to the project: torch 2.11), each chosen by the version it is given."""
+
+import sys
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from transformers_drama3 import torch_compat
+from transformers_drama3.decoding import loop
+
+
+@pytest.mark.parametrize("version, release", [
+    ("2.11.0+cu130", (2, 11)), ("2.13.0+cpu", (2, 13)), ("2.13.0.dev20260501", (2, 13)), ("2.6.0", (2, 6)), ("3.0.1", (3, 0)),
+])
+def test_a_torch_version_reads_as_its_release(version, release):
+    assert torch_compat.torch_release(version) == release
+
+
+def test_a_string_that_is_no_version_is_refused_naming_it():
+    with pytest.raises(ValueError, match="version: 'nightly' is not a torch version"):
+        torch_compat.torch_release("nightly")
+
+
+@pytest.mark.parametrize("version, counted", [
+    ("2.6.0", True), ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False), ("2.14.0.dev20261001", False), ("3.0.0", False),
+])
+def test_static_address_rerecords_lift_the_limit_only_where_torch_counts_them(version, counted):
+    assert torch_compat.counts_static_input_rerecords(version) is counted
+    assert torch_compat.rerecord_limit_for_new_static_inputs(version, current=128) == (sys.maxsize if counted else 128)
+
+
+@pytest.mark.parametrize("version, lifted", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
+def test_compiling_the_step_lifts_the_rerecord_limit_on_a_torch_that_counts_static_address_churn(monkeypatch, version, lifted):
+    """The step's (and the compiled prefill's) compile, on torch 2.11, lets CUDA-graph trees record
+    again for every run's new cache instead of giving up after 128 runs; on 2.13 nothing changes."""
+    triton = torch._inductor.config.triton
+    monkeypatch.setattr(triton, "cudagraph_unexpected_rerecord_limit", 128)
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(loop, "_COMPILED", {})
+    monkeypatch.setattr(loop, "_COMPILED_PREFILL", {})
+    loop.compiled_functions(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
+    monkeypatch.setattr(triton, "cudagraph_unexpected_rerecord_limit", 128)
+    loop.compiled_prefill(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+    assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
+
+
+@pytest.mark.parametrize("version, name", [("2.6.0", "cache_size_limit"), ("2.7.0", "recompile_limit"), ("2.11.0+cu130", "recompile_limit")])
+def test_the_recompile_limit_has_the_name_of_its_release(version, name):
+    assert torch_compat.recompile_limit_name(version) == name
+
+
+def test_the_installed_torch_has_the_limit_by_the_name_chosen_and_it_is_raised_never_lowered(monkeypatch):
+    config = torch._dynamo.config
+    name = torch_compat.recompile_limit_name()
+    assert hasattr(config, name)
+    monkeypatch.setattr(config, name, 8)
+    torch_compat.raise_recompile_limit(20)
+    assert getattr(config, name) == 20
+    torch_compat.raise_recompile_limit(4)
+    assert getattr(config, name) == 20
