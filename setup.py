@@ -28,7 +28,10 @@ SERVER_TESTS = [*SERVE, "httpx>=0.27", "openai>=1.40"]
 # The demo's tests drive it with gradio_client and with Debian's chromium through Playwright's
 # Python package (never `playwright install`: no browser download).
 DEMO_TESTS = [*DEMO, "gradio_client>=2.7", "playwright>=1.50", "pyyaml>=6"]
-DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS]
+# The documentation site (mkdocs.yml, docs/): `mkdocs serve` / `mkdocs build --strict`, the API reference
+# generated from the docstrings (ruff lays out its signatures). The tests build it, so `dev` includes it.
+DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"]
+DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS, *DOCS]
 
 setup(
     name="transformers-drama3",
@@ -67,6 +70,7 @@ setup(
         "demo": DEMO,
         "eval": EVAL,
         "quant": QUANT,
+        "docs": DOCS,
         "dev": DEV + TRAIN + EVAL + QUANT,
         "all": GPU + TRAIN + SERVE + DEMO + EVAL + QUANT + DEV,
     },

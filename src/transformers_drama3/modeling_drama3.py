@@ -515,7 +515,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
     def embed_rows(self, input_ids: torch.Tensor, audio_codes: torch.Tensor | None) -> torch.Tensor:
         """Partial codebook fusion: backbone input for rows [batch, rows].
 
-        Audio rows: (E_text[main] + sum_{k=1..K} E_cb[k][c_k]) / sqrt(1 + K); text rows: E_text[main].
+        Audio rows: `(E_text[main] + sum_{k=1..K} E_cb[k][c_k]) / sqrt(1 + K)`; text rows: `E_text[main]`.
         """
         text_table, codebook_table = self.backbone.embed_tokens, self.audio_decoder.codebook_embeddings
         if audio_codes is not None and self.backbone_codebooks and fused_inference(input_ids, text_table, codebook_table):

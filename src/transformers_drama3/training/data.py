@@ -270,7 +270,7 @@ def prepare_dataset(
 ):
     """Validate, resample and encode every record once; returns (dataset, report).
 
-    The dataset has columns `text`, `speaker`, `codes` ([num_codebooks][frames] ints), `frames`
+    The dataset has columns `text`, `speaker`, `codes` (`[num_codebooks][frames]` ints), `frames`
     and `source`. Codes are cached per record under `cache_dir` (keyed by the audio and the codec's
     fingerprint), so a second call, or a call after an interruption, encodes only what is missing.
     Items are encoded `batch_size` at a time (the codec is causal: right padding leaves codes

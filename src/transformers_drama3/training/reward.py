@@ -33,7 +33,7 @@ class PreferenceCollator:
     """Preference pairs -> a reward-model batch.
 
     Each example: `prompt` (text, or a `Script` without target), `take_a` and `take_b` (codes
-    [num_codebooks][frames]), `label` (1 if A is preferred, 0 if B; soft values allowed) and
+    `[num_codebooks][frames]`), `label` (1 if A is preferred, 0 if B; soft values allowed) and
     optional `references` ([{"text", "codes", "speaker"}]). Rows are right-padded; A rows first.
     """
 

@@ -74,7 +74,8 @@ class Drama3Trainer(Trainer):
         optimizer: which optimiser `create_optimizer` builds ("adamw" or "muon"); ignored when
             `optimizers=(...)` is given.
         pad_id: padding id used when a packed batch must be unpacked (flash-attention backbones).
-        (everything else as `transformers.Trainer`)
+
+    Every other argument is `transformers.Trainer`'s.
     """
 
     def __init__(self, *args, optimizer: str = "adamw", pad_id: int = 0, **kwargs):
