@@ -970,3 +970,84 @@ def test_adapter_paths_are_refused_naming_the_field_without_the_server_s_folders
         assert refused.status_code == 403 and outside["param"] == "adapter.path"
         assert outside["type"] == "permission_error" and outside["code"] == "adapter_forbidden"
         assert_public(outside, str(tmp_path))
+
+
+# ---- round two (issue 58): damaged voices, clip lengths, transcripts, claims -------------------------
+
+
+def test_a_voice_json_nested_100000_deep_is_skipped_and_logged_and_the_list_still_answers(server, service, caplog):
+    root = service.voices.root
+    shutil.copytree(root / "A", root / "deep")
+    (root / "deep" / "voice.json").write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    try:
+        with httpx.Client(base_url=f"http://{server}") as client:
+            with caplog.at_level(logging.WARNING, logger="transformers_drama3.serving.voices"):
+                voices = listed(client)  # was a 500 for everyone (RecursionError)
+            assert "A" in voices and "deep" not in voices
+            warned = [record.getMessage() for record in caplog.records if "'deep'" in record.getMessage()]
+            assert warned and "nested deeper than" in warned[0]
+            answer = post_raw(client, "/v1/audio/speech", json.dumps({"input": "Hello.", "voice": "deep", "max_new_tokens": 2}))
+            assert assert_openai_error(answer, 409, "voice")["code"] == "voice_damaged"
+    finally:
+        shutil.rmtree(root / "deep")
+
+
+@pytest.mark.parametrize("text", ["\U0001f600\U0001f600", "\u200b\u200b\u200b", "?! ... --"],
+                         ids=["emoji", "zero-width", "punctuation"])
+def test_a_transcript_with_nothing_speakable_is_refused_as_the_input_is(server, service, text):
+    with httpx.Client(base_url=f"http://{server}") as client:
+        body = {**clip_body("mute"), "id": "mute", "text": text}
+        error = assert_openai_error(client.post("/v1/audio/voices", json=body, headers=HEADERS, timeout=WAIT), 400,
+                                    "references[0].text")
+        assert "nothing speakable" in error["message"] and "mute" not in listed(client)
+        inline = {"input": "Hello.", "max_new_tokens": 2, "references": [{"audio": body["audio"], "text": text}]}
+        assert_openai_error(post_raw(client, "/v1/audio/speech", json.dumps(inline)), 400, "references[0].text")
+    assert not (service.voices.root / "mute").exists()
+
+
+def long_clip_body(voice_id: str, seconds: float) -> dict:
+    """Voice A's clip repeated to `seconds` (whole samples), as a create body."""
+    clip, transcript = shipped.reference_voice("A")
+    samples, rate = soundfile.read(clip, dtype="float32")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.resize(samples, int(seconds * rate)), rate, format="WAV")
+    return {"id": voice_id, "name": voice_id, "audio": base64.b64encode(buffer.getvalue()).decode(), "text": transcript}
+
+
+def test_a_clip_the_length_limit_takes_at_create_is_taken_at_every_use(server, service):
+    """One measure of a reference's length at create and at use: a 59.998 s clip was stored, then
+    refused on every request as "60.0 s long"; one over the limit is refused at create, its length
+    written so that it reads over the limit."""
+    with httpx.Client(base_url=f"http://{server}") as client:
+        stored = client.post("/v1/audio/voices", json=long_clip_body("minute", 59.998), headers=HEADERS, timeout=WAIT)
+        assert stored.status_code == 200, stored.text
+        try:
+            spoken = post_raw(client, "/v1/audio/speech", json.dumps({"input": "Hello.", "voice": "minute",
+                                                                        "max_new_tokens": 2, "response_format": "wav"}))
+            assert spoken.status_code == 200, spoken.text
+            assert service.voices.references("minute")[0].audio.shape[1] == service.processor.max_reference_frames
+        finally:
+            assert client.delete("/v1/audio/voices/minute", headers=HEADERS, timeout=WAIT).status_code == 200
+        over = client.post("/v1/audio/voices", json=long_clip_body("too-long", 60.05), headers=HEADERS, timeout=WAIT)
+        error = assert_openai_error(over, 400, "references[0].audio")
+        assert "60.05 s long" in error["message"] and "too-long" not in listed(client)
+
+
+def test_a_create_that_fails_after_claiming_its_id_leaves_the_id_free(server, service, monkeypatch):
+    """A failed create gives its claim back: forced to fail after the claim (the disk refuses the
+    write), the same id is then created; no thread race needed to see a claim that was kept."""
+    from transformers_drama3.serving import voices as voices_module
+
+    def full_disk(folder, references, name):
+        raise OSError(28, "No space left on device")
+
+    with httpx.Client(base_url=f"http://{server}") as client:
+        monkeypatch.setattr(voices_module.VoiceStore, "_write", staticmethod(full_disk))
+        failed = client.post("/v1/audio/voices", json=clip_body("phoenix"), headers=HEADERS, timeout=WAIT)
+        monkeypatch.undo()
+        assert assert_openai_error(failed, 500, None)["code"] == "voice_write_failed"
+        assert "phoenix" not in listed(client)
+        again = client.post("/v1/audio/voices", json=clip_body("phoenix"), headers=HEADERS, timeout=WAIT)
+        assert again.status_code == 200, again.text
+        assert client.delete("/v1/audio/voices/phoenix", headers=HEADERS, timeout=WAIT).status_code == 200
+    assert hidden_folders(service) == []

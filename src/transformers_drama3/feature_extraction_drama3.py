@@ -103,8 +103,8 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
         seconds = samples.shape[0] / rate
         if max_seconds is not None and seconds > max_seconds:
             raise ValueError(
-                f"{name}: the audio is {seconds:.1f} s long; at most {max_seconds:g} s is taken here "
-                f"(cut a representative part)"
+                f"{name}: the audio is {seconds_over(seconds, max_seconds)} s long; at most {max_seconds:g} s is "
+                f"taken here (cut a representative part)"
             )
         return resample(samples, rate, self.sampling_rate)
 
@@ -176,6 +176,16 @@ class Drama3FeatureExtractor(SequenceFeatureExtractor):
         if return_tensors is None:
             data = {key: value.tolist() for key, value in data.items()}
         return BatchFeature(data=data, tensor_type=return_tensors)
+
+
+def seconds_over(seconds: float, limit: float) -> str:
+    """`seconds` (over `limit`) written with the fewest decimals, at least one, that show it over
+    the limit: 60.04 s against 60 is "60.04", never "60.0"."""
+    for decimals in range(1, 7):
+        text = f"{seconds:.{decimals}f}"
+        if float(text) > limit:
+            return text
+    return repr(seconds)
 
 
 def check_rate(rate: Any, name: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer, BatchFeature
 from transformers.utils import logging
 
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3PhoneCodecConfig
-from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor
+from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor, seconds_over
 from .files import atomic_output
 from .decoding.budget import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
@@ -301,22 +302,32 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         return None
 
     def codes_of(self, clip: Clip, location: str, is_reference: bool = False) -> torch.Tensor:
-        """Any clip -> checked codes [num_codebooks, frames]; references are held to the length cap."""
+        """Any clip -> checked codes [num_codebooks, frames]; references are held to the length cap,
+        measured on their codes whatever they came as (`max_reference_frames`)."""
         codes = self.given_codes(clip, location)
-        if codes is not None:
-            self._check_reference_length(codes.shape[1] / self.frame_rate, is_reference, location)
-        else:
+        if codes is None:
+            # the audio's own length first: a cheap refusal before encoding (a clip of at most
+            # max_reference_seconds codes to at most max_reference_frames frames)
             samples = self.load_waveform(clip, location, self.max_reference_seconds if is_reference else None)
             codes = check_codes(self.encode_audio(samples, location), self.num_codebooks, self.codebook_size, location)
         if is_reference:
+            self._check_reference_length(codes.shape[1], location)
             self._warn_if_short(codes.shape[1] / self.frame_rate, location)
         return codes
 
-    def _check_reference_length(self, seconds: float, is_reference: bool, location: str) -> None:
-        if is_reference and seconds > self.max_reference_seconds:
+    @property
+    def max_reference_frames(self) -> int:
+        """The most frames a reference may have: those of `max_reference_seconds` of audio, the codec
+        rounding a part frame up. The one measure of a reference's length: a clip stored as a
+        voice is held to it as audio when it arrives and as codes at every later use."""
+        return math.ceil(self.max_reference_seconds * self.frame_rate)
+
+    def _check_reference_length(self, frames: int, location: str) -> None:
+        if frames > self.max_reference_frames:
+            seconds = seconds_over(frames / self.frame_rate, self.max_reference_seconds)
             raise ValueError(
-                f"{location}: the reference is {seconds:.1f} s long; references may be at most "
-                f"{self.max_reference_seconds:g} s (cut a representative part)"
+                f"{location}: the reference is {seconds} s long ({frames} frames); references may be at most "
+                f"{self.max_reference_seconds:g} s ({self.max_reference_frames} frames; cut a representative part)"
             )
 
     def _warn_if_short(self, seconds: float, location: str) -> None:

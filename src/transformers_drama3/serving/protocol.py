@@ -227,7 +227,7 @@ def parse_references(value, limits: Limits, is_voice) -> list:
         text = item.get("text")
         if not isinstance(text, str) or not text.strip():
             raise ApiError(400, f"{location}.text: the transcript of the reference audio is required", f"{location}.text")
-        unicode_text(text, f"{location}.text")
+        check_speakable(unicode_text(text, f"{location}.text"), f"{location}.text")  # a transcript as the input
         samples, rate = decode_audio_field(audio, f"{location}.audio", limits, voice_ids=is_voice is not None)
         references.append(VoiceReference(samples, rate, text, speaker))
     return references

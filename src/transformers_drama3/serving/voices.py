@@ -32,6 +32,7 @@ import soundfile
 
 from ..prompting import Reference
 from ..tiny import shipped
+from .safe_files import parse_json
 
 try:
     import fcntl
@@ -186,22 +187,30 @@ class VoiceStore:
             cached = self._codes.get(voice_id)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
-        meta = self._meta(voice_id)
+        try:
+            encoded = self._encode(self._read_references(voice_id))
+        except DamagedVoice as error:
+            self._warn(voice_id, str(error))
+            raise
+        except ValueError as error:
+            self._warn(voice_id, str(error))
+            raise DamagedVoice(f"voice {voice_id!r} is damaged: {error}") from None
+        with self._lock:
+            self._codes[voice_id] = (fingerprint, encoded)
+        return encoded
+
+    def _read_references(self, voice_id: str) -> list[VoiceReference]:
+        """The voice's references as stored (waveforms); DamagedVoice when a clip cannot be read."""
+        folder = self.root / voice_id
         loaded = []
-        for item in meta["references"]:
+        for item in self._meta(voice_id)["references"]:
             try:
                 waveform, rate = soundfile.read(folder / item["clip"], dtype="float32", always_2d=True)
             except (OSError, RuntimeError, soundfile.LibsndfileError) as error:
                 raise DamagedVoice(f"voice {voice_id!r} is damaged: its clip {item['clip']!r} cannot be read "
                                    f"({type(error).__name__}: {error})") from None
             loaded.append(VoiceReference(waveform.mean(axis=1), int(rate), item["text"], int(item["speaker"])))
-        try:
-            encoded = self._encode(loaded)
-        except ValueError as error:
-            raise DamagedVoice(f"voice {voice_id!r} is damaged: {error}") from None
-        with self._lock:
-            self._codes[voice_id] = (fingerprint, encoded)
-        return encoded
+        return loaded
 
     def _meta(self, voice_id: str) -> dict:
         """The checked `voice.json` of a voice; KeyError when there is none, DamagedVoice when it is
@@ -209,10 +218,10 @@ class VoiceStore:
         if voice_id not in self:
             raise KeyError(voice_id)
         try:
-            meta = json.loads((self.root / voice_id / "voice.json").read_text(encoding="utf-8"))
+            meta = parse_json((self.root / voice_id / "voice.json").read_bytes(), "voice.json")
         except FileNotFoundError:
             raise KeyError(voice_id) from None
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError) as error:  # a 100,000-deep file too: never a RecursionError
             raise DamagedVoice(f"voice {voice_id!r} is damaged: its voice.json cannot be read ({error})") from None
         try:
             check_voice_name(meta["name"])
@@ -267,8 +276,8 @@ class VoiceStore:
 
     def delete(self, voice_id: str) -> None:
         """Remove a stored voice; KeyError when there is none, VoiceBusy while it is being created."""
-        if not is_voice_id(voice_id):
-            raise KeyError(voice_id)
+        if not is_voice_id(voice_id) or not (self.root / voice_id).exists():
+            raise KeyError(voice_id)  # nothing to claim: a delete of a voice that is not there is told so at once
         with self._claim(voice_id):
             if not (self.root / voice_id).exists():
                 raise KeyError(voice_id)

@@ -1,0 +1,115 @@
+"""Reading files that a client may have placed on the server's disk (adapter folders under
+`--adapter-root`, stored voices and adapters): nothing here blocks on a FIFO or a device, follows a
+link out of its folder, or parses without a bound.
+
+    data = read_regular_file(folder / "adapter_config.json", root, max_bytes=2**20, timeout=30, name="adapter_config.json")
+    config = parse_json(data, "adapter_config.json")
+
+A file is resolved through every link (its folder's included) and must lie inside `root`; it is
+opened without blocking and checked on the opened descriptor (a regular file, at most `max_bytes`)
+before a byte is read; the descriptor's own path is checked against `root` again where the
+system tells it (Linux: a folder swapped for a link between the two checks is caught); the read
+stops at `timeout` seconds. Every refusal is a `ValueError` naming the file as the caller named it,
+never the server's absolute path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+READ_CHUNK = 16 * 2**20
+"""Bytes read between two looks at the clock."""
+MAX_JSON_DEPTH = 32
+"""How deeply a stored JSON file may nest (those the server writes nest 3 levels)."""
+
+
+class OutsideRoot(ValueError):
+    """A file that lies outside the folder it must lie in once its links are resolved."""
+
+
+def is_inside(path: str, root: str) -> bool:
+    """Whether the resolved `path` is `root` or lies under it (both absolute and resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _opened_path(descriptor: int) -> str | None:
+    """The path of the file open on `descriptor`, where the system tells it (Linux's /proc); else None."""
+    try:
+        return os.readlink(f"/proc/self/fd/{descriptor}")
+    except OSError:
+        return None
+
+
+def read_regular_file(path: str | os.PathLike, root: str | os.PathLike | None, max_bytes: int, timeout: float,
+                      name: str, root_name: str = "its folder") -> bytes:
+    """The bytes of the regular file `path`, which must lie inside `root` (None: anywhere) once
+    every link is resolved. FileNotFoundError when there is none; `OutsideRoot` for a file outside
+    `root` (`root_name` says which folder that is); ValueError for a FIFO, device, socket or folder, a file over `max_bytes`, or one not
+    read within `timeout` seconds."""
+    real = os.path.realpath(path)
+    real_root = os.path.realpath(root) if root is not None else None
+    if real_root is not None and not is_inside(real, real_root):
+        raise OutsideRoot(f"{name}: lies outside {root_name} once its links are resolved")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        descriptor = os.open(real, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ValueError(f"{name}: cannot be opened ({os.strerror(error.errno) if error.errno else error})") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{name}: not a regular file (a folder, FIFO, device or socket)")
+        opened = _opened_path(descriptor) if real_root is not None else None
+        if opened is not None and not is_inside(opened, real_root):
+            raise OutsideRoot(f"{name}: lies outside {root_name} once its links are resolved")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{name}: {info.st_size} bytes; at most {max_bytes} for this file")
+        return _read_within(descriptor, max_bytes, timeout, name)
+    finally:
+        os.close(descriptor)
+
+
+def _read_within(descriptor: int, max_bytes: int, timeout: float, name: str) -> bytes:
+    """Read to the end in chunks, refusing a file that grows past `max_bytes` or takes over `timeout` s."""
+    deadline = time.monotonic() + timeout
+    chunks, size = [], 0
+    while True:
+        chunk = os.read(descriptor, min(READ_CHUNK, max_bytes + 1 - size))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
+            raise ValueError(f"{name}: over {max_bytes} bytes (it grew while it was read)")
+        if time.monotonic() > deadline:
+            raise ValueError(f"{name}: not read within {timeout:g} s ({size} bytes came)")
+
+
+def _depth_over(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def parse_json(data: bytes | str, name: str, max_depth: int = MAX_JSON_DEPTH):
+    """The JSON value of a stored file; ValueError naming `name` for text that is not UTF-8 JSON or
+    nests deeper than `max_depth` (a file nested past the parser's own stack included)."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{name}: nested deeper than {max_depth} levels") from None
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise ValueError(f"{name}: not JSON ({error})") from None
+    if _depth_over(value, max_depth):
+        raise ValueError(f"{name}: nested deeper than {max_depth} levels")
+    return value
