@@ -17,7 +17,9 @@ from transformers_drama3.serving.adapter_layers import (
 )
 from transformers_drama3.serving.adapters import AdapterRegistry, AdapterSlotsBusy, parse_adapter_spec
 from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, SpeechJob
-from transformers_drama3.training.lora import apply_lora
+from peft import get_peft_model
+
+from transformers_drama3.training.lora import lora_config
 
 MAX_FRAMES = 8
 FLOAT32 = dict(rtol=1.3e-6, atol=1e-5)
@@ -29,11 +31,13 @@ def base_model(dtype=torch.float64):
     return model.to(dtype)
 
 
-def trained_adapter(base, folder, seed: int, rank: int = 4, scale: float = 0.3):
+def trained_adapter(base, folder, seed: int, rank: int = 4, scale: float = 0.3, use_rslora: bool = False):
     """A PEFT "light" adapter with non-trivial weights (LoRA factors and the full-trained heads and
     codebook table moved off the base), saved to `folder` with the base's fingerprint; returns the
-    PEFT model (on a copy of `base`)."""
-    peft = apply_lora(copy.deepcopy(base), "light", r=rank)
+    PEFT model (on a copy of `base`). `use_rslora`: B is scaled by alpha / sqrt(r) (rsLoRA)."""
+    config = lora_config(base, "light", r=rank)
+    config.use_rslora = use_rslora
+    peft = get_peft_model(copy.deepcopy(base), config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, parameter in peft.named_parameters():
@@ -136,6 +140,28 @@ def test_generate_with_an_adapter_speaks_the_merged_models_codes(served):
         codes = generate_codes(model, request)
     assert torch.equal(codes, generate_codes(merged["alto"], request))
     assert not torch.equal(codes, generate_codes(reference, request))
+
+
+def test_an_rslora_adapter_in_its_slot_computes_the_merged_models_logits_and_codes(tmp_path):
+    """rsLoRA scales B by alpha / sqrt(r), not alpha / r: at r=4 and alpha=8 one is twice the other,
+    so a slot that ignored `use_rslora` would miss the merged model's logits and codes."""
+    model = base_model()
+    reference = copy.deepcopy(model)
+    merged = trained_adapter(reference, tmp_path / "rs", seed=3, use_rslora=True).merge_and_unload().eval()
+    config = json.loads((tmp_path / "rs" / ADAPTER_CONFIG).read_text())
+    assert config["use_rslora"] is True and config["lora_alpha"] == 2 * config["r"] == 8
+    registry = AdapterRegistry(model, max_loaded=1, max_rank=4)
+    registry.register("rs", tmp_path / "rs")
+    ids, codes = prompt(seed=10)
+    with registry.use("rs"):
+        got = model(input_ids=ids[None], audio_codes=codes[None]).logits
+    expected = merged(input_ids=ids[None], audio_codes=codes[None]).logits
+    torch.testing.assert_close(got.float(), expected.float(), **FLOAT32)
+    request = job(seed=5, prompt_seed=11)
+    with registry.use("rs"):
+        spoken = generate_codes(model, request)
+    assert torch.equal(spoken, generate_codes(merged, request))
+    assert not torch.equal(spoken, generate_codes(reference, request))
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -332,7 +358,7 @@ def test_a_corrupt_adapter_file_is_refused_without_touching_the_registry(small_r
         (folder / ADAPTER_CONFIG).write_text("{not json")
     else:
         weights.unlink()
-    match = {"truncated": "cannot be read", "garbage": "cannot be read", "config": "is not JSON", "missing": "no adapter_model"}
+    match = {"truncated": "cannot be read", "garbage": "cannot be read", "config": "adapter_config.json: not JSON", "missing": "no adapter_model"}
     refused(registry, "bad", folder, match[damage])
     assert registry.names() == ["ok"]
 

@@ -25,13 +25,15 @@ expert: [batch * rows, in]) reads the same items from the row order.
 
 `read_adapter` reads and checks a PEFT adapter folder (`adapter_config.json` +
 `adapter_model.safetensors`, as `examples/finetune_voice_lora.py` writes it) against the served
-model before anything is written: what differs is named, and a folder that is refused changes
-nothing.
+model before anything is written: what differs is named (never the server's path), and a folder
+that is refused changes nothing. Its files are read as `safe_files` reads them: regular files only
+(a FIFO is refused, never waited on), inside the allowed folder once every link is resolved, of a
+bounded size, within a time limit; its values are checked (`r` a positive integer, `lora_alpha` a
+finite number in range, `use_rslora` a boolean, tensors of a floating-point dtype).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -42,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..lora_targets import LIGHT_TARGET_MODULES, full_trained_modules
-from .routing import routed, routing_index  # noqa: F401  (routed: re-exported)
+from .routing import AdapterError, routed, routing_index  # noqa: F401  (AdapterError, routed: re-exported)
+from .safe_files import OutsideRoot, parse_json, read_regular_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,10 +54,6 @@ BASE_FILE = "drama3_base.json"
 (`base_fingerprint`), compared with the served model's at registration."""
 
 _PREFIX = "base_model.model."
-
-
-class AdapterError(ValueError):
-    """An adapter folder that cannot be served by this model; the message names what differs."""
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -245,79 +244,135 @@ UNSUPPORTED_OPTIONS = {
 }
 
 
-def read_adapter(path: str | os.PathLike, model, max_rank: int, name: str = "adapter") -> AdapterWeights:
+ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The tensor dtypes an adapter file may hold (converted to the served model's dtype)."""
+MAX_LORA_ALPHA = 4096
+"""The largest `lora_alpha` taken: far above any recipe (alpha is commonly r or 2r, and r is at most
+`--adapter-rank`), far below what makes a take degenerate (1e30 does)."""
+MAX_JSON_FILE_BYTES = 2**20
+"""The largest `adapter_config.json` / `drama3_base.json` read (PEFT writes about 1 KB)."""
+READ_SECONDS = 30.0
+"""How long reading one adapter file may take (then refused)."""
+
+
+class AdapterOutsideRoot(AdapterError):
+    """An adapter file that lies outside the folder the server may read adapters from."""
+
+
+def read_adapter(path: str | os.PathLike, model, max_rank: int, name: str = "adapter",
+                 root: str | os.PathLike | None = None, timeout: float = READ_SECONDS) -> AdapterWeights:
     """Read and check a PEFT LoRA folder against `model` (the served model, before its slots are
-    installed or after): its config, every tensor's module and shape, the rank against `max_rank`,
-    and the base model's fingerprint when the folder has one. Raises `AdapterError` naming what
-    differs; nothing is written anywhere."""
+    installed or after): its config, every tensor's module, shape and dtype, the rank against
+    `max_rank`, and the base model's fingerprint when the folder has one. Each file must be a
+    regular file inside `root` (None: anywhere) once its links are resolved, read within `timeout`
+    seconds (`safe_files.read_regular_file`). Raises `AdapterError` naming the adapter and what
+    differs, never the server's path (`AdapterOutsideRoot` for a file outside `root`); nothing
+    is written anywhere."""
     path = os.fspath(path)
-    what = f"adapter {name!r} ({path})"
-    config = _read_config(path, what)
-    for key, meaning in UNSUPPORTED_OPTIONS.items():
-        if config.get(key):
-            raise AdapterError(f"{what}: {key}={config[key]!r} ({meaning}) cannot be served per request; merge it "
-                               "into a checkpoint instead (training.lora.merge_and_save)")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{what}: peft_type {config.get('peft_type')!r}; expected 'LORA'")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"{what}: bias={config['bias']!r}; expected 'none'")
-    if config.get("fan_in_fan_out"):
-        raise AdapterError(f"{what}: fan_in_fan_out=True; the model's layers are nn.Linear (False)")
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise AdapterError(f"{what}: r={rank!r}; expected a positive integer")
-    if rank > max_rank:
-        raise AdapterError(f"{what}: rank {rank} is above the server's largest rank {max_rank} (--adapter-rank)")
-    alpha = config.get("lora_alpha", rank)
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    _check_fingerprint(path, model, what)
-    tensors = _read_tensors(path, what)
-    return _checked_weights(tensors, model, name, path, rank, scale, what)
-
-
-def _read_config(path: str, what: str) -> dict:
+    what = f"adapter {name!r}"
     if not os.path.isdir(path):
         raise AdapterError(f"{what}: no such folder")
-    file = os.path.join(path, ADAPTER_CONFIG)
-    try:
-        with open(file, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except FileNotFoundError:
+
+    def read(file: str, max_bytes: int) -> bytes | None:
+        return _read_file(os.path.join(path, file), file, root, max_bytes, timeout, what)
+
+    config = _json_file(read(ADAPTER_CONFIG, MAX_JSON_FILE_BYTES), ADAPTER_CONFIG, what)
+    if config is None:
         raise AdapterError(f"{what}: no {ADAPTER_CONFIG} (a PEFT adapter folder holds {ADAPTER_CONFIG} and "
-                           f"{ADAPTER_WEIGHTS})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterError(f"{what}: {ADAPTER_CONFIG} is not JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{what}: {ADAPTER_CONFIG} holds {type(config).__name__}; expected an object")
-    return config
+                           f"{ADAPTER_WEIGHTS})")
+    rank, scale = _checked_config(config, max_rank, what)
+    _check_fingerprint(_json_file(read(BASE_FILE, MAX_JSON_FILE_BYTES), BASE_FILE, what), model, what)
+    data = read(ADAPTER_WEIGHTS, max_adapter_bytes(model, max_rank))
+    if data is None:
+        raise AdapterError(f"{what}: no {ADAPTER_WEIGHTS}")
+    return _checked_weights(_tensors(data, what), model, name, path, rank, scale, what)
 
 
-def _check_fingerprint(path: str, model, what: str) -> None:
-    file = os.path.join(path, BASE_FILE)
-    if not os.path.exists(file):
-        return
+def _read_file(file: str, label: str, root, max_bytes: int, timeout: float, what: str) -> bytes | None:
+    """A file of the adapter folder (None when there is none), as `safe_files.read_regular_file` reads it."""
     try:
-        with open(file, encoding="utf-8") as handle:
-            theirs = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterError(f"{what}: {BASE_FILE} is not JSON ({error})") from None
+        return read_regular_file(file, root, max_bytes, timeout, label, "the folder this server reads adapters from")
+    except FileNotFoundError:
+        return None
+    except OutsideRoot as error:
+        raise AdapterOutsideRoot(f"{what}: {error}") from None
+    except ValueError as error:
+        raise AdapterError(f"{what}: {error}") from None
+
+
+def _json_file(data: bytes | None, file: str, what: str) -> dict | None:
+    """The JSON object of an adapter's file (None when there is none)."""
+    if data is None:
+        return None
+    try:
+        value = parse_json(data, file)
+    except ValueError as error:
+        raise AdapterError(f"{what}: {error}") from None
+    if not isinstance(value, dict):
+        raise AdapterError(f"{what}: {file} holds {type(value).__name__}; expected an object")
+    return value
+
+
+def _checked_config(config: dict, max_rank: int, what: str) -> tuple[int, float]:
+    """(rank, the scale of B: alpha / r, or alpha / sqrt(r) for rsLoRA) of a config the slots can serve."""
+    file = ADAPTER_CONFIG
+    for key, meaning in UNSUPPORTED_OPTIONS.items():
+        if config.get(key):
+            raise AdapterError(f"{what}: {file}: {key}={_shown(config[key])} ({meaning}) cannot be served per request; "
+                               "merge it into a checkpoint instead (training.lora.merge_and_save)")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{what}: {file}: peft_type {_shown(config.get('peft_type'))}; expected 'LORA'")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{what}: {file}: bias={_shown(config['bias'])}; expected 'none'")
+    if config.get("fan_in_fan_out"):
+        raise AdapterError(f"{what}: {file}: fan_in_fan_out=True; the model's layers are nn.Linear (False)")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"{what}: {file}: r={_shown(rank)}; expected a positive integer")
+    if rank > max_rank:
+        raise AdapterError(f"{what}: {file}: rank {rank} is above the server's largest rank {max_rank} (--adapter-rank)")
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= MAX_LORA_ALPHA:
+        raise AdapterError(f"{what}: {file}: lora_alpha={_shown(alpha)}; expected a finite number in (0, {MAX_LORA_ALPHA}]")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise AdapterError(f"{what}: {file}: use_rslora={_shown(rslora)}; expected true or false")
+    return rank, (alpha / math.sqrt(rank) if rslora else alpha / rank)
+
+
+def _shown(value, limit: int = 40) -> str:
+    """A config value as an error message quotes it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_fingerprint(theirs: dict | None, model, what: str) -> None:
+    if theirs is None:
+        return
     ours = base_fingerprint(model.config)
-    differing = [f"{key}: adapter {theirs.get(key)!r}, served model {ours[key]!r}"
+    differing = [f"{key}: adapter {_shown(theirs.get(key))}, served model {ours[key]!r}"
                  for key in ours if key in theirs and theirs[key] != ours[key]]
     if differing:
         raise AdapterError(f"{what}: trained on a different base model ({'; '.join(differing)})")
 
 
-def _read_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def max_adapter_bytes(model, max_rank: int) -> int:
+    """The largest `adapter_model.safetensors` an adapter of `model` up to `max_rank` can be: every
+    adapted layer's factors at the rank and every full-trained module, in float64, with room for
+    the header. A larger file is refused before it is read."""
+    modules = dict(model.named_modules())
+    elements = sum(max_rank * (modules[name].in_features + modules[name].out_features) for name in lora_target_names(model))
+    elements += sum(modules[name].weight.numel() for name in full_module_names(model))
+    return elements * torch.float64.itemsize + 8 * 2**20
 
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    if not os.path.exists(file):
-        raise AdapterError(f"{what}: no {ADAPTER_WEIGHTS}")
+
+def _tensors(data: bytes, what: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
     try:
-        return load_file(file, device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        return load(data)
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as error:
         raise AdapterError(f"{what}: {ADAPTER_WEIGHTS} cannot be read ({error})") from None
 
 
@@ -330,6 +385,9 @@ def _checked_weights(tensors, model, name, path, rank, scale, what) -> AdapterWe
     for key, tensor in tensors.items():
         if not key.startswith(_PREFIX):
             raise AdapterError(f"{what}: tensor {key!r} is not a PEFT adapter tensor (expected {_PREFIX}...)")
+        if tensor.dtype not in ACCEPTED_DTYPES:
+            raise AdapterError(f"{what}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}; expected "
+                               "float16, bfloat16, float32 or float64")
         if not torch.isfinite(tensor).all():
             raise AdapterError(f"{what}: tensor {key!r} holds NaN or infinite values")
         module_path = key[len(_PREFIX):]

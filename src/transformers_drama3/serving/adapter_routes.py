@@ -12,7 +12,7 @@ against the served model first and refused (400, naming what differs) without ch
 
 from __future__ import annotations
 
-from .adapter_layers import AdapterError
+from .adapter_layers import AdapterError, AdapterOutsideRoot
 from .adapters import AdapterExists, decode_upload
 from .protocol import ApiError, parse_references
 from .voices import VoiceBusy, VoiceExists
@@ -49,11 +49,16 @@ def register_adapter_voice(service, body: dict, limits) -> dict:
         raise ApiError(403, str(error), "adapter.path" if "path" in str(error)[:5] else "adapter", "adapter_forbidden") from None
     except AdapterExists as error:
         raise ApiError(409, str(error), "id", "voice_exists") from None
+    except AdapterOutsideRoot as error:
+        raise ApiError(403, str(error), "adapter", "adapter_forbidden") from None
     except AdapterError as error:
         raise ApiError(400, str(error), "adapter", "adapter_refused") from None
     except ValueError as error:
         param = str(error).split(":")[0] if ":" in str(error) else "adapter"
-        raise ApiError(400, str(error), param) from None
+        raise ApiError(400, str(error), "adapter.path" if param == "path" else param) from None
+    except OSError as error:  # the disk failed while the adapter was stored: nothing was registered
+        raise ApiError(500, f"adapter: the adapter {voice_id!r} could not be stored ({error.strerror or type(error).__name__}); "
+                            "nothing was changed", None, "adapter_write_failed") from None
     if references:
         try:
             service.voices.add(voice_id, references, name)
@@ -64,8 +69,17 @@ def register_adapter_voice(service, body: dict, limits) -> dict:
 
 
 def delete_adapter_voice(service, voice_id: str) -> dict:
-    """Forget an adapter voice (a request using it finishes first) and its reference clips."""
-    service.adapters.delete(voice_id)
-    if voice_id in service.voices:
-        service.voices.delete(voice_id)
+    """Forget an adapter voice (a request using it finishes first) and its reference clips; 404 when
+    another delete of it came first."""
+    try:
+        service.adapters.delete(voice_id)
+    except KeyError:
+        raise ApiError(404, f"voice: no voice {voice_id!r}", "voice", "voice_not_found") from None
+    try:
+        if voice_id in service.voices:  # its reference clips, if it has any
+            service.voices.delete(voice_id)
+    except KeyError:
+        pass
+    except VoiceBusy as error:
+        raise ApiError(409, f"{error} (its reference clips; the adapter is deleted)", "voice", "voice_busy") from None
     return {"id": voice_id, "deleted": True}

@@ -47,7 +47,7 @@ from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancel
 from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
 from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming_wav_header
-from .routing import AdapterSlotsBusy
+from .routing import AdapterError, AdapterSlotsBusy
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
 from .request_guard import LOOPBACK_HOSTS, RequestGuard
@@ -257,6 +257,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _damaged_adapter(voice_id: str, error: AdapterError) -> ApiError:
+    """The 409 of a request for an adapter voice whose folder no longer loads (changed on disk)."""
+    return ApiError(409, f"voice: the fine-tuned voice {voice_id!r} cannot be loaded ({error}); register it again",
+                    "voice", "voice_damaged")
+
+
 def _failure(event: ErrorEvent) -> ApiError:
     """The answer to a request the engine ended: 504 past its time limit; else a 500 naming the kind
     of failure, its text logged (it may hold server paths and Python internals)."""
@@ -372,8 +378,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
         params = parse_speech(await json_body(request), settings.limits, service.has_voice)
         params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
         job = await asyncio.to_thread(service.job, params, settings.request_timeout)
-        try:
-            handle = service.engine.submit(job)
+        try:  # in a thread: an adapter voice out of its slot is read from disk here
+            handle = await asyncio.to_thread(service.engine.submit, job)
         except QueueFull as error:
             service.metrics.count("rejected")
             raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full",
@@ -385,6 +391,8 @@ def create_app(get_service, settings: ServerSettings | None = None):
             raise ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except KeyError:  # its adapter was deleted since the request was checked
             raise ApiError(404, f"voice: no voice {params.voice!r}", "voice", "voice_not_found") from None
+        except AdapterError as error:  # its adapter's folder changed on disk since it was registered
+            raise _damaged_adapter(params.voice, error) from None
         rate = service.processor.sampling_rate
         headers = {"X-Sample-Rate": str(rate), "X-Seed": str(handle.seed)}
         if params.stream_format is None:
@@ -566,6 +574,8 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
             outcome = ApiError(504, "the text stream ran past its time limit", None, "timeout") if timed_out.is_set() else _CANCEL
         except AdapterSlotsBusy as error:  # as /v1/audio/speech answers it: 429, retry shortly
             outcome = ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except AdapterError as error:
+            outcome = _damaged_adapter(params.voice, error)
         except ValueError as error:
             outcome = ApiError(400, str(error), "text")
         except Exception as error:  # a failed stream fails its client, not the server

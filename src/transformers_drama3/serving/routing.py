@@ -1,4 +1,4 @@
-"""Which adapter each batch item speaks with, per thread (`routed`), and the one adapter error the
+"""Which adapter each batch item speaks with, per thread (`routed`), and the adapter errors the
 routes answer: what the engine and the routes need of adapters, without loading the adapter code
 (`adapter_layers`, `adapters`), which a server imports only once it is given adapters.
 """
@@ -13,6 +13,10 @@ import torch
 
 class AdapterSlotsBusy(Exception):
     """Every slot holds an adapter that a running request uses."""
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served by this model; the message names what differs."""
 
 
 class _Routing(threading.local):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -28,6 +29,8 @@ from .prefix_cache import PrefixCache
 from .protocol import ApiError, SpeechParams, TextStreamParams
 from .voices import DamagedVoice, VoiceStore, reference_file_voice, register_bundled_voices
 from .routing import routed
+
+logger = logging.getLogger(__name__)
 
 
 class TextStreamSlots:
@@ -103,6 +106,7 @@ class SpeechService:
             raise ValueError(f"offload={offload} with compile=True: the compiled step cannot copy experts in")
         model, processor = load_model_and_processor(source, device, "auto", quant=quant, offload=offload)
         voices = VoiceStore(voices_dir, processor)
+        voices.listing()  # logs every stored voice that can no longer be read, once, at start
         if bundled:
             register_bundled_voices(voices)
         for spec in voice_specs:
@@ -111,7 +115,8 @@ class SpeechService:
         adapters = None
         if named_adapters or adapter_root is not None:
             adapters = AdapterRegistry(model, max_adapters, adapter_rank, os.path.join(voices_dir, ".adapters"), adapter_root)
-            adapters.register_stored()
+            for reason in adapters.register_stored():  # kept on disk: a later start may load it again
+                logger.warning("adapters: skipping the stored adapter %s", reason)
             for name, path in named_adapters:
                 if name in adapters:  # never drop an upload for a flag: the user says which goes
                     raise ValueError(f"--adapter {name}={path}: an uploaded adapter {name!r} is stored in "
