@@ -9,7 +9,8 @@ A file is resolved through every link (its folder's included) and must lie insid
 opened without blocking and checked on the opened descriptor (a regular file, at most `max_bytes`)
 before a byte is read; the descriptor's own path is checked against `root` again where the
 system tells it (Linux: a folder swapped for a link between the two checks is caught); the read
-stops at `timeout` seconds. Every refusal is a `ValueError` naming the file as the caller named it,
+stops at `timeout` seconds. JSON is counted against the bounds a request body is held to
+(`json_bounds`) before it is parsed. Every refusal is a `ValueError` naming the file as the caller named it,
 never the server's absolute path.
 """
 
@@ -20,10 +21,10 @@ import os
 import stat
 import time
 
+from .json_bounds import JsonBounds, json_cost
+
 READ_CHUNK = 16 * 2**20
 """Bytes read between two looks at the clock."""
-MAX_JSON_DEPTH = 32
-"""How deeply a stored JSON file may nest (those the server writes nest 3 levels)."""
 
 
 class OutsideRoot(ValueError):
@@ -90,26 +91,18 @@ def _read_within(descriptor: int, max_bytes: int, timeout: float, name: str) -> 
             raise ValueError(f"{name}: not read within {timeout:g} s ({size} bytes came)")
 
 
-def _depth_over(value, limit: int) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
-
-
-def parse_json(data: bytes | str, name: str, max_depth: int = MAX_JSON_DEPTH):
-    """The JSON value of a stored file; ValueError naming `name` for text that is not UTF-8 JSON or
-    nests deeper than `max_depth` (a file nested past the parser's own stack included)."""
+def parse_json(data: bytes, name: str, bounds: JsonBounds = JsonBounds()):
+    """The JSON value of a stored file's bytes; ValueError naming `name` for bytes that are not
+    UTF-8 JSON, or whose parse would pass `bounds` (depth, items, keys: counted from the bytes by
+    `json_bounds.json_cost` before anything is parsed; a file nested 100,000 deep is refused so)."""
+    if json.detect_encoding(data) not in ("utf-8", "utf-8-sig"):
+        raise ValueError(f"{name}: not JSON in UTF-8")  # UTF-16's bytes would hide brackets from the count
+    cost = json_cost(data, bounds)
+    if cost.over is not None:
+        raise ValueError(f"{name}: {cost.over}")
     try:
-        value = json.loads(data)
-    except RecursionError:
-        raise ValueError(f"{name}: nested deeper than {max_depth} levels") from None
+        return json.loads(data)
+    except RecursionError:  # not reached within the depth bound; kept for a bound set past the parser's stack
+        raise ValueError(f"{name}: nested too deeply") from None
     except ValueError as error:  # not JSON, or not UTF-8
         raise ValueError(f"{name}: not JSON ({error})") from None
-    if _depth_over(value, max_depth):
-        raise ValueError(f"{name}: nested deeper than {max_depth} levels")
-    return value
