@@ -303,7 +303,7 @@ def test_damaged_stored_voices_and_adapters_are_skipped_at_start_with_a_log_line
         again = SpeechService.load(None, str(voices), adapter_root=str(root), start_engine=False)
     assert again.adapters.names() == ["kept"]
     logged = "\n".join(record.getMessage() for record in caplog.records)
-    assert "rotten: adapter 'rotten': adapter_config.json: not JSON" in logged
+    assert "rotten: adapter 'rotten' (rotten): adapter_config.json: not JSON" in logged
     assert "moved: path: '../elsewhere' lies outside" in logged
     assert "'broken'" in logged and "voice.json cannot be read" in logged
     assert (voices / ".adapters" / "rotten").is_dir()  # skipped, never removed: a later start may read it

@@ -265,11 +265,11 @@ def read_adapter(path: str | os.PathLike, model, max_rank: int, name: str = "ada
     installed or after): its config, every tensor's module, shape and dtype, the rank against
     `max_rank`, and the base model's fingerprint when the folder has one. Each file must be a
     regular file inside `root` (None: anywhere) once its links are resolved, read within `timeout`
-    seconds (`safe_files.read_regular_file`). Raises `AdapterError` naming the adapter and what
-    differs, never the server's path (`AdapterOutsideRoot` for a file outside `root`); nothing
-    is written anywhere."""
+    seconds (`safe_files.read_regular_file`). Raises `AdapterError` naming the adapter, its folder
+    by name (never the server's path) and what differs (`AdapterOutsideRoot` for a file outside
+    `root`); nothing is written anywhere."""
     path = os.fspath(path)
-    what = f"adapter {name!r}"
+    what = f"adapter {name!r} ({os.path.basename(os.path.normpath(path))})"  # its folder's name, never the server's path
     if not os.path.isdir(path):
         raise AdapterError(f"{what}: no such folder")
 

@@ -13,13 +13,9 @@ against the served model first and refused (400, naming what differs) without ch
 from __future__ import annotations
 
 from .adapter_layers import AdapterError, AdapterOutsideRoot
-from .adapters import AdapterExists, decode_upload
+from .adapters import MAX_PATH_CHARS, AdapterExists, decode_upload
 from .protocol import ApiError, parse_references
 from .voices import VoiceBusy, VoiceExists
-
-
-MAX_PATH_CHARS = 1024
-"""The longest `adapter.path` read (PATH_MAX is 4096 bytes; adapter folders are a few levels deep)."""
 
 
 def register_adapter_voice(service, body: dict, limits) -> dict:

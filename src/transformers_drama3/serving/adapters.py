@@ -53,8 +53,8 @@ logger = logging.getLogger(__name__)
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE)
 PATHS = ".paths"
 """The folder under `storage` that keeps the server paths adapters were registered from."""
-MAX_PATH_CHARS = 4096
-"""The longest server path a client may name (the system's own limit)."""
+MAX_PATH_CHARS = 1024
+"""The longest `adapter.path` read (PATH_MAX is 4096 bytes; adapter folders are a few levels deep)."""
 
 
 class AdapterExists(Exception):
