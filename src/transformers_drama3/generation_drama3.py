@@ -1,4 +1,4 @@
-"""generate() and stream(): argument resolution, regeneration, and the mixin the model inherits.
+"""generate() and stream(): the decode run, regeneration, and the mixin the model inherits.
 
 One `generate()` call runs one prefill of the prompt rows, then one decode step per frame (the
 step is `decoding.step`; the run over it `decoding.loop.DecodeRun`):
@@ -9,8 +9,26 @@ step is `decoding.step`; the run over it `decoding.loop.DecodeRun`):
     next row     <- [main, c0..c9] fed back through partial codebook fusion
 
 until every item has drawn eos or used its frame budget (`decoding.budget`). The eos frame is
-dropped, and so is a `<|semantic:0|>` frame right before eos (it decodes to a click after the
-trailing silence).
+dropped from the take, and so is a `<|semantic:0|>` frame right before eos (it decodes to a click
+after the trailing silence).
+
+What it returns (GenerationMixin's contract, with the speech in it):
+
+    generate(**inputs)                                  the takes: audio_codes [batch, frames, num_codebooks]
+    generate(**inputs, codec=processor.codec)           the takes' waveforms (a list of [samples])
+    generate(**inputs, return_dict_in_generate=True)    a `Drama3GenerationOutput` (transformers'
+        `GenerateDecoderOnlyOutput`): `sequences` [batch, prompt_rows + steps, 1 + num_codebooks],
+        the prompt rows and one row `[main_id, c0..c9]` per step; `scores` / `logits` /
+        `hidden_states` per step when asked (`output_scores`, `output_logits`,
+        `output_hidden_states`); and the takes beside them (`audio_codes`, `lengths`, `audio`).
+
+Without the dict, generate() returns the takes rather than `sequences`: token ids alone make no
+sound, and a take is what a speech caller uses (as transformers' CSM returns its generated codes,
+or its audio with `output_audio=True`). `processor.decode(output.sequences)` decodes the rows to
+the same audio, which is how transformers' text-to-speech pipeline reads them.
+`num_return_sequences` speaks each prompt several times, each take reproducible from its seed
+(`generation_call`). Every other GenerationMixin option either works or is refused by name before
+any work (`generation_arguments`).
 
 Line-by-line prompts (lines separated by `<|audio_separator|>` in the last user turn, see
 docs/prompt_layouts.md) add `<|audio_separator|>` to the main candidates, once per line boundary
@@ -34,129 +52,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
 from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer, decode_audio, put_chunk
-from .decoding.alignment import CONFIG_KEY as ALIGNMENT_KEY
-from .decoding.alignment import AlignmentMasks, resolve_alignment, turn_token_ids
 from .decoding.budget import detect_anomalies, overlong_factor
 from .decoding.loop import DecodeRun, FrameStep, TakeCollector
-from .decoding.request import PREFILL_GRAPHS_KEY, DecodeRequest, make_sampler, resolve_decoding, resolve_request, resolve_separator_id
-from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_seeds, resolve_settings
+from .decoding.request import make_sampler
+from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_seeds
 from .decoding.takes import Drama3GenerationOutput, split_lines  # noqa: F401  (split_lines: importable from here, as before)
 from .decoding.threads import check_threads, resolve_threads, torch_threads
+from .generation_call import GenerationCall, prepare_prompt, set_up_call, split_kwargs
+from .generation_outputs import RecordingSampler, RowCollector, backbone_states, in_vocabulary, warped
+
+__all__ = ["Drama3GenerationMixin", "Drama3GenerationOutput", "check_codec_matches", "generate", "prepare_prompt",
+           "split_lines", "stream"]
 
 
-# ----------------------------------------------------------------------------- generate()
-
-
-_OWN_ARGUMENTS = (
-    "seed", "preset", "codec", "expected_seconds", "regenerate_on_anomaly", "audio_separator_token_id", "threads",
-)
-
-
-def prepare_prompt(model, input_ids, audio_codes, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check and shape a prompt: input_ids [batch, rows] (or [rows]), audio_codes [batch, rows,
-    num_codebooks] (zeros when None), attention_mask [batch, rows] (ones when None, left padding only)."""
-    if input_ids is None:
-        raise ValueError("generate() needs input_ids: the prompt rows (processor output or [batch, rows] ids)")
-    input_ids = torch.as_tensor(input_ids)
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-        audio_codes = None if audio_codes is None else torch.as_tensor(audio_codes)[None]
-        attention_mask = None if attention_mask is None else torch.as_tensor(attention_mask)[None]
-    if input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; expected integer [batch, rows]")
-    batch, rows = input_ids.shape
-    if rows < 2:
-        raise ValueError(f"input_ids has {rows} row(s); a prompt needs at least 2")
-    _check_range(input_ids, "input_ids", model.config.text_config.vocab_size, "the text vocabulary")
-    codebooks = model.config.num_codebooks
-    if audio_codes is None:
-        audio_codes = input_ids.new_zeros(batch, rows, codebooks)
-    audio_codes = torch.as_tensor(audio_codes)
-    if tuple(audio_codes.shape) != (batch, rows, codebooks):
-        raise ValueError(
-            f"audio_codes has shape {tuple(audio_codes.shape)}; expected [batch, rows, num_codebooks] = "
-            f"{(batch, rows, codebooks)} to match input_ids"
-        )
-    _check_range(audio_codes, "audio_codes", model.config.codebook_size, "the codebook size")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    attention_mask = torch.as_tensor(attention_mask)
-    if tuple(attention_mask.shape) != (batch, rows):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(batch, rows)}")
-    if not bool(attention_mask[:, -1].bool().all()):
-        raise ValueError("attention_mask: the last row of every prompt must be real; pad prompts on the left")
-    real_rows = attention_mask.bool().sum(dim=1)
-    if bool((real_rows < 2).any()):
-        item = int((real_rows < 2).nonzero()[0])
-        raise ValueError(f"attention_mask: prompt {item} has {int(real_rows[item])} real row(s); a prompt needs at least 2")
-    device = model.device
-    return input_ids.long().to(device), audio_codes.long().to(device), attention_mask.long().to(device)
-
-
-def _check_range(values: torch.Tensor, name: str, size: int, what: str) -> None:
-    """Ids index embedding tables: refuse what would be clamped or raise a bare IndexError."""
-    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-        raise ValueError(f"{name} has dtype {values.dtype}; expected integer ids")
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= size):
-        raise ValueError(
-            f"{name} holds values in [{int(values.min())}, {int(values.max())}]; expected [0, {size}) ({what})"
-        )
-
-
-def _split_kwargs(kwargs: dict) -> dict:
-    """Generation parameters among `kwargs`; any other name is an error (it would be ignored)."""
-    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} | {"repetition_aware", ALIGNMENT_KEY, PREFILL_GRAPHS_KEY}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(
-            f"generate() got unknown arguments {unknown}; it takes the prompt (input_ids, audio_codes, "
-            f"attention_mask), GenerationConfig fields and {list(_OWN_ARGUMENTS)}"
-        )
-    return kwargs
-
-
-@dataclass
-class _Call:
-    """One generate() or stream() call, checked and resolved: the prompt (input_ids, audio_codes,
-    attention_mask), its request, and whether the caller asked for a `Drama3GenerationOutput`."""
-
-    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    request: DecodeRequest
-    return_dict: bool
-
-
-def _set_up(
-    model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
-    audio_separator_token_id, layout: dict, kwargs: dict, streaming: str | None,
-) -> _Call:
-    """Read the arguments of a call in one place: the sampling settings, the prompt, its frame
-    budgets and line separators (`layout`: the processor's `speak_span` / `boundaries_left`).
-    `streaming` names what streams ("streamer", "stream()"), or None: streaming needs a batch of
-    1 prompt."""
-    overrides = _split_kwargs(kwargs)
-    settings, max_new_tokens, return_dict = resolve_settings(
-        getattr(model, "generation_config", None), preset, generation_config, overrides
-    )
-    prompt = prepare_prompt(model, input_ids, audio_codes, attention_mask)
-    if streaming is not None and prompt[0].shape[0] != 1:
-        raise ValueError(f"{streaming}: streaming needs a batch of 1 prompt; got {prompt[0].shape[0]}")
-    separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
-    request = resolve_request(
-        model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
-    )
-    request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
-    alignment = resolve_alignment(model, [generation_config, overrides])
-    if alignment is not None:
-        rows = turn_token_ids(prompt[0].cpu(), prompt[2].cpu(), model.config.eos_token_id, layout.get("speak_span"))
-        tracker = AlignmentMasks(alignment, rows, model.config.codebook_size, request.expected_frames.tolist(), prompt[0].device)
-        request = replace(request, alignment=tracker)
-    return _Call(prompt, request, return_dict)
+def _split_kwargs(kwargs: dict, caller: str = "stream_text()") -> dict:
+    """`generation_call.split_kwargs` for the callers that return no generation output."""
+    return split_kwargs(kwargs, caller)
 
 
 def check_codec_matches(config, codec, location: str = "codec") -> None:
@@ -171,35 +87,46 @@ def check_codec_matches(config, codec, location: str = "codec") -> None:
         )
 
 
-def _start(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, seed) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
+# ----------------------------------------------------------------------------- a decode run
+
+
+def _start(model, call: GenerationCall, seed, sampler_class=Drama3Sampler) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
     """The sampler of one decode run and its steps (not started until iterated)."""
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed)
+    input_ids, audio_codes, attention_mask = call.prompt
+    request = call.request
+    sampler = make_sampler(model, request, input_ids, attention_mask, seed, sampler_class)
     # a fresh tracker per run: every run starts at the beginning of its text
     aligner = None if request.alignment is None else request.alignment.select(range(input_ids.shape[0]))
 
     def steps():
         run = DecodeRun.prefilled(
             model, input_ids, audio_codes, attention_mask, sampler, request.budgets, request.separators, aligner,
-            request.decoding.compile_config, request.decoding.prefill_graphs,
+            request.decoding.compile_config, request.decoding.prefill_graphs, call.inputs_embeds,
         )
         yield from run.steps_ahead()  # the run is dropped at its end: its last row may be fed past it
 
     return sampler, steps()
 
 
-def _run(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, seed, codec, streamer=None):
-    """One decode run over a batch: the takes, their waveforms and what the guards found."""
+def _run(model, call: GenerationCall, seed, codec, streamer=None) -> Drama3GenerationOutput:
+    """One decode run over a batch: the rows it drew, the takes, their waveforms, what the guards
+    found, and the per-step outputs `call.outputs` asks for."""
     started = time.perf_counter()
-    sampler, steps = _start(model, input_ids, audio_codes, attention_mask, request, seed)
-    collector = TakeCollector(input_ids.shape[0])
+    input_ids, audio_codes, _ = call.prompt
+    request, outputs = call.request, call.outputs
+    recording = outputs.scores or outputs.logits
+    sampler, steps = _start(model, call, seed, RecordingSampler if recording else Drama3Sampler)
+    collector, rows = TakeCollector(call.batch), RowCollector(call.batch, call.pad_id)
     waveform_streamer = clicks = None
     if streamer is not None:
         waveform_streamer, clicks = WaveformStreamer(codec, started), ClickFilter()
-    for step in steps:
-        collector.add(step)
-        if waveform_streamer is not None:
-            for chunk in waveform_streamer.step(clicks, step):
-                put_chunk(streamer, chunk)
+    with backbone_states(model.backbone, outputs.hidden_states) as states:
+        for step in steps:
+            collector.add(step)
+            rows.add(step)
+            if waveform_streamer is not None:
+                for chunk in waveform_streamer.step(clicks, step):
+                    put_chunk(streamer, chunk)
     if waveform_streamer is not None:
         for chunk in waveform_streamer.finish():
             if chunk.codes.numel():
@@ -218,11 +145,13 @@ def _run(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, 
             None if codec is None else codec.sampling_rate,
             overlong,
         )
-        for item in range(input_ids.shape[0])
+        for item in range(call.batch)
     ]
-    return Drama3GenerationOutput(
+    new_rows = rows.finish(model.config.num_codebooks).to(input_ids.device)
+    prompt_rows = torch.cat((input_ids[..., None], audio_codes), dim=-1)
+    output = Drama3GenerationOutput(
+        sequences=torch.cat((prompt_rows, new_rows), dim=1),
         audio_codes=codes,
-        sequences=codes,
         lengths=lengths,
         audio=audio,
         finish_reasons=collector.finish_reasons,
@@ -235,27 +164,48 @@ def _run(model, input_ids, audio_codes, attention_mask, request: DecodeRequest, 
         time_to_first_audio=None if waveform_streamer is None else waveform_streamer.time_to_first_audio,
         line_boundaries=collector.line_boundaries,
     )
+    if recording:
+        _add_scores(model, sampler, new_rows.shape[1], outputs, output)
+    if outputs.hidden_states:
+        output.hidden_states = tuple(states[: new_rows.shape[1]])
+    return output
 
 
-def _regenerate(model, prompt, request: DecodeRequest, seed, codec, output: Drama3GenerationOutput, attempts: int):
+def _add_scores(model, sampler: RecordingSampler, steps: int, outputs, output: Drama3GenerationOutput) -> None:
+    """The per-step logits the sampler recorded (the first `steps`: a run may draw past its end),
+    as `scores` / `logits` over the vocabulary and `codebook_scores` / `codebook_logits`."""
+    settings = sampler.settings
+    main = torch.stack(sampler.main_logits[:steps])  # [steps, batch, candidates]
+    heads = torch.stack(sampler.head_logits[:steps])  # [steps, batch, num_codebooks - 1, codebook_size]
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    if outputs.logits:
+        output.logits = tuple(in_vocabulary(main, sampler.candidate_ids, vocabulary).unbind(0))
+        output.codebook_logits = tuple(heads.unbind(0))
+    if outputs.scores:
+        scores = warped(main, settings, settings.top_k, keep_crossing=True)
+        output.scores = tuple(in_vocabulary(scores, sampler.candidate_ids, vocabulary).unbind(0))
+        output.codebook_scores = tuple(warped(heads, settings, settings.codebook_top_k, keep_crossing=False).unbind(0))
+
+
+def _regenerate(model, call: GenerationCall, seed, codec, output: Drama3GenerationOutput, attempts: int):
     """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
-    one when it has no more anomalies. Every attempt is recorded in `output.regenerations`."""
-    input_ids, audio_codes, attention_mask = prompt
-    batch = input_ids.shape[0]
+    one (its rows in `sequences` too) when it has no more anomalies. Every attempt is recorded in
+    `output.regenerations`."""
+    batch, prompt_rows = call.batch, call.prompt[0].shape[1]
     seeds = None if seed is None else item_seeds(seed, batch)
     takes = [
         [output.audio_codes[item, : int(output.lengths[item])], None if output.audio is None else output.audio[item]]
         for item in range(batch)
     ]
+    drawn = list(output.sequences[:, prompt_rows:])  # per item [steps, 1 + num_codebooks]
     for attempt in range(1, attempts + 1):
         items = [item for item in range(batch) if output.anomalies[item]]
         if not items:
             break
-        index = torch.tensor(items, device=input_ids.device)
-        sub_request = request.select(index)
+        index = torch.tensor(items, device=call.prompt[0].device)
         # attempt n draws with seed + n * SEED_STRIDE: retries differ from the first take yet reproduce
         sub_seed = None if seeds is None else [seeds[item] + attempt * SEED_STRIDE for item in items]
-        retry = _run(model, input_ids[index], audio_codes[index], attention_mask[index], sub_request, sub_seed, codec)
+        retry = _run(model, call.select(index), sub_seed, codec)
         for position, item in enumerate(items):
             kept = len(retry.anomalies[position]) <= len(output.anomalies[item])
             output.regenerations.append(
@@ -270,20 +220,33 @@ def _regenerate(model, prompt, request: DecodeRequest, seed, codec, output: Dram
             if kept:
                 length = int(retry.lengths[position])
                 takes[item] = [retry.audio_codes[position, :length], None if retry.audio is None else retry.audio[position]]
+                drawn[item] = retry.sequences[position, prompt_rows:]
                 output.anomalies[item] = retry.anomalies[position]
                 output.finish_reasons[item] = retry.finish_reasons[position]
                 output.clicks_dropped[item] = retry.clicks_dropped[position]
                 output.ras_replacements[item] = retry.ras_replacements[position]
                 output.line_boundaries[item] = retry.line_boundaries[position]
-    lengths = torch.tensor([take[0].shape[0] for take in takes], dtype=torch.long, device=input_ids.device)
-    codes = input_ids.new_zeros(batch, int(lengths.max()) if batch else 0, model.config.num_codebooks)
+    lengths = torch.tensor([take[0].shape[0] for take in takes], dtype=torch.long, device=call.prompt[0].device)
+    codes = call.prompt[0].new_zeros(batch, int(lengths.max()) if batch else 0, model.config.num_codebooks)
     for item, (take_codes, _) in enumerate(takes):
         codes[item, : take_codes.shape[0]] = take_codes
-    output.audio_codes = output.sequences = codes
+    output.audio_codes = codes
     output.lengths = lengths
+    output.sequences = torch.cat((output.sequences[:, :prompt_rows], _padded_rows(drawn, call.pad_id)), dim=1)
     if output.audio is not None:
         output.audio = [take[1] for take in takes]
     return output
+
+
+def _padded_rows(rows: list[torch.Tensor], pad_id: int) -> torch.Tensor:
+    """Per item rows [steps_i, 1 + num_codebooks] -> [batch, max steps, 1 + num_codebooks], the
+    shorter ones continued with `[pad_id, zeros]` (what an ended item draws)."""
+    steps = max(item.shape[0] for item in rows)
+    padded = rows[0].new_zeros(len(rows), steps, rows[0].shape[-1])
+    padded[..., 0] = pad_id
+    for index, item in enumerate(rows):
+        padded[index, : item.shape[0]] = item
+    return padded
 
 
 @torch.no_grad()
@@ -304,25 +267,32 @@ def generate(
     speak_span: torch.Tensor | None = None,
     boundaries_left: torch.Tensor | None = None,
     threads: int | str | None = "auto",
+    position_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
     **kwargs,
 ):
-    """Speak: prompt rows in, takes out (see the module docstring for the loop and the sampler).
+    """Speak: prompt rows in, takes out (see the module docstring for the loop, the sampler and
+    what is returned).
 
     Args:
         input_ids, audio_codes, attention_mask: the prompt, as the processor returns it (a
             `BatchFeature`, unpacked) or raw rows: `[batch, rows]`, `[batch, rows, num_codebooks]`,
             `[batch, rows]` (left padding).
         generation_config: a `GenerationConfig`; its `do_sample`, `temperature`, `top_p`, `top_k`,
-            `repetition_aware` (RAS on the main token, default True), `max_new_tokens` (frames)
-            and `return_dict_in_generate` are read.
+            `repetition_aware` (RAS on the main token, default True), `max_new_tokens` (frames),
+            the output fields below and the cache fields are read; any field that would not work
+            (beams, assisted decoding, logits processors, stop strings, ...) is refused by name
+            (`generation_arguments`), as it is from the model's own generation config.
         streamer: an object with `put(value)` and `end()` (a transformers `BaseStreamer`); batch 1.
             It receives waveform chunks `[samples]` when `codec` is given, else frames
             `[1, frames, num_codebooks]`, as soon as they are final.
-        seed: an int (item b uses seed + b) or one per item; each item draws its own
-            random numbers (`decoding.counter_noise`), so a batch reproduces each prompt alone.
-            None: random keys from torch's global generator (`torch.manual_seed` repeats a run).
+        seed: an int (item b uses seed + b) or one per item (per returned take with
+            `num_return_sequences`); each item draws its own random numbers
+            (`decoding.counter_noise`), so a batch reproduces each prompt alone. None: random keys
+            from torch's global generator (`torch.manual_seed` repeats a run).
         preset: "serving" (the default settings) or "paper-eval" (0.7 / 0.7 / 30), or settings.
-        codec: a `Drama3CodecModel`; the output then carries waveforms.
+        codec: a `Drama3CodecModel` (`processor.codec`): the takes' waveforms are returned (in
+            `audio` of the dict), decoded by it.
         expected_seconds: expected duration of each take; default from the text of the turn to
             speak at the model's speaking rate (`text_tokens_per_second`: the generation config's
             `text_tokens_per_second`, else `TOKENS_PER_SECOND`). The frame budget is 2.5x this, at
@@ -339,7 +309,18 @@ def generate(
         threads: CPU threads to decode with: "auto" (default) picks them from the model's size and
             the idle cores (`threads.decode_threads`), an int is used as given, None leaves torch's
             count alone; torch's count is restored afterwards. "auto" leaves a model on CUDA alone.
+        position_ids: `[batch, rows]` positions of the prompt rows; taken where they are those
+            generate() gives them (each real row's count of real rows before it, as forward's
+            default), refused otherwise (`generation_call.check_position_ids`).
+        inputs_embeds: `[batch, rows, hidden_size]` the backbone's input for the prompt rows
+            instead of their embeddings (`model.embed_rows`); needs the rows too (input_ids,
+            audio_codes), which the tower, RAS and the frame budget read.
         **kwargs: GenerationConfig fields (e.g. `temperature=0.7`, `max_new_tokens=500`).
+            `return_dict_in_generate=True` returns a `Drama3GenerationOutput`; with it
+            `output_scores`, `output_logits` and `output_hidden_states` add the per-step outputs
+            (hidden states need the eager step), and `num_return_sequences=N` speaks every prompt
+            N times (take i of prompt p is item p*N + i, drawn with seed + p*N + i).
+            `pad_token_id` fills `sequences` after an item has ended (default: eos).
             Every call decodes with the one step (`decoding.step`) on a preallocated cache the
             prefill writes into. `cache_implementation="static"` gives that cache a power-of-two
             length class and compiles the step (`torch.compile(fullgraph=True)`, CUDA graphs) by
@@ -352,8 +333,9 @@ def generate(
             through a compiled prefill too (one graph per bucket, batch size and length class).
 
     Returns:
-        `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the waveforms
-        (a list, when `codec` is given) or `audio_codes` `[batch, frames, num_codebooks]`.
+        `Drama3GenerationOutput` with `return_dict_in_generate=True`; otherwise the takes: their
+        waveforms (a list of [samples], when `codec` is given) or `audio_codes`
+        `[batch, frames, num_codebooks]` (0 after each take's length).
     """
     if isinstance(regenerate_on_anomaly, bool) or not isinstance(regenerate_on_anomaly, int) or regenerate_on_anomaly < 0:
         raise ValueError(f"regenerate_on_anomaly={regenerate_on_anomaly!r}; expected 0 (off) or a positive number of attempts")
@@ -361,18 +343,35 @@ def generate(
         raise ValueError("regenerate_on_anomaly cannot be combined with a streamer: streamed audio cannot be taken back")
     check_threads(threads)
     check_codec_matches(model.config, codec)
-    call = _set_up(
+    call = set_up_call(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
-        None if streamer is None else "streamer",
+        None if streamer is None else "streamer", "generate()", position_ids, inputs_embeds,
     )
+    if regenerate_on_anomaly and call.outputs.per_step:
+        raise ValueError("regenerate_on_anomaly cannot be combined with output_scores, output_logits or "
+                         "output_hidden_states: a regenerated take's steps are not the batch's")
+    _check_seed_count(seed, call)
     with torch_threads(resolve_threads(model, threads)):
-        output = _run(model, *call.prompt, call.request, seed, codec, streamer)
+        output = _run(model, call, seed, codec, streamer)
         if regenerate_on_anomaly:
-            output = _regenerate(model, call.prompt, call.request, seed, codec, output, regenerate_on_anomaly)
-    if call.return_dict:
+            output = _regenerate(model, call, seed, codec, output, regenerate_on_anomaly)
+    if call.outputs.return_dict:
         return output
     return output.audio if codec is not None else output.audio_codes
+
+
+def _check_seed_count(seed, call: GenerationCall) -> None:
+    """A list of seeds names one per returned take (every prompt's `num_return_sequences` takes)."""
+    if seed is None or isinstance(seed, int):
+        return
+    seeds = list(seed)
+    if len(seeds) != call.batch:
+        takes = call.outputs.num_return_sequences
+        raise ValueError(
+            f"seed has {len(seeds)} values; expected an int or one per take: {call.batch // takes} prompt(s) x "
+            f"num_return_sequences {takes} = {call.batch}"
+        )
 
 
 @torch.no_grad()
@@ -405,13 +404,13 @@ def stream(
     """
     check_threads(threads)
     check_codec_matches(model.config, codec)
-    call = _set_up(
+    call = set_up_call(
         model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
-        "stream()",
+        "stream()", "stream()",
     )
     started = time.perf_counter()
-    _, steps = _start(model, *call.prompt, call.request, seed)
+    _, steps = _start(model, call, seed)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
     # torch keeps the count per thread: the caller's code between chunks runs with it too.

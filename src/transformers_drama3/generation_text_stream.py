@@ -190,7 +190,7 @@ def stream_text(
     at the end.
     """
     check_codec_matches(model.config, codec)
-    overrides = _split_kwargs(kwargs)
+    overrides = _split_kwargs(kwargs, "stream_text()")
     settings, max_new_tokens, _ = resolve_settings(getattr(model, "generation_config", None), preset, generation_config, overrides)
     compile_config = resolve_decoding(model, generation_config, overrides).compile_config
     references = tuple(as_reference(reference, f"references[{index}]") for index, reference in enumerate(references))

@@ -613,17 +613,19 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         audio_codes: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: DecodeCache,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Fill `cache` with a prompt of at least 2 rows and return the backbone output [batch, rows, dim].
 
         The tower is teacher-forced over every row but the last, whose next frame is not known yet:
-        the first decode step (`decoding.step.draw`) computes it.
+        the first decode step (`decoding.step.draw`) computes it. `inputs_embeds` [batch, rows, dim]:
+        the backbone's input instead of the rows' embeddings (`embed_rows`).
         """
         rows = input_ids.shape[1]
         if rows < 2:
             raise ValueError(f"a prompt needs at least 2 rows; got input_ids of shape {tuple(input_ids.shape)}")
         positions = positions_from_mask(attention_mask)
-        hidden = self._cached_backbone(input_ids, audio_codes, attention_mask, positions, cache)
+        hidden = self._cached_backbone(input_ids, audio_codes, attention_mask, positions, cache, inputs_embeds)
         known = attention_mask[:, :-1]
         self.run_tower(
             hidden[:, :-1], input_ids[:, :-1], audio_codes[:, :-1], audio_codes[:, 1:],
@@ -672,10 +674,11 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         )
         return hidden
 
-    def _cached_backbone(self, input_ids, audio_codes, attention_mask, positions, cache: DecodeCache) -> torch.Tensor:
-        """The backbone over new rows, reading and extending `cache.backbone`."""
+    def _cached_backbone(self, input_ids, audio_codes, attention_mask, positions, cache: DecodeCache,
+                         inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The backbone over new rows (or `inputs_embeds`, given for them), reading and extending `cache.backbone`."""
         return self.backbone(
-            inputs_embeds=self.embed_rows(input_ids, audio_codes),
+            inputs_embeds=self.embed_rows(input_ids, audio_codes) if inputs_embeds is None else inputs_embeds,
             attention_mask=attention_mask,
             position_ids=positions,
             cache=cache.backbone,

@@ -7,9 +7,12 @@
    -> `Drama3Processor` returns input_ids / audio_codes / attention_mask (left-padded rows);
 2. forward: `model.generate(**inputs, return_dict_in_generate=True, max_new_tokens=...)`
    -> `Drama3ForSpeechGeneration.generate` returns a `Drama3GenerationOutput` whose `sequences`
-   are the audio codes `[batch, frames, num_codebooks]` (frames, not tokens);
+   are rows `[batch, prompt_rows + steps, 1 + num_codebooks]` (`[main_id, c0..c9]`: the prompt, then
+   the drawn frames, eos and padding);
 3. postprocess: an output without "audio" is decoded with `processor.decode(sequences)`, which
-   runs the codec -> `{"audio": ndarray [samples], "sampling_rate": config.sampling_rate (44100)}`.
+   reads each item's voice turn out of its rows (`Drama3Processor.spoken_frames`: the take, as
+   `generate()` returns it) and runs the codec -> `{"audio": ndarray [samples], "sampling_rate":
+   config.sampling_rate (44100)}`.
 
 Loading: with a path or repo id, `pipeline("text-to-speech", model=path)` finds the model through
 `AutoModelForTextToWaveform` and the processor through `AutoProcessor` (both registered on import

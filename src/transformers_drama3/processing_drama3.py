@@ -21,6 +21,7 @@ from .decoding.budget import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (
     AUDIO_SEPARATOR,
+    IM_END,
     CHUNK_BYTES,
     CHUNK_SPEAKERS,
     CODEBOOK_SIZE,
@@ -50,6 +51,7 @@ from .prompting import (
     semantic_token,
     with_speaker_tag,
 )
+from .prompting.bare_rows import spoken_frames
 from .prompting.phonemes import text_frontend as phoneme_front_end
 
 SAMPLES_PER_FRAME = 2048
@@ -590,15 +592,22 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         """Generated codes -> waveforms through the codec.
 
         Args:
-            codes: [batch, frames, num_codebooks] (the row layout of `audio_codes`), or a list of
-                [frames, num_codebooks] tensors of any lengths.
-            lengths: frames of each item (default: all frames).
+            codes: [batch, frames, num_codebooks] (generate()'s takes, `audio_codes`), a list of
+                [frames, num_codebooks] tensors of any lengths, or generate()'s `sequences`
+                [batch, rows, 1 + num_codebooks] (rows `[main_id, c0..c9]`: each item's voice turn
+                is decoded, `spoken_frames`; what transformers' text-to-speech pipeline hands over).
+            lengths: frames of each item (default: all frames); not with `sequences`.
 
         Returns:
             A list of 1-D float32 waveforms at `sampling_rate`, each `frames * samples_per_frame` long.
         """
         if self.codec is None:
             raise ValueError("batch_decode needs a codec; load the processor with one")
+        if isinstance(codes, torch.Tensor) and codes.ndim == 3 and codes.shape[-1] == self.num_codebooks + 1:
+            if lengths is not None:
+                raise ValueError("lengths: sequences (rows of 1 + num_codebooks values) end where their voice turn ends; "
+                                 "give no lengths")
+            codes = [self.spoken_frames(item) for item in codes]
         if isinstance(codes, torch.Tensor):
             if codes.ndim != 3 or codes.shape[-1] != self.num_codebooks:
                 raise ValueError(f"codes: expected [batch, frames, {self.num_codebooks}]; got {tuple(codes.shape)}")
@@ -627,10 +636,21 @@ class Drama3Processor(ProcessorMixinWithOwnParts):
         return [audio[index, : count * self.samples_per_frame] for index, count in enumerate(frames)]
 
     def decode(self, codes: torch.Tensor | Sequence[torch.Tensor], lengths: Sequence[int] | None = None):
-        """One item [frames, num_codebooks] -> a waveform; a batch -> a list (see `batch_decode`)."""
+        """One item ([frames, num_codebooks], or rows [rows, 1 + num_codebooks]) -> a waveform; a
+        batch -> a list (see `batch_decode`)."""
         if isinstance(codes, torch.Tensor) and codes.ndim == 2:
             return self.batch_decode(codes[None], lengths)[0]
         return self.batch_decode(codes, lengths)
+
+    def spoken_frames(self, rows: torch.Tensor) -> torch.Tensor:
+        """The frames [frames, num_codebooks] of the voice turn one item's rows [rows, 1 +
+        num_codebooks] end in (`prompting.bare_rows.spoken_frames`): of `generate()`'s `sequences`,
+        its take (and any frames the prompt's voice turn already held)."""
+        ids = self.token_ids
+        rows = torch.as_tensor(rows).long().cpu()
+        if rows.ndim != 2 or rows.shape[-1] != self.num_codebooks + 1:
+            raise ValueError(f"rows: expected [rows, 1 + {self.num_codebooks}]; got {tuple(rows.shape)}")
+        return spoken_frames(rows, ids.semantic_start, ids.codebook_size, ids.special[IM_END], ids.pad, self.audio_separator_token_id)
 
     def save_audio(self, audio: torch.Tensor | np.ndarray, path: str | os.PathLike, sampling_rate: int | None = None) -> None:
         """Write a 1-D waveform as WAV or FLAC (from the file extension), 16-bit PCM, through a

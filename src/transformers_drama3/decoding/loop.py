@@ -198,7 +198,8 @@ class DecodeRun:
 
     @classmethod
     def prefilled(cls, model, input_ids, audio_codes, attention_mask, sampler, budgets, separators: LineSeparators | None = None,
-                  alignment=None, compile_config: CompileConfig | None = None, prefill_graphs: bool = False) -> DecodeRun:
+                  alignment=None, compile_config: CompileConfig | None = None, prefill_graphs: bool = False,
+                  inputs_embeds: torch.Tensor | None = None) -> DecodeRun:
         """Set a cache up for a prompt (input_ids [batch, rows], audio_codes [batch, rows,
         num_codebooks], attention_mask [batch, rows], left padding) and `budgets` [batch] frames,
         and prefill the prompt into it. The cache holds every row the run may feed: the prompt,
@@ -207,8 +208,14 @@ class DecodeRun:
 
         `prefill_graphs` (a compiled run only): the prompt is left-padded to its length bucket
         (`prefill_bucket`) and prefilled by `compile_config`'s compiled prefill, one graph per
-        bucket (and batch size and capacity class) instead of one per prompt length."""
+        bucket (and batch size and capacity class) instead of one per prompt length.
+
+        `inputs_embeds` [batch, rows, hidden]: the backbone reads these for the prompt instead of
+        embedding its rows (the tower and the sampler still read the rows)."""
         if prefill_graphs:
+            if inputs_embeds is not None:
+                raise ValueError("inputs_embeds cannot be prefilled by the compiled prefill (prefill_graphs=True), which "
+                                 "pads the prompt to its length bucket")
             if compile_config is None:
                 raise ValueError("prefill_graphs=True needs a compiled run: cache_implementation=\"static\" with a "
                                  "compile_config (the default on CUDA), not disable_compile=True")
@@ -225,16 +232,18 @@ class DecodeRun:
         state = replace(empty_state(model, batch, capacity, device), budgets=budgets, separators_left=left, alignment=alignment)
         run = cls(model, sampler, cache, state, None if separators is None else separators.token_id, None)
         run._prefill_graph = compiled_prefill(compile_config) if prefill_graphs else None
-        run.extend(input_ids, audio_codes, attention_mask)
+        run.extend(input_ids, audio_codes, attention_mask, inputs_embeds)
         if compile_config is not None:
             run = cls(model, sampler, run.cache, run.state, run.separator_id, compile_config)
         return run
 
-    def extend(self, input_ids: torch.Tensor, audio_codes: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def extend(self, input_ids: torch.Tensor, audio_codes: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               inputs_embeds: torch.Tensor | None = None) -> None:
         """Write rows input_ids [batch, new] / audio_codes [batch, new, num_codebooks] (mask
         [batch, new], default all real) into the cache: the prefill when the cache is empty, else
         after the open row (the backbone continues from its states, the tower is teacher-forced
-        from the open row). The last new row becomes the open row."""
+        from the open row). The last new row becomes the open row. `inputs_embeds` (the prefill
+        only): the backbone's input for the rows, instead of their embeddings."""
         self._check_continuable()
         model, cache, state = self.model, self.cache, self.state
         rows = input_ids.shape[1]
@@ -242,6 +251,8 @@ class DecodeRun:
             attention_mask = torch.ones_like(input_ids)
         backbone, tower = cache.parts
         filled = backbone.filled
+        if inputs_embeds is not None and filled:
+            raise ValueError("inputs_embeds: only a prefill (an empty cache) reads them")
         self._reserve(rows)
         key_mask = self.state.key_mask.clone()
         key_mask[:, filled : filled + rows] = attention_mask.bool()
@@ -252,7 +263,7 @@ class DecodeRun:
         cache.open_window(backbone, rows)
         cache.open_window(tower, tower_rows)
         if filled == 0:
-            hidden = self._prefill(input_ids, audio_codes, mask)
+            hidden = self._prefill(input_ids, audio_codes, mask, inputs_embeds)
         else:
             hidden = model.extend(self.state.hidden, state.ids, state.codes, input_ids, audio_codes, mask, cache)
         cache.compiled = compiled
@@ -267,12 +278,12 @@ class DecodeRun:
 
     _prefill_graph = None
 
-    def _prefill(self, input_ids, audio_codes, mask) -> torch.Tensor:
+    def _prefill(self, input_ids, audio_codes, mask, inputs_embeds=None) -> torch.Tensor:
         """`model.prefill` into the empty cache; through the compiled prefill when the run has one,
         whose outputs (the hidden states, and the cache's states, which the prefill allocates) are
         then copied out of CUDA-graph memory, which the next replay reuses."""
         if self._prefill_graph is None:
-            return self.model.prefill(input_ids, audio_codes, mask, self.cache)
+            return self.model.prefill(input_ids, audio_codes, mask, self.cache, inputs_embeds=inputs_embeds)
         self.cache.mark_counters_static()
         torch.compiler.cudagraph_mark_step_begin()
         hidden = checked_call(self._prefill_graph, self.model, input_ids, audio_codes, mask, self.cache).clone()

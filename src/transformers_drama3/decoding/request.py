@@ -135,9 +135,9 @@ def line_separators(
     return LineSeparators(separator_id, left) if bool(left.any()) else None
 
 
-def make_sampler(model, request: DecodeRequest, input_ids, attention_mask, seed) -> Drama3Sampler:
-    """The sampler of one run; with line separators the separator is the last candidate, and only
-    the items that may draw it have a number for it."""
+def make_sampler(model, request: DecodeRequest, input_ids, attention_mask, seed, sampler_class=Drama3Sampler) -> Drama3Sampler:
+    """The sampler of one run (a `sampler_class`); with line separators the separator is the last
+    candidate, and only the items that may draw it have a number for it."""
     device = input_ids.device
     candidates = model.speech_token_ids(device)
     codebook_size = candidates.shape[0] - 1
@@ -145,7 +145,7 @@ def make_sampler(model, request: DecodeRequest, input_ids, attention_mask, seed)
     if request.separators is not None:
         candidates = torch.cat((candidates, torch.tensor([request.separators.token_id], device=device)))
         widths = codebook_size + 1 + (request.separators.left > 0).long()
-    return Drama3Sampler(
+    return sampler_class(
         request.settings, candidates, prompt_window(input_ids, attention_mask),
         item_keys(seed, input_ids.shape[0], device), codebook_size, widths,
     )

@@ -58,3 +58,29 @@ def system_turn_rows(input_ids: torch.Tensor, im_end_id: int) -> int:
     if len(ends) < 2:  # a prompt without a turn after the system turn has nothing to share
         return 0
     return ends[0] if ends[0] >= 2 else 0
+
+
+def spoken_frames(rows: torch.Tensor, semantic_start: int, codebook_size: int, eos_id: int, pad_id: int,
+                  separator_id: int | None = None) -> torch.Tensor:
+    """The frames of the voice turn a prompt's rows end in: one item's rows [rows, 1 + num_codebooks]
+    (`[main_id, c0..c9]`, as generate() returns them in `sequences`) -> codes [frames, num_codebooks].
+
+    generate() continues a prompt with frames, `<|audio_separator|>`s, then eos and padding; so the
+    voice turn is read from the end: past the padding and eos (`pad_id`, `eos_id`), back over the
+    semantic rows and separators, up to the first other row (`<|voice|>` in the published layout).
+    Its semantic rows are the frames (frames the prompt's voice turn already held included); a
+    `<|semantic:0|>` frame right before eos is left out, as generate() leaves it out of its takes
+    (it decodes to a click)."""
+    ids = rows[:, 0]
+    semantic = (ids >= semantic_start) & (ids < semantic_start + codebook_size)
+    voice = semantic if separator_id is None else semantic | (ids == separator_id)
+    end = ids.shape[0]
+    while end > 0 and int(ids[end - 1]) in (pad_id, eos_id):
+        end -= 1
+    start = end
+    while start > 0 and bool(voice[start - 1]):
+        start -= 1
+    ended_by_eos = end < ids.shape[0] and int(ids[end]) == eos_id
+    if ended_by_eos and end > start and bool(semantic[end - 1]) and int(rows[end - 1, 1]) == 0:
+        end -= 1  # the click frame
+    return rows[start:end][semantic[start:end]][:, 1:]
