@@ -38,10 +38,13 @@ def main(argv=None):
         if args.model else "<|speaker:0|> Hello there, this is the tiny model speaking."
     )
     inputs = processor(text, **voice)
-    output = model.generate(**inputs, seed=0, return_dict_in_generate=True, **limit)
-    waveform = processor.decode(output.audio_codes[0, : int(output.lengths[0])])
+    # codec=: the take's waveform; return_dict_in_generate: GenerationMixin's output (sequences: the
+    # prompt rows then one [main_id, c0..c9] row per step) with the takes and what the guards found
+    output = model.generate(**inputs, seed=0, codec=processor.codec, return_dict_in_generate=True, **limit)
+    waveform = output.audio[0].float().cpu()
     processor.save_audio(waveform, args.output)
-    print(f"1. generate: {int(output.lengths[0])} frames -> {args.output} ({output.finish_reasons[0]})")
+    steps = output.sequences.shape[1] - inputs["input_ids"].shape[1]
+    print(f"1. generate: {int(output.lengths[0])} frames in {steps} steps -> {args.output} ({output.finish_reasons[0]})")
 
     # A reference (transcript + audio) clones a voice: here the take we just made.
     cloned = processor(
