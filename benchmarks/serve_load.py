@@ -75,6 +75,7 @@ import torch
 import uvicorn
 
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app
+from transformers_drama3.serving.output_audio import OPENAI_PCM_RATE as PCM_RATE
 from transformers_drama3.tiny import shipped
 
 TEXTS = [
@@ -104,10 +105,15 @@ def start_server(service: SpeechService):
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: int, voices=VOICES,
+def stream_samples_per_frame(service) -> float:
+    """The samples of one frame in the streams' pcm (OpenAI's 24 kHz, not the model's rate)."""
+    return service.processor.samples_per_frame * PCM_RATE / service.processor.sampling_rate
+
+
+def one_stream(base: str, index: int, frames: int, deadline: float, samples_per_frame: float, voices=VOICES,
                text: str | None = None) -> dict:
-    """Stream one request (`text`, else one of `TEXTS`); returns its time to first audio, frames
-    received and error (if any)."""
+    """Stream one request (`text`, else one of `TEXTS`; pcm at `PCM_RATE`, `samples_per_frame` at
+    that rate); returns its time to first audio, frames received and error (if any)."""
     body = {
         "model": "drama3", "input": text or TEXTS[index % len(TEXTS)], "voice": voices[index % len(voices)],
         "response_format": "pcm", "stream_format": "audio", "seed": index, "max_new_tokens": frames,
@@ -320,7 +326,7 @@ def attack(args) -> None:
                                **options)
         server, thread, base = start_server(service)
         try:
-            spf, names, engine = service.processor.samples_per_frame, voices_of(service), service.engine
+            spf, names, engine = stream_samples_per_frame(service), voices_of(service), service.engine
             one_stream(base, 0, 4, time.perf_counter() + args.time_limit, spf, names)  # warm-up
             attacked = attack_round(base, args, spf, args.long_prompts, engine, voices=names)
             quiet = attack_round(base, args, spf, 0, engine, window=attacked["window"], voices=names)
@@ -500,7 +506,7 @@ def run(args, prefix_cache: bool) -> None:
                                prefix_cache=prefix_cache)
         server, thread, base = start_server(service)
         try:
-            spf, names, rate = service.processor.samples_per_frame, voices_of(service), service.processor.sampling_rate
+            spf, names, rate = stream_samples_per_frame(service), voices_of(service), PCM_RATE
             deadline = time.perf_counter() + args.time_limit
             one_stream(base, 0, args.frames, deadline, spf, names)  # warm-up (and the voice's prefix, when cached)
             alone = one_stream(base, 1, args.frames, deadline, spf, names)
@@ -556,7 +562,7 @@ def realtime(args) -> None:
         service = load_service(args, voices, max_batch=args.max_batch, max_queue=max(64, args.clients))
         server, thread, base = start_server(service)
         try:
-            spf, names, rate = service.processor.samples_per_frame, voices_of(service), service.processor.sampling_rate
+            spf, names, rate = stream_samples_per_frame(service), voices_of(service), PCM_RATE
             one_stream(base, 0, args.frames, time.perf_counter() + args.time_limit, spf, names)  # warm-up
             levels = {}
             for level in realtime_levels(args.clients):
@@ -617,7 +623,7 @@ def mix_run(args, voices: list[str], **load) -> dict:
         service = load_service(args, stored, max_batch=args.max_batch, max_queue=max(64, args.clients), **load)
         server, thread, base = start_server(service)
         try:
-            spf = service.processor.samples_per_frame
+            spf = stream_samples_per_frame(service)
             deadline = time.perf_counter() + args.time_limit
             for voice in voices:  # warm-up: each voice's prefix cached, each adapter loaded
                 mixed_stream(base, 0, voice, 4, deadline, spf)

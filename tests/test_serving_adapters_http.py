@@ -92,7 +92,8 @@ def test_the_openai_client_speaks_an_adapter_voice_as_the_merged_model_does(serv
     base_url, service, merged, _ = server
     text = "The river runs past the old mill."
     response = client(server).audio.speech.create(model="drama3-tiny", input=text, voice="calm", response_format="pcm",
-                                                  extra_body={"seed": 5, "max_new_tokens": FRAMES})
+                                                  extra_body={"seed": 5, "max_new_tokens": FRAMES,
+                                                              "sample_rate": service.processor.sampling_rate})
     body = {"model": "drama3-tiny", "input": text, "voice": "calm", "seed": 5, "max_new_tokens": FRAMES}
     expected, codes = expected_pcm(service, merged["calm"], body)
     ours = pcm_samples(response.content)
@@ -150,7 +151,7 @@ def test_an_uploaded_adapter_speaks_and_delete_unloads_it(server):
     created = httpx.post(base_url + "/v1/audio/voices", headers=HEADERS, json={"id": "up", "adapter": upload(root, "bright")})
     assert created.status_code == 200, created.text
     body = {"model": "drama3-tiny", "input": "One, two, three.", "voice": "up", "seed": 2, "max_new_tokens": FRAMES,
-            "response_format": "pcm"}
+            "response_format": "pcm", "sample_rate": service.processor.sampling_rate}
     response = httpx.post(base_url + "/v1/audio/speech", headers=HEADERS, json=body, timeout=120)
     assert response.status_code == 200, response.text
     expected, _ = expected_pcm(service, merged["bright"], body)

@@ -320,7 +320,7 @@ LONG_TEXT = " ".join(["The river ran past the old mill, and the miller's childre
 
 def test_a_non_streamed_request_is_cancelled_soon_after_its_client_leaves(server, service):
     cancelled = service.metrics.outcomes["cancelled"]
-    body = {"input": LONG_TEXT, "voice": "A", "max_new_tokens": 3000, "seed": 1, "response_format": "wav"}
+    body = {"input": LONG_TEXT, "voice": "A", "max_new_tokens": 3000, "seed": 1, "response_format": "wav", "stream": False}
     with httpx.Client(base_url=f"http://{server}") as client:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
             client.post("/v1/audio/speech", json=body, headers=HEADERS, timeout=httpx.Timeout(WAIT, read=1.5))

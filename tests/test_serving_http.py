@@ -47,7 +47,10 @@ def client(server):
 
 
 def speech(client, text="Hello there, how are you?", seed=1, **fields):
+    """The whole take in one body (`stream: false`) unless `extra` asks for a stream."""
     extra = {"seed": seed, "max_new_tokens": FRAMES, **fields.pop("extra", {})}
+    if "stream_format" not in extra:
+        extra.setdefault("stream", False)
     fields.setdefault("response_format", "wav")
     fields.setdefault("voice", "A")
     return client.audio.speech.create(model="drama3-tiny", input=text, extra_body=extra, **fields)
@@ -93,7 +96,7 @@ def test_streamed_chunks_join_to_the_whole_take_of_the_same_seeded_request(clien
         model="drama3-tiny", voice="A", input="Hello there, how are you?", response_format="pcm",
         extra_body={"seed": 9, "max_new_tokens": FRAMES, "stream_format": "audio"},
     ) as response:
-        assert response.headers["x-sample-rate"] == "22050"
+        assert response.headers["x-sample-rate"] == "24000"  # OpenAI's pcm rate
         chunks = [chunk for chunk in response.iter_bytes() if chunk]
     streamed = pcm_samples(b"".join(chunks))
     assert streamed.shape == whole.shape
@@ -101,10 +104,11 @@ def test_streamed_chunks_join_to_the_whole_take_of_the_same_seeded_request(clien
 
 
 def test_sse_events_carry_the_audio_then_a_done_event(client, server):
-    whole = pcm_samples(speech(client, seed=3, response_format="pcm").content)
+    rate = server[1].processor.sampling_rate  # the take at the model's rate: a frame is hop_length samples
+    whole = pcm_samples(speech(client, seed=3, response_format="pcm", extra={"sample_rate": rate}).content)
     with client.audio.speech.with_streaming_response.create(
         model="drama3-tiny", voice="A", input="Hello there, how are you?", response_format="pcm",
-        extra_body={"seed": 3, "max_new_tokens": FRAMES, "stream_format": "sse"},
+        extra_body={"seed": 3, "max_new_tokens": FRAMES, "stream_format": "sse", "sample_rate": rate},
     ) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     assert [set(event) for event in events[:-1]] == [{"type", "audio"}] * (len(events) - 1)
@@ -146,7 +150,9 @@ def test_a_voice_is_created_listed_used_and_deleted(client, server):
         ({"input": ""}, 400, "input"),
         ({"input": "x" * 5000}, 413, "input"),
         ({"voice": "nobody"}, 404, "voice"),
-        ({"speed": 1.5}, 400, "speed"),
+        ({"speed": 4.5}, 400, "speed"),
+        ({"extra": {"sample_rate": 7999}, "response_format": "pcm"}, 400, "sample_rate"),
+        ({"extra": {"sample_rate": 16000}, "response_format": "mp3"}, 400, "sample_rate"),
         ({"response_format": "ogg"}, 400, "response_format"),
         ({"extra": {"temperature": -1}}, 400, "temperature"),
         ({"extra": {"top_p": 0}}, 400, "top_p"),

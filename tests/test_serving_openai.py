@@ -121,6 +121,7 @@ def test_a_malformed_or_repeated_alias_is_refused_naming_it(spec):
 # ---- every response format, written by PyAV, decodes back to the take ---------------------------------
 
 av = pytest.importorskip("av")
+MODEL_RATE = 22050  # drama3-tiny's
 FORMAT_FRAMES = 40  # ~1.9 s of drama3-tiny audio: long enough for the coders' frames and padding
 PADDING_SECONDS = 0.11
 """What a lossy coder may add to a take's length: two mp3 frames of 1,152 samples at 22,050 Hz (a
@@ -130,7 +131,11 @@ streamed mp3 has no Xing header to say what to trim), more than aac's 1,024-samp
 def take_bytes(base: str, response_format: str, delivery: str = "whole") -> bytes:
     body = {"input": "Hello there, how are you today?", "voice": "A", "response_format": response_format, "seed": 9,
             "max_new_tokens": FORMAT_FRAMES}
-    if delivery != "whole":
+    if response_format == "pcm":
+        body["sample_rate"] = MODEL_RATE  # the take as the model made it (pcm is 24 kHz by default)
+    if delivery == "whole":
+        body["stream"] = False
+    else:
         body["stream_format"] = delivery
     response = httpx.post(base + "/v1/audio/speech", json=body, headers=HEADERS, timeout=WAIT)
     assert response.status_code == 200, response.text
@@ -171,6 +176,7 @@ def aligned_correlation(reference: np.ndarray, coded: np.ndarray, max_lag: int =
 @pytest.fixture(scope="module")
 def take(base, service):
     """The take as 16-bit samples (pcm) and its rate."""
+    assert service.processor.sampling_rate == MODEL_RATE
     samples = np.frombuffer(take_bytes(base, "pcm"), dtype="<i2")
     assert samples.size > service.processor.sampling_rate  # over a second of audio
     return samples, service.processor.sampling_rate

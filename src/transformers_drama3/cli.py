@@ -330,6 +330,8 @@ def run_serve(args) -> int:
                               max_body_bytes=args.max_body_mb * 2**20, max_text_streams=args.max_text_streams,
                               allowed_hosts=hosts, allowed_origins=origins)
     app = create_app(get_service, settings)
+    if args.log_requests:
+        log_requests_to_stderr()
     print(f"drama3 serve: http://{args.host}:{args.port}/v1/audio/speech (model: {args.model or 'drama3-tiny'})", file=sys.stderr)
     if api_key is None and not is_loopback(args.host):
         print(f"drama3 serve: warning: --host {args.host} serves every route, voice create and delete included, to "
@@ -399,6 +401,18 @@ def run_server(app, listener: socket.socket, header_timeout: float, loading: Loa
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(header_timeout)))
     loading.stop_with(lambda: setattr(server, "should_exit", True))
     server.run(sockets=[listener])
+
+
+def log_requests_to_stderr() -> None:
+    """`--log-requests`: the request log (`serving.request_log`) printed to stderr, a line per request."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("drama3 serve: %(message)s"))
+    request_log = logging.getLogger("transformers_drama3.serving.requests")
+    request_log.addHandler(handler)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
 
 
 def check_adapter_flags(args) -> None:

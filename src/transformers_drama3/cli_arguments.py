@@ -186,6 +186,11 @@ def add_serve(subparsers) -> None:
         help="web pages of these origins may use the server, e.g. https://app.example (repeatable; * allows any; "
              "default none). A browser page of another site gets 403; the server's own pages always may",
     )
+    parser.add_argument(
+        "--log-requests", action="store_true",
+        help="print a line per speech request to stderr: its x-request-id, the voice that spoke, the seed, the "
+             "format, rate and speed sent, frames, audio seconds, time to first audio, total time, finish reason",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a request body may take to arrive whole (then 408)")

@@ -46,7 +46,9 @@ from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from ..prompting import CHUNK_BYTES
 from ..decoding.threads import torch_threads
-from .audio_formats import MEDIA_TYPES, encode, pcm16, stream_encoder, streaming_wav_header
+from .audio_formats import MEDIA_TYPES, encode, encoded_rate, pcm16, stream_encoder, streaming_wav_header
+from .output_audio import OutputAudio, output_rate
+from .request_log import RequestIds, log_take
 from .routing import AdapterError, AdapterSlotsBusy
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
@@ -82,8 +84,8 @@ RETRY_AFTER_SECONDS = 1
 """What a 429 asks the client to wait (`Retry-After`): a slot frees as soon as one request ends."""
 OPEN_PATHS = ("/health",)
 """Routes that answer without the API key (a load balancer's probe)."""
-LISTING_PATHS = ("/v1/models", "/v1/audio/models", "/v1/audio/voices")
-"""The read-only listings `ServerSettings.open_listings` leaves open (GET only)."""
+LISTING_PATHS = ("/v1/models", "/v1/audio/models", "/v1/audio/voices", "/v1/test")
+"""The read-only listings (and the probe before them) `ServerSettings.open_listings` leaves open (GET only)."""
 
 
 @dataclass
@@ -326,6 +328,11 @@ def create_app(get_service, settings: ServerSettings | None = None):
         service = service_or_503()
         return {"models": [{"id": model["id"]} for model in model_listing(service.model_name)]}
 
+    @app.get("/v1/test")
+    async def probe():  # Kokoro-FastAPI's probe: bridges that find it (wyoming-openai) list /v1/audio/voices
+        service_or_503()
+        return {"status": "ok"}
+
     @app.get("/v1/audio/voices")
     async def list_voices():
         service = service_or_503()
@@ -393,15 +400,24 @@ def create_app(get_service, settings: ServerSettings | None = None):
             raise ApiError(404, f"voice: no voice {params.voice!r}", "voice", "voice_not_found") from None
         except AdapterError as error:  # its adapter's folder changed on disk since it was registered
             raise _damaged_adapter(params.voice, error) from None
-        rate = service.processor.sampling_rate
-        headers = {"X-Sample-Rate": str(rate), "X-Seed": str(handle.seed)}
+        rate = output_rate(params.response_format, service.processor.sampling_rate, params.sample_rate)
+        headers = {"X-Sample-Rate": str(encoded_rate(params.response_format, rate)), "X-Seed": str(handle.seed)}
+        take = _Take(handle, params, rate, request.state.request_id, service.voice_of(params))
         if params.stream_format is None:
-            return await _whole(service, handle, request, params, headers)
-        body = _stream(service, handle, request, params)
+            return await _whole(service, take, request, headers)
+        body = _stream(service, take, request)
+        watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))  # once it streams, Starlette watches
+        try:  # the response starts with the first audio: a failure before it keeps its status
+            first = await body.__anext__()
+        except StopAsyncIteration:  # the client left before any audio
+            return Response(status_code=499)
+        finally:
+            watcher.cancel()
         media = "text/event-stream" if params.stream_format == "sse" else MEDIA_TYPES[params.response_format]
-        return StreamingResponse(body, media_type=media, headers=headers)
+        return StreamingResponse(_after(first, body), media_type=media, headers=headers)
 
-    async def _whole(service, handle, request, params, headers):
+    async def _whole(service, take, request, headers):
+        handle, params = take.handle, take.params
         watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))
         try:
             while True:
@@ -416,7 +432,10 @@ def create_app(get_service, settings: ServerSettings | None = None):
             watcher.cancel()
         waveform = await asyncio.to_thread(service.waveform, event.codes)
         _observe(service, handle, time.perf_counter() - handle.submitted, waveform.shape[0])
-        data = await asyncio.to_thread(encode, waveform, service.processor.sampling_rate, params.response_format)
+        output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed)
+        samples = await asyncio.to_thread(output.whole, waveform)
+        data = await asyncio.to_thread(encode, samples, take.rate, params.response_format)
+        take.log(event, samples.size, time.perf_counter() - handle.submitted)
         headers = {**headers, "X-Finish-Reason": event.finish_reason, "X-Anomalies": ",".join(event.anomalies)}
         return Response(data, media_type=MEDIA_TYPES[params.response_format], headers=headers)
 
@@ -461,10 +480,11 @@ def create_app(get_service, settings: ServerSettings | None = None):
             settings.allowed_origins), allow_methods=["GET", "POST", "DELETE"], allow_headers=["Authorization", "Content-Type"],
             expose_headers=list(EXPOSED_HEADERS))
     app.add_middleware(RequestGuard, allowed_hosts=settings.allowed_hosts, allowed_origins=settings.allowed_origins)
+    app.add_middleware(RequestIds)  # outermost: every response carries its id, a 500 of CatchAll's included
     return app
 
 
-EXPOSED_HEADERS = ("X-Sample-Rate", "X-Seed", "X-Finish-Reason", "X-Anomalies", "Retry-After")
+EXPOSED_HEADERS = ("X-Sample-Rate", "X-Seed", "X-Finish-Reason", "X-Anomalies", "Retry-After", "x-request-id")
 """Response headers a page of an allowed origin may read."""
 
 
@@ -674,14 +694,41 @@ class StreamCut(Exception):
     stream is cut without its last chunk, so the client sees it failed (`CatchAll`)."""
 
 
-async def _stream(service, handle, request, params: SpeechParams):
-    """The bytes (or SSE events) of a streamed take; cancels the request if the client goes away.
-    A take that fails midway ends with an error: SSE an `{"type": "error", "error": ...}` event
-    (no `speech.audio.done`), raw audio a chunked stream cut before its last chunk (`StreamCut`)."""
+@dataclass
+class _Take:
+    """A submitted speech request: its handle, checked fields, output rate, request id and the voice
+    that speaks it (for the request log)."""
+
+    handle: object
+    params: SpeechParams
+    rate: int
+    request_id: str
+    voice: str | None
+
+    def log(self, event: DoneEvent, samples: int, seconds: float, first_audio: float | None = None) -> None:
+        log_take(self.request_id, self.voice, self.handle.seed, self.params.response_format, self.rate,
+                 self.params.speed, int(event.codes.shape[0]), samples,
+                 seconds if first_audio is None else first_audio, seconds, event.finish_reason)
+
+
+async def _after(first: bytes, rest):
+    """`first`, then the rest of an async generator's items."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _stream(service, take: _Take, request):
+    """The bytes (or SSE events) of a streamed take, from its first audio on (a wav header goes out
+    with it); cancels the request if the client goes away. A failure before the first bytes raises
+    its ApiError (the response has not started, so it keeps its status); one after them ends the
+    stream with an error: SSE an `{"type": "error", "error": ...}` event (no `speech.audio.done`),
+    raw audio a chunked stream cut before its last chunk (`StreamCut`)."""
+    handle, params = take.handle, take.params
     streamer = WaveformStreamer(service.processor.codec, handle.submitted)
-    rate = service.processor.sampling_rate
+    output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed)
     sse = params.stream_format == "sse"
-    first, samples = None, 0
+    first, made, samples, yielded = None, 0, 0, False  # made: samples at the model's rate; samples: as sent
 
     def wrap(data: bytes) -> bytes:
         if not sse:
@@ -689,16 +736,17 @@ async def _stream(service, handle, request, params: SpeechParams):
         event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
         return f"data: {json.dumps(event)}\n\n".encode()
 
-    encoder = stream_encoder(params.response_format, rate)
+    encoder = stream_encoder(params.response_format, take.rate)
+    pending = encoder.head()  # held until the first audio: an error before it still gets its status
     try:
-        if encoder.head():
-            yield wrap(encoder.head())
         while True:
             event = await _next_event(handle, request)
             if event is None or (isinstance(event, ErrorEvent) and event.kind == "cancelled"):
                 return  # nobody is listening
             if isinstance(event, ErrorEvent):  # past --timeout, or failed: the client must not take it as whole
                 error = _failure(event)
+                if not yielded:
+                    raise error  # the response has not started: it answers with the error's status
                 if not sse:
                     raise StreamCut(error.message)
                 yield f"data: {json.dumps({'type': 'error', **error.body()})}\n\n".encode()
@@ -707,19 +755,28 @@ async def _stream(service, handle, request, params: SpeechParams):
                 chunks = await asyncio.to_thread(service.codec_work, streamer.push, list(event.frames))
             else:
                 chunks = await asyncio.to_thread(service.codec_work, streamer.finish)
-            for audio in chunk_samples(chunks):
+            made_now = chunk_samples(chunks)
+            made += sum(piece.size for piece in made_now)
+            pieces = [output.push(piece) for piece in made_now]
+            if isinstance(event, DoneEvent):
+                pieces.append(output.finish())
+            for piece in pieces:
+                if not piece.size:
+                    continue
                 if first is None:
                     first = time.perf_counter() - handle.submitted
-                samples += audio.size
-                data = await asyncio.to_thread(encoder.push, audio)
+                samples += piece.size
+                data = pending + await asyncio.to_thread(encoder.push, piece)
                 if data:
+                    pending, yielded = b"", True
                     yield wrap(data)
             if isinstance(event, DoneEvent):
-                data = await asyncio.to_thread(encoder.finish)
-                if data:
-                    yield wrap(data)
+                data = pending + await asyncio.to_thread(encoder.finish)
+                if data or not yielded:  # a take without audio still answers (an empty body)
+                    yield wrap(data) if data else b""
                 if first is not None:
-                    _observe(service, handle, first, samples)
+                    _observe(service, handle, first, made)
+                take.log(event, samples, time.perf_counter() - handle.submitted, first)
                 if sse:
                     done = {"type": "speech.audio.done", "usage": _usage(handle.job, event)}
                     yield f"data: {json.dumps(done)}\n\n".encode()

@@ -1,8 +1,10 @@
 """The request bodies of the OpenAI-compatible API, checked field by field.
 
 `POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `instructions`,
-`response_format`, `speed`, `stream_format`) and SGLang-Omni's extensions (`references`, `seed`,
-`temperature`, `top_p`, `top_k`, `max_new_tokens`, `stream`). Every problem is an `ApiError` with
+`response_format`, `speed`, `stream_format`), the `sample_rate` extension Speaches and
+Kokoro-FastAPI accept, and SGLang-Omni's extensions (`references`, `seed`, `temperature`, `top_p`,
+`top_k`, `max_new_tokens`, `stream`). As OpenAI does, the audio is streamed unless the request says
+`stream: false`, and `response_format` defaults to mp3. Every problem is an `ApiError` with
 the status and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`, naming the
 field, raised before any work is done.
 """
@@ -19,10 +21,13 @@ from dataclasses import dataclass, field
 from ..decoding.sampler import check_sampling_values
 from .audio_formats import STREAMABLE, supported_formats
 from .json_bounds import JsonBounds, json_cost
+from .output_audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, can_stretch
 from .voices import VoiceReference, read_audio_bytes
 
 STREAM_FORMATS = ("audio", "sse")
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+RATE_FORMATS = ("pcm", "wav")
+"""The formats a request's `sample_rate` applies to (the others are coded at the model's rate)."""
 MAX_SEED = 2**63 - 1
 JSON_BOUNDS = JsonBounds()
 """How much JSON a request body or message may make the server build: 32 levels deep (the API's own
@@ -130,7 +135,10 @@ class Limits:
 
 @dataclass
 class SpeechParams:
-    """A checked speech request. voice: a voice id or None; references: inline references."""
+    """A checked speech request. voice: a voice id or None; references: inline references;
+    stream_format: "audio" or "sse", None for the whole take in one body (`stream: false`);
+    speed: the time-stretch factor (1.0: as spoken); sample_rate: the rate asked for pcm or wav
+    (None: the format's own, `output_audio.output_rate`)."""
 
     model: str | None
     input: str
@@ -142,6 +150,8 @@ class SpeechParams:
     seed: int | None = None
     sampling: dict = field(default_factory=dict)
     max_new_tokens: int | None = None
+    speed: float = 1.0
+    sample_rate: int | None = None
 
 
 def _number(body: dict, name: str, low: float, high: float, integer: bool = False, low_open: bool = False):
@@ -260,23 +270,23 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     instructions = _string(body, "instructions")
     if instructions is not None and len(instructions) > limits.max_input_chars:
         raise ApiError(413, f"instructions: {len(instructions)} characters; at most {limits.max_input_chars}", "instructions")
-    speed = _number(body, "speed", 0.25, 4.0)
-    if speed is not None and speed != 1.0:
-        raise ApiError(400, f"speed: {speed} is not supported; only 1.0 (Drama 3 takes pace directions in the input)", "speed")
+    speed = _number(body, "speed", MIN_SPEED, MAX_SPEED)
+    if speed is not None and speed != 1.0 and not can_stretch():
+        raise ApiError(400, f"speed: {speed} needs PyAV on the server (the [serve] extra); only 1.0 here", "speed")
     stream_format = _string(body, "stream_format")
     if stream_format is not None and stream_format not in STREAM_FORMATS:
         raise ApiError(400, f"stream_format: {stream_format!r}; expected one of {list(STREAM_FORMATS)}", "stream_format")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"stream: expected true or false; got {stream!r}", "stream")
-    if stream and stream_format is None:
-        stream_format = "audio"
     if stream is False and stream_format is not None:
         raise ApiError(400, f"stream: false contradicts stream_format {stream_format!r}; leave one of them out",
                        "stream")
     response_format = _string(body, "response_format")
-    if response_format is None:
-        response_format = "pcm" if stream_format else ("mp3" if "mp3" in supported_formats() else "wav")
+    if response_format is None:  # OpenAI's mp3; SGLang-Omni's `stream: true` sends raw PCM
+        response_format = "pcm" if stream else ("mp3" if "mp3" in supported_formats() else "wav")
+    if stream is not False and stream_format is None:
+        stream_format = "audio"  # OpenAI's default: the audio is sent as it is made
     if response_format not in OPENAI_FORMATS:
         raise ApiError(400, f"response_format: {response_format!r}; expected one of {list(OPENAI_FORMATS)}", "response_format")
     if response_format not in supported_formats():
@@ -286,6 +296,10 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         )
     if stream_format and response_format not in STREAMABLE:
         raise ApiError(400, f"response_format: streaming sends {list(STREAMABLE)}; got {response_format!r}", "response_format")
+    sample_rate = _number(body, "sample_rate", MIN_SAMPLE_RATE, MAX_SAMPLE_RATE, integer=True)
+    if sample_rate is not None and response_format not in RATE_FORMATS:
+        raise ApiError(400, f"sample_rate: {sample_rate} applies to {list(RATE_FORMATS)}; {response_format!r} is "
+                            "coded at the model's rate", "sample_rate")
     return SpeechParams(
         model=model,
         input=text,
@@ -297,6 +311,8 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         seed=_number(body, "seed", 0, MAX_SEED, integer=True),
         sampling=_sampling(body),
         max_new_tokens=_number(body, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
+        speed=1.0 if speed is None else float(speed),
+        sample_rate=sample_rate,
     )
 
 

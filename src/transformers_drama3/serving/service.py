@@ -188,6 +188,11 @@ class SpeechService:
         job = self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
         return dataclasses.replace(job, adapter=self.adapter_of(params.voice))
 
+    def voice_of(self, params: SpeechParams) -> str | None:
+        """The voice a checked request speaks with: its own, else the default voice when it gives no
+        references (None: its references alone)."""
+        return params.voice if params.voice is not None or params.references else self.default_voice
+
     def has_voice(self, voice_id) -> bool:
         """A stored voice (reference clips) or a fine-tuned voice (an adapter)."""
         return voice_id in self.voices or self.adapter_of(voice_id) is not None
