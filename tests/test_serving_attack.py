@@ -769,8 +769,10 @@ def test_a_model_or_adapter_that_fails_to_load_exits_with_exit_load_and_one_line
 
 @pytest.fixture(scope="module")
 def hasty(service):
-    """A server whose requests may take 4 s (`--timeout 4`): the loopback port."""
-    app = create_app(lambda: service, ServerSettings(request_timeout=4.0))
+    """A server whose requests may take 8 s (`--timeout 8`): the loopback port. A stream's response
+    starts with its first audio (a timeout before it is a 504), so the limit leaves a busy machine
+    time for the first audio and still cuts the long take (3,000 frames) midway."""
+    app = create_app(lambda: service, ServerSettings(request_timeout=8.0))
     with serving_on_loopback(app, http=cli_protocol()) as port:
         yield port
 
