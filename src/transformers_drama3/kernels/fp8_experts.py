@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 
 from .block_scales import FP8_DTYPE, dequantize_blocks
-from .fused_step import interpreting
+from .fused_step import interpreting, kernels_wanted
 
 triton = None
-if torch.cuda.is_available() or interpreting():
+if kernels_wanted():
     try:
         import triton
         import triton.language as tl

@@ -20,6 +20,12 @@ Each public function takes the kernel for CUDA tensors when Triton imports, and 
 otherwise (and under `torch.compile`): the references are what the CPU runs. `<name>_triton` launches the kernel on any
 device; the tests run it on CPU tensors through Triton's interpreter (`TRITON_INTERPRET=1` set
 before this module is imported; the autotuner then has one config).
+
+Each kernel runs one program per row, and a prefill is rows too: the row's offsets (`row * dim`)
+are computed in 64 bits, which a 32-bit program id would wrap past 2^31 elements (1,048,576 rows
+of the fusion's 2,048, 524,288 of the injection's 2 x 2,048). The tests compile every kernel for
+sm_90 on the CPU and read the offsets' types from the compiled IR
+(`tests/test_kernels_ahead_of_time.py`).
 """
 
 from __future__ import annotations
@@ -29,17 +35,28 @@ import os
 import torch
 
 
-
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (on the CPU): `TRITON_INTERPRET=1`, which
     must be set before triton is first imported."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+TRITON_KERNELS_ENV = "DRAMA3_TRITON_KERNELS"
+
+
+def kernels_wanted() -> bool:
+    """Whether the kernel modules import Triton and define their kernels: where a kernel can run
+    (CUDA, or Triton's interpreter), or with `DRAMA3_TRITON_KERNELS=1`, which defines them on a
+    machine without a GPU so that they can be compiled ahead of time for one
+    (`triton.compile(..., target=GPUTarget(...))`). Which tensors a kernel serves is decided
+    per call (CUDA tensors: `cuda_paths.takes_cuda_path`), so the knob changes nothing that runs."""
+    return torch.cuda.is_available() or interpreting() or os.environ.get(TRITON_KERNELS_ENV, "0").strip() == "1"
+
+
 triton = None
 # Triton is imported only where a kernel can run (importing it costs ~0.5 s): with CUDA, or under
 # its interpreter. Without the [gpu] extra the references serve every device.
-if torch.cuda.is_available() or interpreting():
+if kernels_wanted():
     try:
         import triton
         import triton.language as tl
@@ -182,7 +199,7 @@ if triton is not None:
         dim, fused_count, semantic_start, semantic_end, codebook_size, scale,
         BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * width in 64 bits: a prefill passes 2^31 elements
         columns = tl.arange(0, BLOCK)
         inside = columns < dim
         token = tl.load(ids_ptr + row)
@@ -209,7 +226,7 @@ if triton is not None:
         dim, codebook_size, eps,
         HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         inside = columns < dim
         code = tl.load(codes_ptr + row)
@@ -233,7 +250,7 @@ if triton is not None:
         vocab, inverse_temperature, top_k, top_p,
         KEEP_CROSSING: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         inside = columns < vocab
         scaled = tl.load(logits_ptr + row * vocab + columns, mask=inside, other=float("-inf")).to(tl.float32)

@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 
 from .cuda_paths import takes_cuda_path
-from .fused_step import interpreting
+from .fused_step import kernels_wanted
 
 triton = None
-if torch.cuda.is_available() or interpreting():
+if kernels_wanted():
     try:
         import triton
         import triton.language as tl
