@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from generation_helpers import prompt, reference_greedy
 from model_helpers import tiny_model
@@ -240,6 +241,83 @@ def test_the_kernels_routing_runs_on_the_device_without_a_host_sync():
     index, _ = routing(5, 16, 4)
     report = check_capturable(lambda top_k_index: kernel.routing_tiles(top_k_index, 16, 16), index)
     assert not report.host_syncs and not report.tensor_constants
+
+
+# ----------------------------------------------------------------------------- a long prefill, a chunk at a time
+
+
+def test_a_long_prefill_takes_the_tiles_a_chunk_of_tokens_at_a_time_with_the_same_numbers(interpreted):
+    """40 tokens in chunks of 8 (16 assignments of 2 experts): each token's output is the one the
+    whole prefill at once gives it, and the reference's."""
+    experts = fp8_weights(8, 64, 32)
+    hidden = torch.randn(40, 64, generator=generator(21))
+    index, weights = routing(40, 8, 2, seed=21)
+    arguments = on_device(hidden, index, weights, *experts)
+    whole = kernel.fp8_experts_triton_tiles(*arguments, BLOCK).cpu()
+    chunked = kernel.fp8_experts_triton_tiles(*arguments, BLOCK, chunk_assignments=16).cpu()
+    assert kernel.prefill_chunk_tokens(2, 16) == 8
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6 * float(whole.abs().max()))
+    assert_float32_close(chunked, kernel.fp8_experts_reference(hidden, index, weights, *experts, BLOCK))
+
+
+class AllocationLog(TorchDispatchMode):
+    """The bytes of every tensor an op makes (views excluded: they share their base's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.sizes.append(tensor.numel() * tensor.element_size())
+        return out
+
+
+class NoLaunch:
+    """A kernel object whose launches do nothing: the launcher's torch work is what is measured."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@needs_triton
+def test_the_prefill_buffers_of_the_published_layer_are_bounded_by_one_chunk(monkeypatch):
+    """The tiles layout's buffers for the published layer (hidden 2,048, intermediate 512, 256
+    experts, 8 a token), measured on the meta device with its launches left out: at most one
+    chunk's (`tiles_buffer_bytes`, which the planner counts: 4,096 tokens, 256 MiB of float32
+    per-assignment rows), however long the prefill; all at once, 64 x 4,096 rows would take 16 GiB."""
+    monkeypatch.setattr(kernel, "_gate_up_kernel", NoLaunch())
+    monkeypatch.setattr(kernel, "_down_kernel", NoLaunch())
+    hidden_size, intermediate, experts, top_k, block = 2048, 512, 256, 8, (128, 128)
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    weights = (meta(experts, 2 * intermediate, hidden_size, dtype=FP8_DTYPE), meta(experts, 8, 16, dtype=torch.float32),
+               meta(experts, hidden_size, intermediate, dtype=FP8_DTYPE), meta(experts, 16, 4, dtype=torch.float32))
+
+    def buffers(tokens: int, **chunking) -> AllocationLog:
+        inputs = (meta(tokens, hidden_size), meta(tokens, top_k, dtype=torch.long), meta(tokens, top_k, dtype=torch.float32))
+        with AllocationLog() as log:
+            kernel.fp8_experts_triton_tiles(*inputs, *weights, block, **chunking)
+        return log
+
+    chunk = kernel.prefill_chunk_tokens(top_k)
+    per_assignment = chunk * top_k * hidden_size * 4
+    assert chunk == 4096 and per_assignment == 256 * 2**20
+    one = buffers(chunk)
+    output = chunk * hidden_size * 2
+    planned = kernel.tiles_buffer_bytes(chunk, top_k, hidden_size, intermediate, 2)
+    # every tensor the chunk makes but its output, as if none were freed: the planner's bytes hold it, tightly
+    assert sum(one.sizes) - output <= planned <= 1.1 * (sum(one.sizes) - output)
+    three = buffers(3 * chunk)
+    assert max(three.sizes) == per_assignment
+    assert kernel.tiles_buffer_bytes(3 * chunk, top_k, hidden_size, intermediate, 2) == planned
+    # all at once (no chunking), the per-assignment rows grow with the prefill
+    assert max(buffers(3 * chunk, chunk_assignments=10**9).sizes) == 3 * per_assignment
 
 
 # ----------------------------------------------------------------------------- the reference

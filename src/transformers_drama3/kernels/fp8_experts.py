@@ -68,6 +68,13 @@ MIN_DOT = 16
 
 MAX_ROWS_PER_TILE = 64
 
+PREFILL_CHUNK_ASSIGNMENTS = 32768
+"""(token, slot) assignments the tiles layout computes at once: a longer prefill is cut into
+chunks of `PREFILL_CHUNK_ASSIGNMENTS // k` tokens (4,096 of the published model's 8 experts a
+token), so that its float32 per-assignment buffer stays at 4,096 x 8 x 2,048 x 4 bytes = 256 MiB
+(a whole 64 x 4,096-row batch at once would hold 16 GiB). Each chunk reads the experts' weights
+again: one more read per 4,096 tokens, against the 32 reads per expert such a chunk's tiles make."""
+
 
 def triton_available() -> bool:
     return triton is not None
@@ -448,15 +455,52 @@ def fp8_experts_triton_rows(hidden, top_k_index, top_k_weights, gate_up, gate_up
     return out
 
 
-def fp8_experts_triton_tiles(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block):
-    """The tiles layout of `fp8_experts_triton` (any number of rows; meant for a prefill)."""
+def prefill_chunk_tokens(top_k: int, chunk_assignments: int = PREFILL_CHUNK_ASSIGNMENTS) -> int:
+    """Tokens the tiles layout computes at once (`PREFILL_CHUNK_ASSIGNMENTS`)."""
+    return max(1, chunk_assignments // top_k)
+
+
+def tiles_buffer_bytes(tokens: int, top_k: int, hidden_size: int, intermediate: int, element: int,
+                       chunk_assignments: int = PREFILL_CHUNK_ASSIGNMENTS) -> int:
+    """The most bytes of buffers the tiles layout holds at once for `tokens` rows (beyond its
+    input and output): one chunk's float32 per-assignment rows [chunk x k, hidden], activations
+    [chunk x k, intermediate] in the hidden dtype (`element` bytes), the sort by expert and the
+    tiles (40 bytes an assignment and 24 a tile, at most one tile per assignment and expert), and
+    the chunk's sum over the slots in float32 and in the hidden dtype (copied into the output)."""
+    chunk = min(tokens, prefill_chunk_tokens(top_k, chunk_assignments))
+    assignments = chunk * top_k
+    per_assignment = assignments * hidden_size * 4 + assignments * intermediate * element
+    routing = assignments * 40 + 24 * (assignments + 1)
+    return per_assignment + routing + chunk * hidden_size * (4 + element)
+
+
+def fp8_experts_triton_tiles(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block,
+                             chunk_assignments: int = PREFILL_CHUNK_ASSIGNMENTS):
+    """The tiles layout of `fp8_experts_triton` (any number of rows; meant for a prefill), a
+    chunk of `prefill_chunk_tokens` tokens at a time: each token's output is computed within
+    its chunk alone, the same numbers whatever the chunk (`tiles_buffer_bytes` bounds the
+    buffers)."""
     _check_kernel_block(block)
+    tokens = hidden.shape[0]
+    if tokens * top_k_index.shape[1] == 0:
+        return torch.zeros_like(hidden)
+    chunk = prefill_chunk_tokens(top_k_index.shape[1], chunk_assignments)
+    if tokens <= chunk:
+        return _tiles_chunk(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block)
+    out = torch.empty_like(hidden)
+    for start in range(0, tokens, chunk):
+        rows = slice(start, start + chunk)
+        out[rows] = _tiles_chunk(hidden[rows], top_k_index[rows], top_k_weights[rows], gate_up, gate_up_scale, down,
+                                 down_scale, block)
+    return out
+
+
+def _tiles_chunk(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale, block):
+    """The tiles layout over every token of its arguments at once."""
     tokens, hidden_size = hidden.shape
     top_k = top_k_index.shape[1]
     num_experts, intermediate = down.shape[0], down.shape[2]
     assignments = tokens * top_k
-    if assignments == 0:
-        return torch.zeros_like(hidden)
     block_m = rows_per_tile(assignments, num_experts)
     order, tiles = routing_tiles(top_k_index, num_experts, block_m)
     tile_total = tiles.shape[1]
@@ -544,6 +588,8 @@ __all__ = [
     "fp8_experts_triton_rows",
     "fp8_experts_triton_tiles",
     "kernel_serves",
+    "prefill_chunk_tokens",
+    "tiles_buffer_bytes",
     "kernel_takes_block",
     "routing_tiles",
     "rows_layout_serves",
