@@ -552,7 +552,8 @@ def run_plan(args) -> int:
     """Print the plan of every option (or of --quant); exit 1 when what was asked does not fit."""
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     try:
-        options = plan_options(args.model, args.gpu_gb, streams=args.streams, context=args.context, dtype=dtype)
+        options = plan_options(args.model, args.gpu_gb, streams=args.streams, context=args.context, dtype=dtype,
+                               prefill_rows=args.prefill_rows)
     except ValueError as error:
         raise CommandError(str(error)) from None
     asked = [plan for plan in options if plan.offload is None and plan.quantization == args.quant]

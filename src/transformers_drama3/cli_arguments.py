@@ -8,6 +8,7 @@
     drama3 demo [--model PATH_OR_REPO] [--host] [--port] [--share]
     drama3 eval [--model PATH_OR_REPO] [--voice A,B] [--sentences N | --sentences-file FILE] [--json out.json]
     drama3 plan [--model PATH_OR_REPO] [--quant none|fp8|int8|nf4|int4] [--gpu-gb 24] [--streams N] [--context T]
+                [--prefill-rows R]
 
 Without `--model`, `say` uses drama3-tiny, the small model shipped inside the package (trained on
 espeak-ng speech; see model_card.md), and without `--reference` it clones drama3-tiny's bundled
@@ -308,7 +309,8 @@ def add_plan(subparsers) -> None:
         "plan", help="GPU memory of each part of a model under each quantisation, and what fits (from its config alone)",
         description="Builds the model on the meta device from its config.json (no weight is read) and prints the "
                     "GiB of the routed experts, the dense backbone, the tower, the embeddings and head, the decode "
-                    "state of --streams streams of --context rows, and the codec, for each option; with --gpu-gb, "
+                    "state of --streams streams of --context rows, the codec, and a prefill's transients and a workspace "
+                    "allowance, for each option; with --gpu-gb, "
                     "whether each fits the card less 10%% headroom, and what fits (a smaller option, or the routed "
                     "experts offloaded to CPU RAM with a GPU cache of hot experts). Exits 1 when --quant (or, "
                     "without it, every option) does not fit.",
@@ -327,6 +329,10 @@ def add_plan(subparsers) -> None:
                         help="rows each stream's decode cache holds: prompt, references and frames (default 4096)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="compute dtype of what is not quantised (default bfloat16)")
+    parser.add_argument("--prefill-rows", type=positive_count, default=512,
+                        help="rows prefilled at once over every stream: the prefill's transients (tower logits, "
+                             "expert buffers) are planned for them (default 512, drama3 serve's prefill chunk on a "
+                             "GPU; generate() of B prompts of P rows prefills B x P)")
 
 
 SUBCOMMANDS = [add_say, add_table, add_serve, add_demo, add_eval, add_plan]

@@ -1,7 +1,7 @@
 """Expert offload: the routed experts in CPU RAM, the ones each step chooses copied to the GPU.
 
     model = AutoModel.from_pretrained("fishaudio/drama-3", dtype=torch.bfloat16)   # loads on the CPU
-    offload_experts(model, cache_experts=55, device="cuda")     # `drama3 plan --gpu-gb 24` says how many
+    offload_experts(model, cache_experts=51, device="cuda")     # `drama3 plan --gpu-gb 24` says how many
     codes = model.generate(**inputs)                            # generate, stream, the engine: as before
     print(expert_cache_stats(model))                            # hits, misses, evictions, copies
 

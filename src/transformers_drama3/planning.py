@@ -20,6 +20,15 @@ nothing is allocated) and every parameter and buffer is put in one part by its n
                          DeltaNet layers), times `streams`
     codec                the codec beside the model (its `codec/config.json`, else the S2 codec
                          of `codec.pth`), float32 as the processor keeps it
+    prefill              what a prefill of `prefill_rows` rows (over the whole batch) holds at
+                         its largest beside the weights: the teacher-forced tower's logits
+                         (`tower_logits_bytes`) or a MoE layer's expert buffers
+                         (`experts_buffer_bytes`: transformers' grouped GEMM, or the FP8
+                         kernels' float32 per-assignment rows, which they compute a chunk at a
+                         time), whichever is larger (they never live at once)
+    workspace            `WORKSPACE_ALLOWANCE` (1 GiB): cuBLAS and Triton workspaces, the CUDA-
+                         graph pools of the compiled step's intermediates, the allocator's
+                         rounding; an allowance, not a measurement
 
 The options (`QUANTIZATIONS`, from the most bytes a weight to the fewest):
 
@@ -46,8 +55,8 @@ int8, int4 and nf4 quantise the routed experts and the backbone's dense projecti
 Gated DeltaNet and shared-expert projections); the tower, norms, router, shared-expert gate,
 embeddings and head stay in the compute dtype (`quantized_weight`).
 
-A plan fits when its total is at most the card's memory less `headroom` (10% by default: the CUDA
-context, one step's activations and the allocator's slack). When an option does not fit,
+A plan fits when its total (the parts above) is at most the card's memory less `headroom` (10% by
+default: the CUDA context, one step's activations and the allocator's slack). When an option does not fit,
 `fitting` and `refusal` say what would: a smaller option, else the routed experts offloaded to CPU RAM
 (`offload.offload_experts`) with the largest on-GPU cache of hot experts that fits.
 """
@@ -110,6 +119,14 @@ _QUANTIZED_DENSE = re.compile(
 )
 
 FP8_BLOCK = (128, 128)
+
+DEFAULT_PREFILL_ROWS = 512
+"""Rows prefilled at once by default: `drama3 serve`'s prefill chunk on a GPU (a request is
+prefilled alone). A `generate()` call prefills batch x prompt rows at once: plan it with
+`prefill_rows`."""
+WORKSPACE_ALLOWANCE = GIB
+"""GPU memory kept for what no config states (see the module docstring). Not measured yet:
+`benchmarks/gpu.py` prints each run's peak beside its plan."""
 
 
 # ----------------------------------------------------------------------------- bytes of one weight
@@ -175,6 +192,11 @@ class MemoryPlan:
     gpu_bytes: int | None
     headroom: float
     offload: ExpertOffload | None = None
+    prefill: int = 0
+    """The largest transient of a prefill of `prefill_rows` rows (see the module docstring)."""
+    prefill_rows: int = 0
+    workspace: int = 0
+    """`WORKSPACE_ALLOWANCE`."""
 
     @property
     def state(self) -> int:
@@ -182,9 +204,15 @@ class MemoryPlan:
         return self.state_per_stream * self.streams
 
     @property
+    def transients(self) -> int:
+        """What comes and goes beside the weights and the state: the prefill's largest transient
+        and the workspace allowance."""
+        return self.prefill + self.workspace
+
+    @property
     def total(self) -> int:
         return (self.routed_experts + self.dense_backbone + self.tower + self.embeddings_and_head + self.codec
-                + self.state)
+                + self.state + self.transients)
 
     @property
     def usable(self) -> int | None:
@@ -214,6 +242,7 @@ def plan_memory(
     offload_cache_experts: int | None = None,
     codec_config=None,
     device: str = "cuda",
+    prefill_rows: int = DEFAULT_PREFILL_ROWS,
 ) -> MemoryPlan:
     """The GPU bytes of each part of `model` under `quantization`, from config files alone.
 
@@ -232,14 +261,17 @@ def plan_memory(
         codec_config: the codec's config when `model` is a `Drama3Config` (default: the S2 codec).
         device: where the model will run, "cuda" (default) or "cpu": the quantisers store some
             options differently there (torchao's CPU int4 keeps one value a byte).
+        prefill_rows: rows prefilled at once, over every stream (`DEFAULT_PREFILL_ROWS`: the
+            server's chunk; a `generate()` of B prompts of P rows prefills B x P).
     """
-    check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device)
+    check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device, prefill_rows)
     config, codec, source = resolve_configs(model, codec_config)
     return _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts,
-                 device)
+                 device, prefill_rows)
 
 
-def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts, device):
+def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, offload_cache_experts, device,
+          prefill_rows=DEFAULT_PREFILL_ROWS):
     if offload_cache_experts is not None:
         if quantization != "none":
             raise ValueError(
@@ -259,6 +291,8 @@ def _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, 
         source=source, quantization=quantization, dtype=dtype, **parts,
         state_per_stream=state_bytes_per_stream(config, context, dtype), streams=streams, context=context,
         gpu_bytes=None if gpu_gb is None else int(gpu_gb * GIB), headroom=headroom, offload=offload,
+        prefill=prefill_bytes(config, prefill_rows, quantization, dtype), prefill_rows=prefill_rows,
+        workspace=WORKSPACE_ALLOWANCE,
     )
 
 
@@ -271,15 +305,16 @@ def plan_options(
     headroom: float = DEFAULT_HEADROOM,
     codec_config=None,
     device: str = "cuda",
+    prefill_rows: int = DEFAULT_PREFILL_ROWS,
 ) -> list[MemoryPlan]:
     """A plan for every option of `QUANTIZATIONS`, most faithful first (`preference`; arguments as
     `plan_memory`), then the routed experts offloaded (quantization "none") with the largest
     per-layer cache that fits the card, and at least one token's experts (`num_experts_per_tok`,
     also the cache without a card)."""
-    check_plan_arguments("none", gpu_gb, streams, context, dtype, headroom, device)
+    check_plan_arguments("none", gpu_gb, streams, context, dtype, headroom, device, prefill_rows)
     config, codec, source = resolve_configs(model, codec_config)
     plans = [
-        _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, None, device)
+        _plan(config, codec, source, quantization, gpu_gb, streams, context, dtype, headroom, None, device, prefill_rows)
         for quantization in preference(config)
     ]
     resident = next(plan for plan in plans if plan.quantization == "none")
@@ -335,7 +370,8 @@ def refusal(options: list[MemoryPlan], asked: MemoryPlan | None = None) -> str:
     )
 
 
-def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device="cuda") -> None:
+def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom, device="cuda",
+                         prefill_rows=DEFAULT_PREFILL_ROWS) -> None:
     """A ValueError naming the argument that is out of range (before any work)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
@@ -351,6 +387,8 @@ def check_plan_arguments(quantization, gpu_gb, streams, context, dtype, headroom
         raise ValueError(f"headroom={headroom!r}; expected a fraction in [0, 1)")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}; expected 'cuda' or 'cpu'")
+    if isinstance(prefill_rows, bool) or not isinstance(prefill_rows, int) or prefill_rows < 1:
+        raise ValueError(f"prefill_rows={prefill_rows!r}; expected a positive number of rows")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -495,20 +533,55 @@ def state_bytes_per_stream(config: Drama3Config, context: int, dtype: torch.dtyp
     return keys_values + linear + next_columns
 
 
+def tower_logits_bytes(config: Drama3Config, rows: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of the teacher-forced tower's logits over `rows` rows: `run_tower` keeps each
+    codebook head's logits `[rows, codebook_size]` in the compute dtype, then stacks them, both
+    alive at once. A prefill computes them over every prompt row and discards them."""
+    tower = config.audio_decoder_config
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * rows * (tower.num_codebooks - 1) * tower.vocab_size * element
+
+
+def experts_buffer_bytes(config: Drama3Config, rows: int, quantization: str = "none",
+                         dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one MoE layer makes beside its input and output for `rows` rows (as if none were
+    freed before the last is made). fp8: the FP8 kernels' tiles layout, a chunk of tokens at a
+    time (`fp8_experts.tiles_buffer_bytes`). The other options: transformers' grouped GEMM, per
+    (token, expert) assignment the rows gathered by expert, the gate-up product, the activation
+    and its product, the down product, its weighting and the rows put back (4 x hidden + 4 x
+    intermediate values) and 64 bytes of routing (the sort, the expert offsets)."""
+    from .kernels.fp8_experts import tiles_buffer_bytes
+
+    text = config.text_config
+    element = torch.empty((), dtype=dtype).element_size()
+    top_k, hidden, intermediate = text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
+    if quantization == "fp8":
+        return tiles_buffer_bytes(rows, top_k, hidden, intermediate, element)
+    assignments = rows * top_k
+    return assignments * (4 * hidden + 4 * intermediate) * element + assignments * 64
+
+
+def prefill_bytes(config: Drama3Config, rows: int, quantization: str = "none", dtype: torch.dtype = torch.bfloat16) -> int:
+    """The largest transient of a prefill of `rows` rows: the backbone's expert buffers, layer
+    by layer, then the tower's logits (one after the other, never at once)."""
+    return max(tower_logits_bytes(config, rows, dtype), experts_buffer_bytes(config, rows, quantization, dtype))
+
+
 # ----------------------------------------------------------------------------- printing
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:
     """A table of the plans' parts in GiB, one option a row, and whether each fits."""
     first = plans[0]
-    header = ["option", *(PART_LABELS[part] for part in PARTS[:-1]), f"state x{first.streams}", "codec", "total"]
+    header = ["option", *(PART_LABELS[part] for part in PARTS[:-1]), f"state x{first.streams}", "codec",
+              "prefill + workspace", "total"]
     judged = first.gpu_bytes is not None
     if judged:
         header.append(f"fits {first.gpu_bytes / GIB:g} GiB")
     rows = []
     for plan in plans:
         row = [plan.label, *(f"{getattr(plan, part) / GIB:.2f}" for part in PARTS[:-1]), f"{plan.state / GIB:.2f}",
-               f"{plan.codec / GIB:.2f}", f"{plan.total / GIB:.2f}"]
+               f"{plan.codec / GIB:.2f}", f"{plan.transients / GIB:.2f}", f"{plan.total / GIB:.2f}"]
         if judged:
             row.append("yes" if plan.fits else "no")
         rows.append(row)
@@ -517,7 +590,8 @@ def format_plans(plans: list[MemoryPlan]) -> str:
                        for column, (cell, width) in enumerate(zip(line, widths))) for line in (header, *rows)]
     notes = [
         f"model: {first.source}; GiB; {str(first.dtype).removeprefix('torch.')} compute; decode state of "
-        f"{first.streams} stream(s) of {first.context} rows ({first.state_per_stream / GIB:.3f} GiB each)",
+        f"{first.streams} stream(s) of {first.context} rows ({first.state_per_stream / GIB:.3f} GiB each); a prefill "
+        f"of {first.prefill_rows} rows at once and {first.workspace / GIB:g} GiB of workspace",
     ]
     if judged:
         notes.append(f"fits: total <= {first.usable / GIB:.1f} GiB ({100 * first.headroom:g}% of the card kept free)")
@@ -576,11 +650,13 @@ def readme_table(model=PUBLISHED_MODEL, gpus=README_GPUS, context: int = DEFAULT
 def readme_parts_table(model=PUBLISHED_MODEL, context: int = DEFAULT_CONTEXT) -> str:
     """The README's table of each part's GiB under each option (one stream of `context` rows)."""
     plans = plan_options(model, context=context)
-    header = ["option", *(PART_LABELS[part] for part in PARTS[:-1]), "state (1 stream)", "codec", "total"]
+    header = ["option", *(PART_LABELS[part] for part in PARTS[:-1]), "state (1 stream)", "codec",
+              "prefill + workspace", "total"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for plan in plans:
         cells = [plan.label, *(f"{getattr(plan, part) / GIB:.2f}" for part in PARTS[:-1]),
-                 f"{plan.state / GIB:.2f}", f"{plan.codec / GIB:.2f}", f"{plan.total / GIB:.2f}"]
+                 f"{plan.state / GIB:.2f}", f"{plan.codec / GIB:.2f}", f"{plan.transients / GIB:.2f}",
+                 f"{plan.total / GIB:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
