@@ -30,8 +30,9 @@ next step queued before the host reads the last; the sampler made by
             its length bucket too (`generate(..., prefill_graphs=True)`): its TTFA against the
             compiled row's says what the prefill graphs are worth.
 
-On a GPU the batch sizes whose weights, codec and decode state do not fit its free memory (less
-10%, `planning.plan_memory`) are left out before anything is built, each named in a line
+On a GPU the batch sizes whose plan does not fit its free memory (less 10%, `planning.plan_memory`:
+weights, codec, decode state, the transients of the batch's prefill of batch x `--prompt-rows` rows
+at once and the workspace allowance) are left out before anything is built, each named in a line
 "NOT MEASURED: ..." (the bf16 experts alone are 60 GiB); none fitting exits naming `--experts fp8`.
 
 Every timed shape is warmed first: for each batch size (`--batches`) one whole run of the timed
@@ -79,6 +80,12 @@ every mode of one batch size before the next (a run cut short keeps whole batch 
 Each run sets up its own cache, as every `generate()` call does, so a compiled run records its
 CUDA graphs afresh at its first steps (new static addresses): that is in its time to first audio,
 not in ms/frame.
+Under each row: a compiled mode's compile time (the warm-up run's seconds less the timed run's: the
+compile, the CUDA-graph capture and Triton's autotuning; `--dry-run --layers 40` prints the CPU's,
+a lower bound for a GPU machine's, whose inductor also generates and compiles kernels), on a GPU the
+peak memory torch reserved against the plan's total, and with `--list-kernels` the profiled step's
+kernels by name (ATen ops on the CPU).
+
 `--json PATH` writes the numbers (rewritten after every row, so a run cut short keeps its rows),
 with the graphs dynamo compiled in each warm-up and after it (0 when the warm-up covered the shape)
 and the host time of dynamo's guard checks in the profiled step (`guard_ms`: a compiled run checks
@@ -96,6 +103,7 @@ import json
 import logging
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
@@ -159,6 +167,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="measured in this order for each batch (in-order: compiled, stepped by DecodeRun.steps(); "
                              "prefill-graphs: compiled, and the prefill too)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the numbers to PATH")
+    parser.add_argument("--list-kernels", action="store_true",
+                        help="print the profiled step's CUDA kernels (ATen ops on the CPU) by name after each row")
     parser.add_argument("--dry-run", action="store_true", help="a tiny width on the CPU: checks the script runs")
     arguments = parser.parse_args(argv)
     for name, (measured, dry) in DEFAULTS.items():
@@ -288,22 +298,30 @@ def weights_read_per_step(config: Drama3Config, experts: str, batch: int) -> int
     return dense + round(every_expert * reached / text.num_experts)
 
 
-def batches_that_fit(config: Drama3Config, experts: str, batches: list[int], rows: int,
-                     free_bytes: int) -> tuple[list[int], list[str]]:
-    """The batch sizes whose weights, codec and decode state (`plan_memory`: a compiled run's cache
-    of `rows` rows per item) fit `free_bytes` less the planner's 10% headroom (left for the
-    compile, the CUDA graphs' memory and the activations), and a line naming each that does not."""
+def batch_plan(config: Drama3Config, experts: str, batch: int, rows: int, prompt_rows: int, free_bytes: int | None = None):
+    """The planner's `MemoryPlan` of a run of `batch` items: weights, codec, a compiled run's cache
+    of `rows` rows per item, the prefill of `batch x prompt_rows` rows at once (its tower logits or
+    expert buffers) and the workspace allowance; judged against `free_bytes` when given."""
     quantization = "fp8" if experts == "fp8" else "none"
-    context = compiled_capacity(rows)
+    gpu_gb = None if free_bytes is None else free_bytes / GIB
+    return plan_memory(config, quantization, gpu_gb=gpu_gb, streams=batch, context=compiled_capacity(rows),
+                       prefill_rows=batch * prompt_rows)
+
+
+def batches_that_fit(config: Drama3Config, experts: str, batches: list[int], rows: int, prompt_rows: int,
+                     free_bytes: int) -> tuple[list[int], list[str]]:
+    """The batch sizes whose `batch_plan` fits `free_bytes` less the planner's 10% headroom, and a
+    line naming each that does not."""
     kept, refused = [], []
     for batch in batches:
-        plan = plan_memory(config, quantization, gpu_gb=free_bytes / GIB, streams=batch, context=context)
+        plan = batch_plan(config, experts, batch, rows, prompt_rows, free_bytes)
         if plan.fits:
             kept.append(batch)
         else:
             refused.append(f"--experts {experts} batch {batch}: needs {plan.total / GIB:.1f} GiB (weights, codec, "
-                           f"decode state of {batch} x {context} rows) of the {plan.usable / GIB:.1f} GiB a run may "
-                           f"use here ({free_bytes / GIB:.1f} GiB free, 10% kept)")
+                           f"decode state of {batch} x {plan.context} rows, {plan.transients / GIB:.1f} GiB of a "
+                           f"{plan.prefill_rows}-row prefill's transients and workspace) of the {plan.usable / GIB:.1f} "
+                           f"GiB a run may use here ({free_bytes / GIB:.1f} GiB free, 10% kept)")
     return kept, refused
 
 
@@ -441,6 +459,22 @@ class Row:
     """Wall time of the profiled step's call before the wait for the device at its end: the host's
     work (launches, guards, the loop; the profiler's overhead included). On a GPU, a host_ms close
     to ms/frame says the step is bound by the host, not the GPU (json only)."""
+    warm_up_s: float = 0.0
+    """Wall time of the warm-up run (json only)."""
+    compile_s: float = 0.0
+    """The warm-up run's seconds less the timed run's (the same run, warm): what compiling, CUDA-graph
+    capture and Triton's autotuning took (a compiled mode's first batch size, its symbolic graph at
+    the second; json only)."""
+    compile_cpu_s: float = 0.0
+    """The same in this process's CPU time (all its threads): the work, whatever else shares the
+    machine's cores (json only)."""
+    peak_gib: float | None = None
+    """On a GPU: the most memory torch's allocator reserved during the row's runs (json only)."""
+    planned_gib: float | None = None
+    """The planner's total for this batch (`batch_plan`; json only)."""
+    step_ops: dict[str, int] = field(default_factory=dict)
+    """The profiled step's CUDA kernels (on the CPU: top-level ATen ops) by name, with their counts
+    (json only; printed by --list-kernels)."""
 
 
 def synchronize(device: str) -> None:
@@ -523,6 +557,8 @@ class StepProfile:
     """Time in dynamo's guard checks (`TorchDynamo Cache Lookup`)."""
     host_ms: float = 0.0
     """Wall time of the step's call before waiting for the device at its end."""
+    names: dict[str, int] = field(default_factory=dict)
+    """The kernels (on the CPU, the top-level ATen ops) by name, most frequent first."""
 
 
 def is_kernel(name: str) -> bool:
@@ -557,9 +593,16 @@ def profile_step(model, batch: int, rows: int, frames: int, mode: str, device: s
             parent = parent.cpu_parent
         return event.name.startswith("aten::")
 
+    def counted_op(event) -> bool:  # a kernel on a GPU, a top-level ATen op on the CPU
+        if device.startswith("cuda"):
+            return event.device_type == DeviceType.CUDA and is_kernel(event.name)
+        return event.device_type == DeviceType.CPU and top_level_aten(event)
+
+    counted = Counter(event.name for event in events if counted_op(event))
     return StepProfile(
         kernels=sum(1 for event in events if event.device_type == DeviceType.CUDA and is_kernel(event.name)),
         aten_ops=sum(1 for event in events if event.device_type == DeviceType.CPU and top_level_aten(event)),
+        names=dict(counted.most_common()),
         graph_launches=sum(1 for event in events if event.device_type == DeviceType.CPU and "cudaGraphLaunch" in event.name),
         guard_ms=sum(event.cpu_time_total for event in events if event.name == "TorchDynamo Cache Lookup") / 1e3,
         host_ms=host_ms,
@@ -571,10 +614,16 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
     rows, frames = arguments.prompt_rows, arguments.frames
     on_gpu = device.startswith("cuda")
     skips_before, graphs_before = cudagraph_skips(), compiled_graphs()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad(), CudagraphSkipLog() as skip_log:
+        started, cpu_started = time.perf_counter(), time.process_time()
         timed_run(model, codec, batch, rows, frames, mode, device)  # warm-up: compile, capture, autotune
+        warm_up, warm_up_cpu = time.perf_counter() - started, time.process_time() - cpu_started
         compiled = compiled_graphs() - graphs_before
+        started, cpu_started = time.perf_counter(), time.process_time()
         first_audio, with_codec, per_step = timed_run(model, codec, batch, rows, frames, mode, device)
+        timed, timed_cpu = time.perf_counter() - started, time.process_time() - cpu_started
         profiled = profile_step(model, batch, rows, frames, mode, device)
         skip_lines = list(skip_log.lines)
     skips = cudagraph_skips() - skips_before
@@ -596,7 +645,9 @@ def measure(model, codec, arguments, mode: str, batch: int, device: str, bandwid
         gb_per_step=gb_per_step, floor_ms=floor * 1e3, times_floor=per_step / floor,
         ttfa_ms=first_audio * 1e3, ttfa_codec_ms=with_codec * 1e3, captured=captured, failures=failures,
         graphs_compiled=compiled, graphs_compiled_after_warm_up=recompiled, guard_ms=profiled.guard_ms,
-        host_ms=profiled.host_ms,
+        host_ms=profiled.host_ms, warm_up_s=warm_up, compile_s=max(0.0, warm_up - timed),
+        compile_cpu_s=max(0.0, warm_up_cpu - timed_cpu),
+        peak_gib=torch.cuda.max_memory_reserved() / GIB if on_gpu else None, step_ops=profiled.names,
     )
 
 
@@ -617,6 +668,24 @@ def table_row(row: Row) -> str:
              str(row.ops_per_step), graphs, f"{row.gb_per_step:.4g}", f"{row.floor_ms:.4g}", f"{row.times_floor:.1f}",
              f"{row.ttfa_ms:.1f}", f"{row.ttfa_codec_ms:.1f}", row.captured]
     return "| " + " | ".join(cells) + " |"
+
+
+def row_notes(row: Row, on_gpu: bool, list_kernels: bool) -> list[str]:
+    """The lines printed under a row: the compile time of a compiled mode, the memory against the
+    plan on a GPU, and with `list_kernels` the step's kernels (ATen ops on the CPU) by name."""
+    label = f"{row.experts} {row.mode} batch {row.batch}"
+    notes = []
+    if row.mode != "eager":
+        notes.append(f"  {label}: compile, capture and autotuning {row.compile_s:.1f} s ({row.compile_cpu_s:.1f} s of CPU; "
+                     f"the warm-up's {row.warm_up_s:.1f} s less the timed run's); {row.graphs_compiled} graph(s) compiled")
+    if on_gpu and row.peak_gib is not None:
+        notes.append(f"  {label}: peak {row.peak_gib:.1f} GiB reserved; planned {row.planned_gib:.1f} GiB "
+                     f"(weights, state, prefill transients, workspace)")
+    if list_kernels:
+        kind = "CUDA kernels" if on_gpu else "ATen ops"
+        notes.append(f"  {label}: {sum(row.step_ops.values())} {kind} in one step, {len(row.step_ops)} distinct:")
+        notes += [f"    {count:5d}  {name}" for name, count in row.step_ops.items()]
+    return notes
 
 
 def write_json(path: str | None, header: dict, rows: list[Row]) -> None:
@@ -644,7 +713,7 @@ def main(argv=None) -> None:
     if on_gpu:  # refused before minutes of building and compiling end in an out-of-memory error
         rows = arguments.prompt_rows + arguments.frames + 2
         arguments.batches, refused = batches_that_fit(config, arguments.experts, arguments.batches, rows,
-                                                      torch.cuda.mem_get_info()[0])
+                                                      arguments.prompt_rows, torch.cuda.mem_get_info()[0])
         for line in refused:
             print(f"NOT MEASURED: {line}", flush=True)
         if not arguments.batches:
@@ -659,7 +728,8 @@ def main(argv=None) -> None:
           f"{PAPER_KERNELS_PER_STEP:,} kernels per step", flush=True)
     model = build(config, device, dtype, arguments.experts)
     codec = codec_of(arguments.dry_run, device)
-    print(f"  built in {time.perf_counter() - started:.0f} s", flush=True)
+    header["build_s"] = time.perf_counter() - started
+    print(f"  built in {header['build_s']:.0f} s", flush=True)
     # dynamo keeps 8 compiled variants of a function by default; each batch size is at most one variant
     # of `step` (automatic dynamic shapes: batch 1's, then one symbolic graph for the others; in-order:
     # of `draw` and of `feed`; prefill-graphs: one prefill per bucket): room for twice that
@@ -670,11 +740,15 @@ def main(argv=None) -> None:
         gb_per_step = weights_read_per_step(config, arguments.experts, batch) / 1e9
         for mode in arguments.modes:
             row = measure(model, codec, arguments, mode, batch, device, bandwidth, gb_per_step)
+            row.planned_gib = batch_plan(config, arguments.experts, batch, arguments.prompt_rows + arguments.frames + 2,
+                                         arguments.prompt_rows).total / GIB
             rows.append(row)
             failures += row.failures
             print(table_row(row), flush=True)
             for failure in row.failures:
                 print(f"NOT CAPTURED: {failure}", flush=True)
+            for note in row_notes(row, on_gpu, arguments.list_kernels):
+                print(note, flush=True)
             write_json(arguments.json, {**header, "seconds": time.perf_counter() - started}, rows)
     print(f"  ({time.perf_counter() - started:.0f} s in all)", flush=True)
     try:

@@ -92,8 +92,9 @@ def test_one_step_reads_the_papers_weights_per_frame_at_batch_1_and_more_experts
 
 def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_benchmark, tmp_path, capsys):
     path = tmp_path / "numbers.json"
-    gpu_benchmark.main([*QUICK, "--modes", "eager", "--batches", "1", "2", "--json", str(path)])
-    header, rows = table(capsys.readouterr().out)
+    gpu_benchmark.main([*QUICK, "--modes", "eager", "--batches", "1", "2", "--json", str(path), "--list-kernels"])
+    output = capsys.readouterr().out
+    header, rows = table(output)
     assert header == ["experts", "mode", "batch", "ms/frame", "frames/s", "aten ops/step", "graphs/step", "GB/step",
                       "floor ms", "x floor", "TTFA ms", "+codec ms", "captured"]
     assert [(row[0], row[1], row[2]) for row in rows] == [("bf16", "eager", "1"), ("bf16", "eager", "2")]
@@ -112,6 +113,16 @@ def test_a_dry_run_prints_one_row_per_mode_and_batch_whose_numbers_agree(gpu_ben
         assert float(printed[3]) == pytest.approx(row["ms_per_frame"], abs=0.006)
         assert float(printed[4]) == pytest.approx(row["frames_per_second"], abs=0.06)
         assert printed[5] == str(row["ops_per_step"]) and printed[6] == "n/a (CPU)"
+        # --list-kernels: the step's ops by name, most frequent first, adding up to the count
+        assert sum(row["step_ops"].values()) == row["ops_per_step"]
+        assert list(row["step_ops"].values()) == sorted(row["step_ops"].values(), reverse=True)
+        listed = f"  bf16 eager batch {batch}: {row['ops_per_step']} ATen ops in one step, {len(row['step_ops'])} distinct:"
+        assert listed in output
+        name, count = next(iter(row["step_ops"].items()))
+        assert f"    {count:5d}  {name}" in output
+        assert row["peak_gib"] is None and row["planned_gib"] > 0 and row["compile_s"] >= 0
+    assert "compile, capture and autotuning" not in output  # eager rows compile nothing
+    assert numbers["build_s"] > 0
 
 
 @pytest.mark.slow
@@ -120,9 +131,14 @@ def test_a_dry_run_traces_the_compiled_step_whole(gpu_benchmark, tmp_path, capsy
     its profiled step spends host time in dynamo's guards, the eager one none."""
     path = tmp_path / "numbers.json"
     gpu_benchmark.main([*QUICK, "--modes", "compiled", "eager", "--batches", "1", "--json", str(path)])
-    _, rows = table(capsys.readouterr().out)
+    output = capsys.readouterr().out
+    _, rows = table(output)
     assert [row[1] for row in rows] == ["compiled", "eager"] and rows[0][-1] == "n/a (CPU)"
     compiled, eager = json.loads(path.read_text())["rows"]
+    # the compile's seconds: the warm-up less the timed run, printed under the compiled row
+    assert 0 < compiled["compile_s"] < compiled["warm_up_s"] and 0 < compiled["compile_cpu_s"]
+    assert (f"  bf16 compiled batch 1: compile, capture and autotuning {compiled['compile_s']:.1f} s "
+            f"({compiled['compile_cpu_s']:.1f} s of CPU; the warm-up's {compiled['warm_up_s']:.1f} s") in output
     assert compiled["guard_ms"] > 0 and eager["guard_ms"] == 0
     assert 0 < compiled["guard_ms"] < compiled["host_ms"]  # the guards are part of the step's host work
     assert compiled["graphs_compiled_after_warm_up"] == 0
@@ -240,22 +256,37 @@ def test_the_in_order_mode_steps_draw_and_feed_as_the_text_stream_does(gpu_bench
 
 def test_batch_sizes_whose_memory_does_not_fit_the_gpu_are_left_out_naming_each(gpu_benchmark):
     """The published model at 40 layers (bf16 experts: 60 GiB of them), a compiled run of 256 + 40 + 2
-    rows (capacity 512): what fits is decided by the planner's bytes against the free memory less 10%."""
+    rows (capacity 512): what fits is decided by the planner's bytes (weights, codec, state, the
+    batch's 256-row prompts prefilled at once, workspace) against the free memory less 10%."""
     from transformers_drama3.planning import GIB, plan_memory
 
     config = gpu_benchmark.published_config(40, dry_run=False)
-    batches, rows = [1, 8, 32, 64], 298
+    batches, rows, prompt_rows = [1, 8, 32, 64], 298, 256
 
     def total(batch, experts="none"):
-        return plan_memory(config, experts, streams=batch, context=512).total
+        return plan_memory(config, experts, streams=batch, context=512, prefill_rows=batch * prompt_rows).total
 
-    assert gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, 200 * GIB) == (batches, [])
+    assert gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, prompt_rows, 200 * GIB) == (batches, [])
     between = int((total(32) + total(64)) / 2 / 0.9)  # batch 32 fits, batch 64 does not
-    kept, refused = gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, between)
+    kept, refused = gpu_benchmark.batches_that_fit(config, "bf16", batches, rows, prompt_rows, between)
     assert kept == [1, 8, 32] and len(refused) == 1
     assert refused[0].startswith("--experts bf16 batch 64: needs ") and "64 x 512 rows" in refused[0]
-    assert f"{total(64) / GIB:.1f} GiB" in refused[0]
+    assert f"{total(64) / GIB:.1f} GiB" in refused[0] and "16384-row prefill" in refused[0]
     # too little for the bf16 weights, enough for the FP8 ones (1 byte per expert weight)
     small = int(total(1, "fp8") / 0.9) + GIB
-    assert gpu_benchmark.batches_that_fit(config, "bf16", [1], rows, small)[0] == []
-    assert gpu_benchmark.batches_that_fit(config, "fp8", [1], rows, small)[0] == [1]
+    assert gpu_benchmark.batches_that_fit(config, "bf16", [1], rows, prompt_rows, small)[0] == []
+    assert gpu_benchmark.batches_that_fit(config, "fp8", [1], rows, prompt_rows, small)[0] == [1]
+
+
+def test_the_prefills_transients_decide_a_batch_that_the_weights_and_state_alone_would_admit(gpu_benchmark):
+    """bf16 experts at batch 32: free memory that holds the weights, codec and state less 10% with
+    room to spare, but not the 32 x 256-row prefill's transients (its tower logits alone 1.1 GiB)
+    and the workspace, leaves the batch out."""
+    from transformers_drama3.planning import GIB
+
+    config = gpu_benchmark.published_config(40, dry_run=False)
+    plan = gpu_benchmark.batch_plan(config, "bf16", 32, 298, 256)
+    assert plan.prefill >= 1.1 * GIB and plan.transients > 2 * GIB
+    free = int((plan.total - plan.transients + GIB) / 0.9)  # 1 GiB to spare without the transients
+    assert gpu_benchmark.batches_that_fit(config, "bf16", [32], 298, 256, free)[0] == []
+    assert gpu_benchmark.batches_that_fit(config, "bf16", [32], 298, 256, int(plan.total / 0.9) + 1)[0] == [32]
