@@ -6,9 +6,13 @@
 the published width, FP8 experts, batch 1, compiled then eager. Its JSON says how long this machine
 takes to start a benchmark process, build the model, compile the step (with inductor, CUDA-graph
 capture and Triton's autotuning) and run it. This script scales those seconds to the published
-depth (`FULL_LAYERS`: building, compiling and running grow with the layers; starting does not)
-and prints the parts that fit the seconds left, most wanted first, as lines the check script
-runs (`part NAME ESTIMATE LIMIT COMMAND...`, shell-quoted):
+depth (`FULL_LAYERS`) and prints the parts that fit the seconds left, most wanted first, as lines
+the check script runs (`part NAME ESTIMATE LIMIT COMMAND...`, shell-quoted). Starting does not
+grow with the layers; building grows with them (the routed experts are most of the weights);
+compiling and running grow with the ops of a step (`step_ops`), most of which the tower, the
+sampler and the embeddings make whatever the depth: a step of 40 layers calls 2.5 times the ATen
+ops of one of 4, and its compile took 2.7 times as long (38.4 against 14.4 s of CPU, `gpu.py
+--dry-run`, aot_eager, on this project's CPU).
 
   1. gpu.py, FP8 experts (the published format): batch 1, then 32 (the issue's two targets),
      then 8 and 64, as many as fit beside the CUDA tests' estimate; compiled, then eager
@@ -38,6 +42,10 @@ from pathlib import Path
 
 SMOKE_LAYERS = 4
 FULL_LAYERS = 40
+STEP_OPS_FIXED = 3338
+STEP_OPS_PER_LAYER = 163.5
+"""The ATen ops of one decode step at L backbone layers: 3,338 + 163.5 L (the dry run's profiled
+step, bf16 experts: 3,992 at 4 layers, 9,878 at 40)."""
 DRY_RUN_FULL_LAYERS = 8
 SAFETY = 1.5
 """A part's time limit over its estimate: the estimate scales a 4-layer measurement tenfold."""
@@ -96,13 +104,18 @@ class Part:
                          *map(shlex.quote, self.command)])
 
 
+def step_ops(layers: int) -> float:
+    return STEP_OPS_FIXED + STEP_OPS_PER_LAYER * layers
+
+
 def gpu_seconds(smoke: Smoke, layers: int, batches: list[int], modes: list[str], frames: int) -> float:
     """Seconds a gpu.py process of `layers` layers needs for `batches` x `modes`: start, build,
     and per batch and mode three runs (warm-up, timed, profiled), a compiled mode compiling at its
-    first two batch sizes. Everything but the start scales with the layers."""
-    scale = layers / smoke.layers
+    first two batch sizes. The build scales with the layers, compiles and runs with the step's
+    ops, runs with the frames too."""
+    scale = step_ops(layers) / step_ops(smoke.layers)
     runs = frames / smoke.frames
-    seconds = smoke.startup_s + scale * smoke.build_s
+    seconds = smoke.startup_s + layers / smoke.layers * smoke.build_s
     for index, _ in enumerate(batches):
         if "compiled" in modes:
             seconds += scale * (smoke.compile_s * (index < 2) + 3 * runs * smoke.compiled_run_s)
