@@ -110,7 +110,7 @@ def reference_greedy(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, 
     ids, codes = input_ids[None].clone(), audio_codes[None].clone()
     frames = []
     for _ in range(max_frames):
-        hidden = model(ids, codes).hidden_states
+        hidden = model(ids, codes).last_hidden_state
         main = int(model.speech_token_ids()[model.speech_logits(hidden[0, -1]).argmax()])
         if main == EOS:
             return torch.tensor(frames, dtype=torch.long).view(-1, NUM_CODEBOOKS), True
@@ -136,7 +136,7 @@ def reference_greedy_lines(model, input_ids: torch.Tensor, audio_codes: torch.Te
     candidates = torch.cat((model.speech_token_ids(), torch.tensor([SEPARATOR])))
     frames, boundaries = [], []
     while len(frames) < max_frames:
-        hidden = model(ids, codes).hidden_states[0, -1]
+        hidden = model(ids, codes).last_hidden_state[0, -1]
         separator = hidden @ model.lm_head.weight[SEPARATOR] if len(boundaries) < separators else torch.tensor(float("-inf"))
         main = int(candidates[torch.cat((model.speech_logits(hidden), separator[None])).argmax()])
         if main == EOS:

@@ -312,3 +312,13 @@ def test_the_hub_upload_helpers_are_there_and_a_moved_one_is_named(monkeypatch):
     monkeypatch.delattr(integrations.transformers_hub, "create_and_tag_model_card")
     with pytest.raises(InternalsChanged, match=r"transformers\.utils\.hub\.create_and_tag_model_card: expected a function"):
         integrations.check_hub_upload()
+
+
+def test_set_attn_implementation_still_asks_the_hook_and_a_moved_one_is_named(monkeypatch):
+    from transformers_drama3 import Drama3ForSpeechGeneration
+    from transformers_drama3.modeling_drama3 import Drama3TextModel
+
+    assert Drama3ForSpeechGeneration._can_set_attn_implementation() and Drama3TextModel._can_set_attn_implementation()
+    monkeypatch.delattr(transformers.PreTrainedModel, "_can_set_attn_implementation")
+    with pytest.raises(InternalsChanged, match=r"PreTrainedModel\._can_set_attn_implementation: expected a classmethod"):
+        Drama3ForSpeechGeneration._can_set_attn_implementation()

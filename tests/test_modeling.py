@@ -168,7 +168,7 @@ def test_cached_decode_equals_full_forward(backbone_codebooks):
         full = None
         for index, step in enumerate(run.steps()):
             if full is not None:  # the row drawn last step went through the backbone before this draw
-                torch.testing.assert_close(run.state.hidden, full.hidden_states[:, -1:], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(run.state.hidden, full.last_hidden_state[:, -1:], rtol=1e-4, atol=1e-5)
             main, frame = step.main_ids[:, None], step.frames[:, None]
             input_ids, audio_codes = torch.cat((input_ids, main), 1), torch.cat((audio_codes, frame), 1)
             full = model(input_ids, audio_codes)

@@ -107,7 +107,7 @@ def test_text_only_input_gives_qwens_hidden_states_and_logits(qwen, drama):
         expected_logits = qwen(input_ids=ids).logits
         output = drama(input_ids=ids)
     # two module trees computing the same function: equal to float32 rounding, not bitwise
-    torch.testing.assert_close(output.hidden_states, expected_hidden)
+    torch.testing.assert_close(output.last_hidden_state, expected_hidden)
     torch.testing.assert_close(output.logits[..., :QWEN_VOCAB], expected_logits)
 
 
@@ -181,4 +181,4 @@ def test_cli_saves_a_model_that_loads_with_qwens_hidden_states(qwen, checkpoints
     ids = text_ids()
     with torch.no_grad():
         expected = qwen.model(input_ids=ids).last_hidden_state
-        torch.testing.assert_close(loaded(input_ids=ids).hidden_states, expected)  # float32 rounding, two paths
+        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, expected)  # float32 rounding, two paths

@@ -222,7 +222,8 @@ class Drama3Config(PretrainedConfig):
         audio_decoder_config: tower config (dict or `Drama3AudioDecoderConfig`).
         semantic_start_token_id / semantic_end_token_id: the band of `<|semantic:0|>` ..
             `<|semantic:4095|>`; it spans exactly the tower's `vocab_size` ids.
-        eos_token_id: id of `<|im_end|>`, which ends a take.
+        eos_token_id: id of `<|im_end|>`, which ends a take. The band and eos must lie in the text
+            vocabulary when the model speaks (`check_speech_ids`); the defaults are Drama 3's ids.
         quantization_config: `{"quant_method": "bsgemm-moe", ...}` when the routed experts are
             block-FP8; `None` for a float checkpoint.
         sampling_rate, frame_size: the codec's rate and samples per frame (not in the published
@@ -281,21 +282,16 @@ class Drama3Config(PretrainedConfig):
         self._validate_ids()
 
     def _validate_ids(self) -> None:
-        vocab = self.text_config.vocab_size
+        """What the ids must satisfy whatever the vocabulary: the band spans the codebook and eos lies
+        outside it. Whether they fit the text vocabulary is checked where they index it
+        (`check_speech_ids`), so that a config builds from its defaults on any vocabulary."""
         band = self.semantic_end_token_id - self.semantic_start_token_id + 1
         if band != self.audio_decoder_config.vocab_size:
             raise ValueError(
                 f"the semantic band [{self.semantic_start_token_id}, {self.semantic_end_token_id}] "
                 f"holds {band} ids; the codebook size is {self.audio_decoder_config.vocab_size}"
             )
-        if self.semantic_start_token_id < 0 or self.semantic_end_token_id >= vocab:
-            raise ValueError(
-                f"the semantic band [{self.semantic_start_token_id}, {self.semantic_end_token_id}] "
-                f"is outside the text vocabulary of {vocab}"
-            )
-        if not 0 <= self.eos_token_id < vocab:
-            raise ValueError(f"eos_token_id={self.eos_token_id} is outside the vocabulary of {vocab}")
-        if self.semantic_start_token_id <= self.eos_token_id <= self.semantic_end_token_id:
+        if self.eos_token_id is not None and self.semantic_start_token_id <= self.eos_token_id <= self.semantic_end_token_id:
             raise ValueError(f"eos_token_id={self.eos_token_id} lies inside the semantic band")
         if self.audio_decoder_config.dim != self.text_config.hidden_size:
             raise ValueError(
@@ -307,6 +303,22 @@ class Drama3Config(PretrainedConfig):
                 f"speech_template_version={self.speech_template_version!r}; this package builds "
                 f"{SPEECH_TEMPLATE_VERSION!r} prompts"
             )
+
+    def check_speech_ids(self) -> None:
+        """Refuse a semantic band or an eos id outside the text vocabulary, naming them: the speech
+        logits read those rows of the LM head, a frame is drawn among them and a take ends on eos.
+
+        Checked where the ids index the vocabulary (`Drama3ForSpeechGeneration.speech_logits`,
+        `speech_token_ids`), not when the config is built, because `resize_token_embeddings` and
+        configs built from defaults change the vocabulary after the ids are set."""
+        vocab = self.text_config.vocab_size
+        if self.semantic_start_token_id < 0 or self.semantic_end_token_id >= vocab:
+            raise ValueError(
+                f"the semantic band [{self.semantic_start_token_id}, {self.semantic_end_token_id}] "
+                f"(semantic_start_token_id, semantic_end_token_id) is outside the text vocabulary of {vocab}"
+            )
+        if self.eos_token_id is None or not 0 <= self.eos_token_id < vocab:
+            raise ValueError(f"eos_token_id={self.eos_token_id} is outside the text vocabulary of {vocab}")
 
     # A config FILE always states its backbone; only code may rely on the full-size default
     # (Drama3Config() on the meta device). A file without text_config would silently build the 35B

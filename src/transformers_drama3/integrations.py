@@ -30,7 +30,10 @@ internal when an upgrade moves it:
    `transformers.utils.hub.hf_api` / `create_and_tag_model_card`; `start_hub_upload`);
 8. `PreTrainedModel._can_set_experts_implementation`, the private classmethod through which
    transformers decides whether a model may take an `experts_implementation`
-   (`PreTrainedModelWithComposedExperts`).
+   (`PreTrainedModelWithComposedExperts`);
+9. `PreTrainedModel._can_set_attn_implementation`, the private classmethod through which
+   `set_attn_implementation` decides whether a model may switch its attention implementation after
+   loading (`PreTrainedModelWithComposedAttention`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -518,4 +521,36 @@ class PreTrainedModelWithComposedExperts(PreTrainedModel):
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         check_experts_implementation_hook()
+        return True
+
+
+# ----------------------------------------------------------------------------- 9. attention implementation
+
+
+def check_attn_implementation_hook() -> None:
+    """transformers still asks the private classmethod `_can_set_attn_implementation` whether a
+    model may switch its attention implementation (from `set_attn_implementation`)."""
+    hook = inspect.getattr_static(PreTrainedModel, "_can_set_attn_implementation", None)
+    if not isinstance(hook, classmethod):
+        raise _changed("PreTrainedModel._can_set_attn_implementation", "a classmethod")
+    if "_can_set_attn_implementation" not in PreTrainedModel.set_attn_implementation.__code__.co_names:
+        raise _changed("PreTrainedModel.set_attn_implementation", "a call of _can_set_attn_implementation")
+
+
+class PreTrainedModelWithComposedAttention(PreTrainedModel):
+    """A `PreTrainedModel` whose attention layers that follow `config._attn_implementation` are those
+    of the transformers model it composes (the Qwen3.5-MoE backbone), which reach their attention
+    function through transformers' attention interface.
+
+    transformers decides whether `set_attn_implementation` may switch a model's attention by looking
+    for the attention interface in the source of the model's own module whenever that module
+    defines an attention class (the private classmethod `_can_set_attn_implementation`). The module
+    that composes the backbone also defines the tower's attention, which always runs torch's
+    scaled-dot-product attention over its own masks and caches (the decode step's), so transformers
+    would refuse the switch for the backbone that takes it. The override answers for the backbone,
+    and is checked by `check_attn_implementation_hook` whenever it is asked."""
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        check_attn_implementation_hook()
         return True

@@ -15,21 +15,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
+    find_packed_sequence_indices,
     packed_sequence_mask_function,
 )
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeRMSNorm,
     Qwen3_5MoeTextModel,
     load_balancing_loss_func,
 )
 from transformers.utils import ModelOutput
-from transformers.utils.generic import is_flash_attention_requested
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
 
 from .checkpoint.files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
@@ -42,7 +45,11 @@ from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record
 from .prompting import IGNORE_INDEX
 from .checkpoint.quantization import dequantize_state_dict, fuse_expert_weights
 from .checkpoint.quantization import experts as routed_experts, quantized_loading
-from .integrations import PreTrainedModelWithComposedExperts, PreTrainedModelWithLoadedFiles
+from .integrations import (
+    PreTrainedModelWithComposedAttention,
+    PreTrainedModelWithComposedExperts,
+    PreTrainedModelWithLoadedFiles,
+)
 from .kernels import fused_step
 from .checkpoint.saving import save_model
 from .rope import apply_interleaved_rope, rope_cos_sin
@@ -53,28 +60,44 @@ from .rope import apply_interleaved_rope, rope_cos_sin
 
 @dataclass
 class Drama3Output(ModelOutput):
-    """Output of `Drama3ForSpeechGeneration.forward`.
+    """Output of `Drama3ForSpeechGeneration.forward`. The fields transformers defines mean what they
+    mean on any transformers model (`loss`, `aux_loss`, `logits`, `cache`, `hidden_states`,
+    `attentions`, `router_logits`); the speech-specific ones have their own names.
 
     Args:
         loss: `text_loss + 0.5 semantic_loss + 0.5 codebook_loss (+ router aux loss)`.
+        aux_loss: the router's load-balancing loss (with labels and router logits).
         logits: `[batch, rows, vocab]`, or `[batch, rows, codebook_size + 1]` when restricted to the
             semantic band (indices 0..4095 = `<|semantic:0..4095|>`) followed by eos (last index).
         codebook_logits: `[batch, rows, num_codebooks - 1, codebook_size]`; row t predicts codes
-            1..9 of row t+1 (teacher forcing). None (and no `codebook_loss`) for a forward with
-            labels when `config.codebook_loss_weight` is 0: the tower is not run.
-        hidden_states: `[batch, rows, hidden]` backbone output after its final norm.
+            1..9 of row t+1 (teacher forcing). None when the tower is not run: a forward with
+            labels when `config.codebook_loss_weight` is 0, a forward from `inputs_embeds` alone,
+            and a forward that continues a `cache` (the tower's states of earlier rows are not in it).
+        cache: with `use_cache=True`, the backbone's cache (transformers' `DynamicCache`: the
+            full-attention layers' keys and values, the Gated DeltaNet layers' states) after these
+            rows; `past_key_values` is its older name.
+        hidden_states: with `output_hidden_states=True`, the backbone's hidden states: the input
+            rows' embeddings, then one `[batch, rows, hidden]` per layer (the last after the final norm).
+        attentions: with `output_attentions=True` (and the eager attention implementation), the
+            attention weights `[batch, heads, rows, keys]` of each full-attention layer of the backbone.
+        router_logits: `[batch * rows, num_experts]` per MoE layer, with `output_router_logits`.
+        last_hidden_state: `[batch, rows, hidden]` backbone output after its final norm (the input of
+            the LM head and of the tower).
+        text_loss, semantic_loss, codebook_loss: the loss terms (with labels).
     """
 
     loss: torch.Tensor | None = None
-    text_loss: torch.Tensor | None = None
-    semantic_loss: torch.Tensor | None = None
-    codebook_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     codebook_logits: torch.Tensor | None = None
-    hidden_states: torch.Tensor | None = None
+    cache: Cache | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
-    cache: DecodeCache | None = None
+    last_hidden_state: torch.Tensor | None = None
+    text_loss: torch.Tensor | None = None
+    semantic_loss: torch.Tensor | None = None
+    codebook_loss: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- tower modules
@@ -245,18 +268,6 @@ class Drama3CodebookEmbeddings(nn.Module):
         return self.codebook_embeddings(rows).sum(dim=-2)
 
 
-class Drama3Model(nn.Module):
-    """Holds the backbone under the checkpoint's `model.language_model` prefix."""
-
-    def __init__(self, config: Drama3Config):
-        super().__init__()
-        self.language_model = Qwen3_5MoeTextModel(config.text_config)
-        # transformers merges the tensor-parallel plans of a model's direct children only; this
-        # module is not a PreTrainedModel, so it hands Qwen3.5-MoE's plan on under its prefix
-        # (`tp_plan="auto"`). The embedding stays whole: the fused decode kernels read its table.
-        self._tp_plan = {f"language_model.{k}": v for k, v in (config.text_config.base_model_tp_plan or {}).items()}
-
-
 # ----------------------------------------------------------------------------- masks and positions
 
 
@@ -323,23 +334,44 @@ def same_document(document_ids: torch.Tensor) -> torch.Tensor:
     return (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
 
 
-def check_forward_inputs(config, input_ids, audio_codes, labels, row_weights, attention_mask) -> None:
-    """`forward`'s inputs, refused by name before any work: shapes that do not match `input_ids`
+def packed_document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids [batch, rows] (1.. per document) of a padding-free batch: a document starts
+    wherever the positions [batch, rows] do not continue by one (transformers' packed-sequence rule,
+    `find_packed_sequence_indices`); None when every row holds a single document."""
+    documents = find_packed_sequence_indices(position_ids)
+    return None if documents is None else documents + 1
+
+
+def check_forward_inputs(
+    config, input_ids, audio_codes, labels, row_weights, attention_mask, inputs_embeds=None, past: int = 0
+) -> None:
+    """`forward`'s inputs, refused by name before any work: shapes that do not match the rows
     [batch, rows] (torch would fail inside a mask with a bare IndexError), ids outside the text
     vocabulary and codes outside the codebook (an embedding's "index out of range in self")."""
-    if input_ids.dim() != 2 or input_ids.is_floating_point():
+    if input_ids is not None and (input_ids.dim() != 2 or input_ids.is_floating_point()):
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}; "
                          "expected integer ids [batch, rows]")
-    rows_shape = tuple(input_ids.shape)
-    for name, value in (("labels", labels), ("row_weights", row_weights), ("attention_mask", attention_mask)):
+    if inputs_embeds is not None and (inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size):
+        raise ValueError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; expected [batch, rows, hidden] with "
+                         f"hidden = {config.hidden_size}")
+    rows_shape = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+    if input_ids is not None and inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != rows_shape:
+        raise ValueError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; expected [batch, rows, hidden] with "
+                         f"[batch, rows] = {rows_shape}, the shape of input_ids")
+    for name, value in (("labels", labels), ("row_weights", row_weights)):
         if value is not None and tuple(value.shape) != rows_shape:
             raise ValueError(f"{name} has shape {tuple(value.shape)}; expected [batch, rows] = {rows_shape}, "
                              "the shape of input_ids")
+    mask_shape = (rows_shape[0], past + rows_shape[1])
+    if attention_mask is not None and tuple(attention_mask.shape) != mask_shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [batch, past + rows] = "
+                         f"{mask_shape}. A 4-D mask is not taken: the Gated DeltaNet layers are recurrent and cannot "
+                         "follow one; pack documents with document_ids or restarting position_ids instead")
     if audio_codes is not None and tuple(audio_codes.shape) != (*rows_shape, config.num_codebooks):
         raise ValueError(f"audio_codes has shape {tuple(audio_codes.shape)}; expected [batch, rows, num_codebooks] = "
                          f"{(*rows_shape, config.num_codebooks)}")
     vocabulary = config.text_config.vocab_size
-    checks = [("input_ids", input_ids, vocabulary, "the text vocabulary")]
+    checks = [] if input_ids is None else [("input_ids", input_ids, vocabulary, "the text vocabulary")]
     if audio_codes is not None:
         checks.append(("audio_codes", audio_codes, config.codebook_size, "the codebook size"))
     if labels is not None:
@@ -350,10 +382,51 @@ def check_forward_inputs(config, input_ids, audio_codes, labels, row_weights, at
                              f"expected [0, {size}) ({what})")
 
 
+def check_forward_options(labels, document_ids, input_ids, past: int) -> None:
+    """Combinations `forward` cannot honour, refused by name: a loss needs the rows' ids (the next
+    row is each row's target) and whole rows, and packed documents start with the batch."""
+    if labels is not None and input_ids is None:
+        raise ValueError("labels need input_ids: each row is trained to predict the next row's ids and codes; "
+                         "inputs_embeds alone do not say which rows are audio")
+    if labels is not None and past:
+        raise ValueError(f"labels need whole rows; the cache already holds {past} rows. Train without a cache")
+    if document_ids is not None and past:
+        raise ValueError(f"document_ids pack whole rows; the cache already holds {past} rows")
+
+
 # ----------------------------------------------------------------------------- the model
 
 
-class Drama3PreTrainedModel(PreTrainedModelWithComposedExperts, PreTrainedModelWithLoadedFiles):
+class Drama3TextModel(
+    PreTrainedModelWithComposedAttention, PreTrainedModelWithComposedExperts, Qwen3_5MoeTextModel
+):
+    """The backbone: transformers' `Qwen3_5MoeTextModel`, unchanged, with the attention
+    implementations its full-attention layers take declared as they are: besides eager, sdpa and
+    flash-attention (which transformers declares for it), flex_attention and any function
+    registered in transformers' attention interface, which those layers reach through
+    `ALL_ATTENTION_FUNCTIONS` like every other implementation (flex is tested against eager and sdpa
+    in tests/test_attention_backends.py). Its Gated DeltaNet layers take no attention function.
+
+    Defined outside transformers, it answers the questions transformers otherwise answers by reading
+    the source of a model's module, whose answers are those of the Qwen3.5-MoE text model it is:
+    its attention and experts implementations can be switched (the two `...Composed...` bases) and
+    it is not custom code (`is_custom_code`)."""
+
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        # Its modules and `_init_weights` are transformers' own, so it is initialised and its
+        # checkpoint names converted as transformers' Qwen3.5-MoE text model is. As "custom code"
+        # transformers would skip the modules without parameters of their own, whose init sets the
+        # routers' weights (they would stay zero).
+        return False
+
+
+class Drama3PreTrainedModel(
+    PreTrainedModelWithComposedAttention, PreTrainedModelWithComposedExperts, PreTrainedModelWithLoadedFiles
+):
     config_class = Drama3Config
     config: Drama3Config
     base_model_prefix = "model"
@@ -361,7 +434,11 @@ class Drama3PreTrainedModel(PreTrainedModelWithComposedExperts, PreTrainedModelW
     # Class names, matched exactly (accelerate's device map and FSDP wrap policy compare
     # `type(module).__name__`): the two tower layer classes, not their base class.
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3SharedTowerLayer", "Drama3CodebookTowerLayer"]
+    # The backbone's (`Drama3TextModel`); the tower's attention runs torch's SDPA whatever is chosen.
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
     _is_stateful = True
 
     @classmethod
@@ -393,7 +470,63 @@ class Drama3PreTrainedModel(PreTrainedModelWithComposedExperts, PreTrainedModelW
     def _init_weights(self, module):
         # The tower is built from the same kinds of modules as the backbone (linears, embeddings,
         # zero-centred norms), so the backbone's initialisation covers both.
-        self.model.language_model._init_weights(module)
+        self.backbone._init_weights(module)
+
+    @property
+    def backbone(self) -> Drama3TextModel:
+        return self.base_model.language_model
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.backbone.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.backbone.embed_tokens = value
+
+
+class Drama3Model(Drama3PreTrainedModel):
+    """The base model: the backbone under the checkpoint's `model.language_model` prefix, as
+    `model.base_model` of `Drama3ForSpeechGeneration` and `Drama3ForRewardModeling`.
+
+    Its forward is the backbone's over embedded rows. Text rows embed by `input_ids` alone; an audio
+    row also sums its acoustic codes (partial codebook fusion), whose table the published layout
+    keeps beside `model` in the heads (`audio_decoder`): pass `inputs_embeds=head.embed_rows(input_ids,
+    audio_codes)` for rows that hold audio.
+    """
+
+    def __init__(self, config: Drama3Config):
+        super().__init__(config)
+        self.language_model = Drama3TextModel(config.text_config)
+        self.post_init()
+        # The embedding stays whole under tensor parallelism (`tp_plan="auto"`): the fused decode
+        # kernels read its table, so the vocabulary sharding transformers adds for it is dropped.
+        self._tp_plan.pop("language_model.embed_tokens", None)
+
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> MoeModelOutputWithPast:
+        """The backbone's forward (`Qwen3_5MoeTextModel.forward`): input_ids [batch, rows] or
+        inputs_embeds [batch, rows, hidden]; attention_mask [batch, past + rows], or the dict of
+        per-layer-type masks the backbone takes; `output_hidden_states`, `output_attentions`,
+        `output_router_logits` and `return_dict` as on any transformers model."""
+        return self.language_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
 
 
 class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Drama3TextStreamingMixin):
@@ -470,21 +603,14 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
     # -- small helpers used by generation and training ----------------------------------------
 
     @property
-    def backbone(self) -> Qwen3_5MoeTextModel:
-        return self.model.language_model
-
-    @property
     def tower_layers(self) -> list[Drama3TowerLayer]:
         return [*self.audio_decoder_mtp_shared.layers, *self.audio_decoder_mtp.layers]
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.backbone.embed_tokens = value
-
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
 
     def is_semantic(self, token_ids: torch.Tensor) -> torch.Tensor:
         return (token_ids >= self.config.semantic_start_token_id) & (
@@ -493,6 +619,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
 
     def speech_token_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """The ids a frame may be: the semantic band, then eos (restricted-logit order)."""
+        self.config.check_speech_ids()
         band = torch.arange(
             self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device
         )
@@ -507,6 +634,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         a copy kept between calls would go stale when the weights change (loading, a LoRA merge,
         an optimiser step); a view never does.
         """
+        self.config.check_speech_ids()  # Python ints: nothing a compiled step would break on
         weight = self.lm_head.weight
         start, end, eos = self.config.semantic_start_token_id, self.config.semantic_end_token_id, self.config.eos_token_id
         band = F.linear(hidden, weight[start : end + 1])
@@ -687,9 +815,11 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
 
     # -- forward ---------------------------------------------------------------------------------
 
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
-        input_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
         audio_codes: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -698,6 +828,9 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         output_router_logits: bool | None = None,
         position_ids: torch.LongTensor | None = None,
         document_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> Drama3Output:
         """Teacher-forced forward over whole rows.
@@ -705,79 +838,117 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         Args:
             input_ids: [batch, rows]; audio rows carry `<|semantic:c0|>`.
             audio_codes: [batch, rows, num_codebooks]; zeros on text rows.
-            attention_mask: [batch, rows], 1 for real rows (left padding allowed); defaults to
-                `document_ids != 0` for packed rows.
+            attention_mask: [batch, past + rows], 1 for real rows (left padding allowed); defaults to
+                `document_ids != 0` for packed rows. A 4-D mask is refused: the Gated DeltaNet layers
+                are recurrent and cannot follow one (packed rows: `document_ids` or `position_ids`).
             labels: [batch, rows], aligned with the input rows: `labels[t]` is `input_ids[t]` where
                 row t is supervised, -100 elsewhere. Row t is trained to predict row t + 1.
             row_weights: [batch, rows], aligned with `labels`: the weight of supervising each row
                 (e.g. the up-weighted seams of an infilling take). Each loss term becomes a weighted
                 mean over its rows; None means every weight is 1.
             restrict_logits: return logits over the semantic band + eos only.
+            output_router_logits: return the routers' logits (and, with labels, add their
+                load-balancing loss); default `config.text_config.output_router_logits`.
             position_ids: [batch, rows]; default: counted from the first real row, or from each
-                document's first row for packed rows.
+                document's first row for packed rows. Without an attention mask, positions that
+                restart (transformers' padding-free batches, `DataCollatorWithFlattening`) mark
+                packed documents, as `document_ids` would.
             document_ids: [batch, rows] for packed rows (`PackingCollator`): 1.. per document, 0 on
                 padding. Each document then sees only itself, as if it ran alone: the backbone's
                 attention layers and the tower get a block-diagonal causal mask, its Gated DeltaNet
                 layers (convolution and recurrent state) restart at each document, positions
                 restart, and no row is trained to predict the next document's first row.
+            cache: the backbone's cache of earlier rows (a `DynamicCache` a forward with
+                `use_cache=True` returned; `past_key_values` is its older name). The backbone
+                continues from it; the tower does not (its own states are not in it), so
+                `codebook_logits` is None.
+            inputs_embeds: [batch, rows, hidden], the backbone's input rows in place of
+                `embed_rows(input_ids, audio_codes)`. Without `input_ids` the rows' kinds are not
+                known, so only `logits` are computed (no tower, no labels).
+            use_cache: return the backbone's cache after these rows (`Drama3Output.cache`).
+            output_hidden_states, output_attentions, return_dict: as on any transformers model.
         """
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("forward needs input_ids [batch, rows] or inputs_embeds [batch, rows, hidden]")
+        # An int: transformers returns the cache's own length counter, which the forward advances.
+        past = 0 if cache is None else int(cache.get_seq_length())
         if not torch.compiler.is_compiling():  # reading values syncs a device: eager calls only
-            check_forward_inputs(self.config, input_ids, audio_codes, labels, row_weights, attention_mask)
-        batch, rows = input_ids.shape
-        if audio_codes is None:
+            check_forward_inputs(
+                self.config, input_ids, audio_codes, labels, row_weights, attention_mask, inputs_embeds, past
+            )
+            check_forward_options(labels, document_ids, input_ids, past)
+        batch, rows = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if document_ids is None and attention_mask is None and position_ids is not None and past == 0:
+            document_ids = packed_document_ids(position_ids)
+        if input_ids is not None and audio_codes is None:
             audio_codes = input_ids.new_zeros(batch, rows, self.num_codebooks)
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids) if document_ids is None else (document_ids != 0).long()
+        if attention_mask is None and document_ids is not None:
+            attention_mask = (document_ids != 0).long()
+        elif attention_mask is None:
+            device = (input_ids if input_ids is not None else inputs_embeds).device
+            attention_mask = torch.ones(batch, past + rows, dtype=torch.long, device=device)
         if output_router_logits is None:
-            output_router_logits = labels is not None and self.config.text_config.output_router_logits
+            output_router_logits = self.config.text_config.output_router_logits
         if position_ids is None and document_ids is not None:
             position_ids = positions_in_documents(document_ids)
         elif position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
+            position_ids = positions_from_mask(attention_mask, past)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_rows(input_ids, audio_codes)
 
-        inputs_embeds = self.embed_rows(input_ids, audio_codes)
-        backbone_mask, tower_mask = attention_mask, tower_attention_mask(attention_mask, rows)
+        rows_mask = attention_mask[:, past:]
+        backbone_mask, tower_mask = attention_mask, tower_attention_mask(rows_mask, rows)
         if document_ids is not None:
             backbone_mask = self.document_masks(document_ids, attention_mask, inputs_embeds)
             tower_mask = tower_mask & same_document(document_ids)
             kwargs["cu_seq_lens_q"] = document_offsets(document_ids)
-        outputs = self.backbone(
+        outputs = self.model(
             inputs_embeds=inputs_embeds,
             attention_mask=backbone_mask,
             position_ids=position_ids,
-            use_cache=False,
+            cache=cache,
+            use_cache=bool(use_cache),
             output_router_logits=output_router_logits,
             **kwargs,
         )
         hidden = outputs.last_hidden_state
 
-        # Row t is labelled with row t + 1 of its own document; the last row gets an empty placeholder frame.
-        next_ids = F.pad(input_ids[:, 1:], (0, 1), value=self.config.eos_token_id)
-        next_codes = F.pad(audio_codes[:, 1:], (0, 0, 0, 1))
-        next_is_real = F.pad(attention_mask[:, 1:].bool(), (0, 1))
-        if document_ids is not None:
-            next_is_real = next_is_real & ~F.pad(document_starts(document_ids)[:, 1:], (0, 1), value=True)
-        next_is_audio = self.is_semantic(next_ids) & next_is_real
+        # The tower needs each row's ids and codes and those of the row after it, and its own states
+        # of earlier rows; a forward from embeddings alone or from a cache has no codebook logits.
+        tower_runs = input_ids is not None and past == 0
         # A training forward whose codebook loss weighs nothing leaves the tower out (a
         # backbone-only stage: the tower is most of a small model's step).
-        skip_tower = labels is not None and self.config.codebook_loss_weight == 0
-        codebook_logits = None if skip_tower else self.run_tower(
-            hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids, tower_mask,
-        )
+        tower_runs = tower_runs and not (labels is not None and self.config.codebook_loss_weight == 0)
+        next_codes = codebook_logits = None
+        if input_ids is not None:
+            # Row t is labelled with row t + 1 of its own document; the last row gets an empty placeholder frame.
+            next_ids = F.pad(input_ids[:, 1:], (0, 1), value=self.config.eos_token_id)
+            next_codes = F.pad(audio_codes[:, 1:], (0, 0, 0, 1))
+            next_is_real = F.pad(rows_mask[:, 1:].bool(), (0, 1))
+            if document_ids is not None:
+                next_is_real = next_is_real & ~F.pad(document_starts(document_ids)[:, 1:], (0, 1), value=True)
+            next_is_audio = self.is_semantic(next_ids) & next_is_real
+        if tower_runs:
+            codebook_logits = self.run_tower(
+                hidden, input_ids, audio_codes, next_codes, next_is_audio, position_ids, tower_mask,
+            )
         logits = self.speech_logits(hidden) if restrict_logits else self.lm_head(hidden)
 
         output = Drama3Output(
             logits=logits,
             codebook_logits=codebook_logits,
-            hidden_states=hidden,
+            cache=outputs.cache if use_cache else None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             router_logits=outputs.router_logits if output_router_logits else None,
+            last_hidden_state=hidden,
         )
         if labels is not None:
             if document_ids is not None:
                 # A document's first row is never its own target; this keeps the previous
                 # document's last row from being trained to predict it.
                 labels = labels.masked_fill(document_starts(document_ids), IGNORE_INDEX)
-            self._add_losses(output, labels, row_weights, next_codes, attention_mask, restrict_logits)
+            self._add_losses(output, labels, row_weights, next_codes, rows_mask, restrict_logits)
         return output
 
     def document_masks(
