@@ -32,7 +32,10 @@ DEMO_TESTS = [*DEMO, "gradio_client>=2.7", "playwright>=1.50", "pyyaml>=6"]
 # The documentation site (mkdocs.yml, docs/): `mkdocs serve` / `mkdocs build --strict`, the API reference
 # generated from the docstrings (ruff lays out its signatures). The tests build it, so `dev` includes it.
 DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6"]
-DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS, *DOCS]
+# transformers' own model test battery (its source distribution's tests/test_modeling_common.py,
+# which .ci/run fetches) imports parameterized.
+MODEL_TESTS = ["parameterized>=0.9"]
+DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS, *DOCS, *MODEL_TESTS]
 
 setup(
     name="transformers-drama3",
