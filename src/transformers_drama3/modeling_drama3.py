@@ -7,14 +7,13 @@ composed; only its input (partial codebook fusion) and the tower are new. Module
 published checkpoint, so its tensors load under their own names.
 """
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import (
     create_causal_mask,
@@ -30,7 +29,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
     Qwen3_5MoeTextModel,
     load_balancing_loss_func,
 )
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, TransformersKwargs
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
 
@@ -511,7 +510,7 @@ class Drama3Model(Drama3PreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         """The backbone's forward (`Qwen3_5MoeTextModel.forward`): input_ids [batch, rows] or
         inputs_embeds [batch, rows, hidden]; attention_mask [batch, past + rows], or the dict of
@@ -831,7 +830,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Drama3Output:
         """Teacher-forced forward over whole rows.
 

@@ -6,15 +6,14 @@ on human pairs. Registered with `AutoModelForSequenceClassification` by `registe
 its data side (`PreferenceCollator`, `preference_accuracy`) is `training/reward.py`.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import Unpack
 from transformers.cache_utils import Cache
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, TransformersKwargs
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 
@@ -91,7 +90,7 @@ class Drama3ForRewardModeling(Drama3PreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> RewardOutput:
         """input_ids [n, rows] (or inputs_embeds [n, rows, hidden]), audio_codes [n, rows, C],
         attention_mask [n, past + rows], end_positions [n] (default: each row's last real row),
