@@ -27,7 +27,7 @@ from .codec import (
 )
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config, Drama3TextConfig
 from .feature_extraction_drama3 import Drama3FeatureExtractor
-from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3Output
+from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3Model, Drama3Output
 from .modeling_drama3_reward import Drama3ForRewardModeling
 from .processing_drama3 import Drama3Processor
 from .decoding.state import DecodeCache
@@ -76,6 +76,7 @@ __all__ = [
     "Drama3FeatureExtractor",
     "Drama3ForRewardModeling",
     "Drama3ForSpeechGeneration",
+    "Drama3Model",
     "Drama3Output",
     "DecodeCache",
     "expert_cache_stats",
