@@ -1,4 +1,4 @@
-"""`drama3 table`: the paper's per-frame table, the README's main job."""
+"""`drama3 table`: the paper's per-frame table (docs/speaking.md, the command line)."""
 
 import json
 

@@ -137,7 +137,7 @@ def test_home_assistant_s_wyoming_bridge_lists_and_speaks_drama3_s_voices(server
     request = {"base_url": server.base, "port": free_port(),
                "calls": [{"voice": None, "text": SHORT}, {"voice": "A", "text": SHORT}, {"voice": "B", "text": SHORT}]}
     report = drive(python, "wyoming_driver.py", request)
-    assert report["settings"] == {"TTS_OPENAI_URL": server.base, "TTS_MODELS": "drama3-tiny"}  # the README's two
+    assert report["settings"] == {"TTS_OPENAI_URL": server.base, "TTS_MODELS": "drama3-tiny"}  # the Clients guide's two
     assert report["voices"] == ["A", "B"]  # drama3's voices, listed by the bridge's own discovery
     takes = check_calls(server, before, report["calls"], ["A", "A", "B"])
     assert {take["format"] for take in takes} == {"wav"}

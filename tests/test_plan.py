@@ -24,14 +24,14 @@ from transformers_drama3.planning import (
     GIB,
     QUANTIZATIONS,
     fitting,
+    gpu_table,
+    parts_table,
     plan_options,
-    readme_parts_table,
-    readme_table,
     refusal,
     state_bytes_per_stream,
 )
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+MEMORY_GUIDE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "memory.md")
 BLOCK_FP8 = {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -499,13 +499,13 @@ def test_plan_memory_reads_a_repo_from_the_hugging_face_cache(saved_tiny, tmp_pa
 
 def test_cli_quant_choices_are_the_plans_options():
     assert PLAN_QUANTIZATIONS == QUANTIZATIONS
-def test_readme_tables_are_what_the_plan_prints(monkeypatch):
+def test_the_memory_guides_tables_are_what_the_plan_prints(monkeypatch):
     monkeypatch.setattr(planning, "_cached_file", lambda repo, filename: None)
-    with open(README, encoding="utf-8") as reader:
-        readme = reader.read()
+    with open(MEMORY_GUIDE, encoding="utf-8") as reader:
+        guide = reader.read()
 
-    assert readme_parts_table() in readme
-    assert readme_table() in readme
+    assert parts_table() in guide
+    assert gpu_table() in guide
 
 
 def test_model_card_memory_figures_are_what_the_plan_gives(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "model_card.md", ROOT / "recipes" / "drama3_tiny" / "README.md",
-         *sorted((ROOT / "docs").glob("*.md"))]
+         *sorted((ROOT / "docs").rglob("*.md"))]
 COMMANDS = sorted({
     (page.relative_to(ROOT).as_posix(), module)
     for page in PAGES
@@ -18,7 +18,7 @@ COMMANDS = sorted({
 
 
 def test_the_pages_name_recipe_commands():
-    assert {page for page, _ in COMMANDS} >= {"README.md", "model_card.md", "recipes/drama3_tiny/README.md"}
+    assert {page for page, _ in COMMANDS} >= {"docs/drama3_tiny.md", "model_card.md", "recipes/drama3_tiny/README.md"}
 
 
 @pytest.mark.parametrize("page, module", COMMANDS, ids=[f"{page}:{module}" for page, module in COMMANDS])

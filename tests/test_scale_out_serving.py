@@ -1,4 +1,4 @@
-"""The folder `save_pretrained` writes (plus the tokenizer, as the README does) holds every file
+"""The folder `save_pretrained` writes (plus the tokenizer, as docs/fine_tuning.md does) holds every file
 SGLang-Omni's Drama 3 pipeline reads, in the form it checks.
 
 What SGLang-Omni reads, from sgl-project/sglang-omni (release 0.1.9):

@@ -615,7 +615,7 @@ LOAD_CODE = {
     "nf4": 'AutoModel.from_pretrained("{model}", device_map="cuda", quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))',
     "offload": 'offload_experts(AutoModel.from_pretrained("{model}", dtype=torch.bfloat16), device="cuda", cache_experts={cache})',
 }
-README_GPUS = (24, 48, 80)
+TABLE_GPUS = (24, 48, 80)
 
 
 def load_code(plan: MemoryPlan, model: str = PUBLISHED_MODEL) -> str:
@@ -625,10 +625,10 @@ def load_code(plan: MemoryPlan, model: str = PUBLISHED_MODEL) -> str:
     return LOAD_CODE[plan.quantization].format(model=model)
 
 
-def readme_table(model=PUBLISHED_MODEL, gpus=README_GPUS, context: int = DEFAULT_CONTEXT) -> str:
-    """The README's table: for each card of `gpus` GiB, the most faithful option that fits the
-    published model with one stream of `context` rows, its GPU memory, how many such streams fit
-    beside it, and how to load it."""
+def gpu_table(model=PUBLISHED_MODEL, gpus=TABLE_GPUS, context: int = DEFAULT_CONTEXT) -> str:
+    """The memory guide's table (docs/memory.md): for each card of `gpus` GiB, the most faithful
+    option that fits the published model with one stream of `context` rows, its GPU memory, how
+    many such streams fit beside it, and how to load it."""
     lines = [
         f"| GPU | most faithful option that fits | GPU memory (1 stream) | streams of {context} rows | check | load with |",
         "|---|---|---|---|---|---|",
@@ -647,8 +647,9 @@ def readme_table(model=PUBLISHED_MODEL, gpus=README_GPUS, context: int = DEFAULT
     return "\n".join(lines)
 
 
-def readme_parts_table(model=PUBLISHED_MODEL, context: int = DEFAULT_CONTEXT) -> str:
-    """The README's table of each part's GiB under each option (one stream of `context` rows)."""
+def parts_table(model=PUBLISHED_MODEL, context: int = DEFAULT_CONTEXT) -> str:
+    """The memory guide's table (docs/memory.md) of each part's GiB under each option (one stream
+    of `context` rows)."""
     plans = plan_options(model, context=context)
     header = ["option", *(PART_LABELS[part] for part in PARTS[:-1]), "state (1 stream)", "codec",
               "prefill + workspace", "total"]
@@ -662,10 +663,10 @@ def readme_parts_table(model=PUBLISHED_MODEL, context: int = DEFAULT_CONTEXT) ->
 
 
 def main() -> None:
-    """Print the README's tables for the published model."""
-    print(readme_parts_table())
+    """Print the memory guide's tables for the published model."""
+    print(parts_table())
     print()
-    print(readme_table())
+    print(gpu_table())
 
 
 if __name__ == "__main__":
