@@ -35,16 +35,19 @@ def test_static_address_rerecords_lift_the_limit_only_where_torch_counts_them(ve
 def test_compiling_the_step_lifts_the_rerecord_limit_on_a_torch_that_counts_static_address_churn(monkeypatch, version, lifted):
     """The step's (and the compiled prefill's) compile, on torch 2.11, lets CUDA-graph trees record
     again for every run's new cache instead of giving up after 128 runs; on 2.13 nothing changes."""
-    triton = torch._inductor.config.triton
-    monkeypatch.setattr(triton, "cudagraph_unexpected_rerecord_limit", 128)
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(loop, "_COMPILED", {})
     monkeypatch.setattr(loop, "_COMPILED_PREFILL", {})
-    loop.compiled_functions(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
-    assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
-    monkeypatch.setattr(triton, "cudagraph_unexpected_rerecord_limit", 128)
-    loop.compiled_prefill(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
-    assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
+    triton = torch._inductor.config.triton
+    before = triton.cudagraph_unexpected_rerecord_limit
+    # inductor's own patch (pytest's monkeypatch loses the setting on torch 2.11's config proxy)
+    with torch._inductor.config.patch({"triton.cudagraph_unexpected_rerecord_limit": 128}):
+        loop.compiled_functions(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+        assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
+        triton.cudagraph_unexpected_rerecord_limit = 128
+        loop.compiled_prefill(CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
+        assert triton.cudagraph_unexpected_rerecord_limit == (sys.maxsize if lifted else 128)
+    assert triton.cudagraph_unexpected_rerecord_limit == before
 
 
 @pytest.mark.parametrize("version, name", [("2.6.0", "cache_size_limit"), ("2.7.0", "recompile_limit"), ("2.11.0+cu130", "recompile_limit")])
