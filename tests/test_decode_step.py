@@ -269,9 +269,10 @@ def test_on_cuda_the_static_cache_compiles_with_cuda_graphs_by_default_and_makes
 
 
 def test_the_package_feeds_a_decode_row_in_exactly_one_function():
-    """Every call that runs the backbone (`.backbone(`) in the package, by function: the decode step's
-    `feed` is the only one that runs one new row per item from a cache; the others are the model's
-    forward, its prefill/extend of prompt rows, the reward model and GRPO's teacher-forced scoring."""
+    """Every call that runs the backbone (`.backbone(` or `.language_model(`) in the package, by
+    function: the decode step's `feed` is the only one that runs one new row per item from a cache;
+    the others are the base model's forward (which both heads' forwards, speech and reward, call),
+    prefill/extend of prompt rows and GRPO's teacher-forced scoring."""
     import ast
 
     import transformers_drama3
@@ -284,13 +285,12 @@ def test_the_package_feeds_a_decode_row_in_exactly_one_function():
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(function):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backbone":
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in {"backbone", "language_model"}:
                     callers.add(f"{path.relative_to(package).as_posix()}:{function.name}")
     assert callers == {
         "decoding/step.py:feed",  # THE decode row
         "modeling_drama3.py:_cached_backbone",  # prefill / extend: prompt rows into a cache
-        "modeling_drama3.py:forward",  # training and scoring: every row at once, no cache
-        "modeling_drama3_reward.py:forward",
+        "modeling_drama3.py:forward",  # Drama3Model: training and scoring, every row at once
         "training/grpo.py:policy_log_probs",
     }
     model_methods = {name for name in dir(transformers_drama3.Drama3ForSpeechGeneration) if not name.startswith("__")}

@@ -79,6 +79,7 @@ from .checkpoint.quantization.quantized_loading import bnb_cpu_misfits, int4_gro
 from .checkpoint.quantization.weights import DEFAULT_INT4_GROUP, quantized_bytes
 from .codec import Drama3CodecConfig
 from .configuration_drama3 import Drama3Config
+from .kernels.fp8_experts import tiles_buffer_bytes
 from .modeling_drama3 import Drama3ForSpeechGeneration
 
 QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
@@ -550,8 +551,6 @@ def experts_buffer_bytes(config: Drama3Config, rows: int, quantization: str = "n
     (token, expert) assignment the rows gathered by expert, the gate-up product, the activation
     and its product, the down product, its weighting and the rows put back (4 x hidden + 4 x
     intermediate values) and 64 bytes of routing (the sort, the expert offsets)."""
-    from .kernels.fp8_experts import tiles_buffer_bytes
-
     text = config.text_config
     element = torch.empty((), dtype=dtype).element_size()
     top_k, hidden, intermediate = text.num_experts_per_tok, text.hidden_size, text.moe_intermediate_size
