@@ -8,8 +8,8 @@ TRAIN = ["accelerate>=1.10", "peft>=0.17", "datasets>=4.0", "matplotlib>=3.8"]
 # `drama3 serve`: the OpenAI-compatible HTTP server (transformers_drama3.serving).
 # websockets: the WebSocket transport uvicorn uses for `/v1/audio/speech/stream`.
 # av: PyAV bundles FFmpeg in its wheel, so mp3, opus, aac and flac responses never depend on the
-# system's libsndfile or ffmpeg.
-SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12", "av>=12"]
+# system's libsndfile or ffmpeg. msgpack: the bodies and events of Fish Audio's API (`/v1/tts`).
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "websockets>=12", "av>=12", "msgpack>=1.0"]
 # `drama3 demo` and the Hugging Face Space: the Gradio app (transformers_drama3.serving.demo). Gradio is
 # pinned to the version the browser tests ran against; the Space's sdk_version is the same.
 GRADIO_VERSION = "6.31.0"

@@ -161,6 +161,7 @@ def stream_text(
     max_speakers: int = CHUNK_SPEAKERS,
     strict_speakers: bool = True,
     stop: Callable[[], bool] | None = None,
+    first_window: int | None = None,
     **kwargs,
 ) -> Iterator[AudioChunk | ChunkStarted | ChunkSpoken]:
     """Speak text pieces as they arrive; yields audio chunks and per-chunk events (module docstring).
@@ -182,6 +183,8 @@ def stream_text(
         strict_speakers: with references, refuse a chunk whose speaker has none.
         stop: called between frames and pieces; when it returns True the stream raises
             `TextStreamCancelled` (a server's client went away).
+        first_window: frames of each turn's first audio chunk (None: the codec's schedule, 10);
+            fewer start its audio sooner, in more pieces (`WaveformStreamer`). The audio is the same.
 
     Yields: `ChunkStarted` when a turn starts, `AudioChunk`s (`first_frame` counts frames across
     the whole stream; `is_last` on the very last one), `ChunkSpoken` when a turn ends. Bad input is
@@ -203,7 +206,7 @@ def stream_text(
     )
     recent = ids[:, -RAS_WINDOW:]  # the last main ids of the rows: the RAS window of the next turn
     stream = _Stream(TextStreamChunker(max_bytes, max_speakers), iter(text_pieces))
-    streamer = WaveformStreamer(codec, 0.0)
+    streamer = WaveformStreamer(codec, 0.0, first_window=first_window)
     chunks: list[TextChunk] = []
     last_step = None  # the last decode step of the previous turn
     turn = 0

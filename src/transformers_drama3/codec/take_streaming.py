@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from itertools import chain
 from dataclasses import dataclass, field
 
 import torch
@@ -77,12 +78,17 @@ class AudioChunk:
 class WaveformStreamer:
     """Turns final frames into waveform chunks with the codec's streaming decoder, one window at
     a time. The decoder is causal and keeps its state between windows, so the chunks concatenate
-    to the offline decode of the same frames."""
+    to the offline decode of the same frames. `first_window`: frames of the first chunk (and of
+    the first chunk after each `end_window`) in place of the schedule's first 10: fewer frames
+    make the first audio sooner (a request's latency mode)."""
 
-    def __init__(self, codec, started: float, windows: Iterator[int] | None = None):
+    def __init__(self, codec, started: float, windows: Iterator[int] | None = None, first_window: int | None = None):
+        if first_window is not None and first_window < 1:
+            raise ValueError(f"first_window: {first_window!r}; expected a positive number of frames")
         self.codec = codec
+        self.first_window = first_window
         self.decoder = codec.streaming_decoder(batch_size=1) if codec is not None else None
-        self.windows = windows if windows is not None else (default_stream_windows() if codec is not None else None)
+        self.windows = windows if windows is not None else self._schedule()
         self.window = next(self.windows) if self.windows is not None else 1
         self.pending: list[torch.Tensor] = []
         self.emitted_frames = 0
@@ -115,9 +121,20 @@ class WaveformStreamer:
         (10, 10, 12, ...): a turn of streaming text input ended, and its audio must not wait for
         frames of a turn whose text may not have arrived yet."""
         chunks = [self._emit(len(self.pending), is_last=False)] if self.pending else []
-        self.windows = default_stream_windows() if self.codec is not None else None
+        self.windows = self._schedule()
         self.window = next(self.windows) if self.windows is not None else 1
         return chunks
+
+    def _schedule(self) -> Iterator[int] | None:
+        """The codec's window schedule, its first window `first_window` when one is set (None
+        without a codec: every frame is a chunk)."""
+        if self.codec is None:
+            return None
+        windows = default_stream_windows()
+        if self.first_window is not None:
+            next(windows)
+            windows = chain((self.first_window,), windows)
+        return windows
 
     def finish(self) -> list[AudioChunk]:
         chunk = self._emit(len(self.pending), is_last=True)

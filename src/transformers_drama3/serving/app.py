@@ -31,7 +31,6 @@ import json
 import logging
 import queue
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,11 +40,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..codec.take_streaming import AudioChunk, WaveformStreamer
+from ..codec.take_streaming import WaveformStreamer
 from ..decoding.sampler import resolve_settings
-from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
+from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..prompting import CHUNK_BYTES
-from ..decoding.threads import torch_threads
 from .audio_formats import MEDIA_TYPES, encode, encoded_rate, pcm16, stream_encoder, streaming_wav_header
 from .output_audio import OutputAudio, output_rate
 from .request_log import RequestIds, log_take
@@ -54,7 +52,9 @@ from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .openai_names import VoiceAliases, model_listing
 from .request_guard import LOOPBACK_HOSTS, RequestGuard
 from .protocol import (
+    RETRY_AFTER_SECONDS,
     ApiError,
+    damaged_adapter,
     Limits,
     check_speakable,
     speakable,
@@ -68,6 +68,7 @@ from .protocol import (
     parse_voice_upload,
 )
 from .service import SpeechService, TextStreamSlots, chunk_samples, driven_events, serve_in_background  # noqa: F401
+from .text_stream_run import CANCELLED, TextStreamRun
 from .voices import (
     VoiceBusy,
     VoiceExists,
@@ -80,8 +81,6 @@ POLL_SECONDS = 0.25
 logger = logging.getLogger(__name__)
 
 
-RETRY_AFTER_SECONDS = 1
-"""What a 429 asks the client to wait (`Retry-After`): a slot frees as soon as one request ends."""
 OPEN_PATHS = ("/health",)
 """Routes that answer without the API key (a load balancer's probe)."""
 LISTING_PATHS = ("/v1/models", "/v1/audio/models", "/v1/audio/voices", "/v1/test")
@@ -114,15 +113,16 @@ class ServerSettings:
 
 
 class ErrorResponse(JSONResponse):
-    """OpenAI's error shape, written as ASCII JSON: a message that quotes the client's text cannot
-    fail to encode (a lone surrogate is written as its escape)."""
+    """An error body, written as ASCII JSON: a message that quotes the client's text cannot fail to
+    encode (a lone surrogate is written as its escape)."""
 
     def render(self, content) -> bytes:
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
-def _error_response(error: ApiError):
-    return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+def _error_response(error: ApiError, path: str | None = None):
+    """The error as the route at `path` answers it: OpenAI's shape, Fish Audio's on its routes."""
+    return ErrorResponse(error.body(path), status_code=error.status, headers=error.headers)
 
 
 def _unexpected(error: Exception, where: str) -> ApiError:
@@ -161,7 +161,7 @@ class CatchAll:
             logger.warning("%s %s: the stream was cut: %s", scope.get("method"), scope.get("path"), cut)
             return
         except Exception as error:  # the catch-all: every route answers JSON
-            response = _error_response(_unexpected(error, f"{scope.get('method')} {scope.get('path')}"))
+            response = _error_response(_unexpected(error, f"{scope.get('method')} {scope.get('path')}"), scope.get("path"))
             if not started:
                 await response(scope, receive, send)
 
@@ -191,7 +191,7 @@ class KeyGuard:
                 if length is not None and length.isdigit() and int(length) > limit:
                     error = ApiError(413, f"the body is {length} bytes; at most {limit}")
             if error is not None:
-                return await _error_response(error)(scope, receive, send)
+                return await _error_response(error, request.url.path)(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -259,12 +259,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _damaged_adapter(voice_id: str, error: AdapterError) -> ApiError:
-    """The 409 of a request for an adapter voice whose folder no longer loads (changed on disk)."""
-    return ApiError(409, f"voice: the fine-tuned voice {voice_id!r} cannot be loaded ({error}); register it again",
-                    "voice", "voice_damaged")
-
-
 def _failure(event: ErrorEvent) -> ApiError:
     """The answer to a request the engine ended: 504 past its time limit; else a 500 naming the kind
     of failure, its text logged (it may hold server paths and Python internals)."""
@@ -273,6 +267,69 @@ def _failure(event: ErrorEvent) -> ApiError:
     logger.error("generation failed: %s", event.message.replace("\n", " "))
     return ApiError(500, f"generation failed ({event.message.split(':', 1)[0]}); the server's log has the details",
                     None, event.kind)
+
+
+async def speak(service: SpeechService, params: SpeechParams, request: Request, settings: ServerSettings):
+    """A checked speech request (`/v1/audio/speech`'s, or Fish Audio's `/v1/tts` mapped onto it) queued
+    on the engine and answered: whole (`stream_format` None), or streamed from its first audio (a
+    failure before it keeps its status). Raises ApiError (429 busy, 503 stopped, 404 a deleted
+    adapter voice, 409 a damaged one, or the take's own failure before any audio)."""
+    job = await asyncio.to_thread(service.job, params, settings.request_timeout)
+    try:  # in a thread: an adapter voice out of its slot is read from disk here
+        handle = await asyncio.to_thread(service.engine.submit, job)
+    except QueueFull as error:
+        service.metrics.count("rejected")
+        raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full",
+                       {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineStopped as error:
+        raise ApiError(503, str(error), None, "stopped") from None
+    except AdapterSlotsBusy as error:
+        service.metrics.count("rejected")
+        raise ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except KeyError:  # its adapter was deleted since the request was checked
+        raise ApiError(404, f"voice: no voice {params.voice!r}", "voice", "voice_not_found") from None
+    except AdapterError as error:  # its adapter's folder changed on disk since it was registered
+        raise damaged_adapter(params.voice, error) from None
+    rate = output_rate(params.response_format, service.processor.sampling_rate, params.sample_rate)
+    headers = {"X-Sample-Rate": str(encoded_rate(params.response_format, rate)), "X-Seed": str(handle.seed)}
+    take = _Take(handle, params, rate, request.state.request_id, service.voice_of(params))
+    if params.stream_format is None:
+        return await _whole(service, take, request, headers)
+    body = _stream(service, take, request)
+    watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))  # once it streams, Starlette watches
+    try:  # the response starts with the first audio: a failure before it keeps its status
+        first = await body.__anext__()
+    except StopAsyncIteration:  # the client left before any audio
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+    media = "text/event-stream" if params.stream_format == "sse" else MEDIA_TYPES[params.response_format]
+    return StreamingResponse(_after(first, body), media_type=media, headers=headers)
+
+
+async def _whole(service, take, request, headers):
+    """A take sent whole, once it has ended (offline codec decode)."""
+    handle, params = take.handle, take.params
+    watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))
+    try:
+        while True:
+            event = await _next_event(handle, request)
+            if event is None or (isinstance(event, ErrorEvent) and event.kind == "cancelled"):
+                return Response(status_code=499)  # nobody is listening
+            if isinstance(event, ErrorEvent):
+                raise _failure(event)
+            if isinstance(event, DoneEvent):
+                break
+    finally:
+        watcher.cancel()
+    waveform = await asyncio.to_thread(service.waveform, event.codes)
+    _observe(service, handle, time.perf_counter() - handle.submitted, waveform.shape[0])
+    output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed, params.volume_db)
+    samples = await asyncio.to_thread(output.whole, waveform)
+    data = await asyncio.to_thread(encode, samples, take.rate, params.response_format, params.bit_rate)
+    take.log(event, samples.size, time.perf_counter() - handle.submitted)
+    headers = {**headers, "X-Finish-Reason": event.finish_reason, "X-Anomalies": ",".join(event.anomalies)}
+    return Response(data, media_type=MEDIA_TYPES[params.response_format], headers=headers)
 
 
 def create_app(get_service, settings: ServerSettings | None = None):
@@ -287,14 +344,15 @@ def create_app(get_service, settings: ServerSettings | None = None):
         return service
 
     @app.exception_handler(ApiError)
-    async def api_error(_request, error: ApiError):
-        return _error_response(error)
+    async def api_error(request: Request, error: ApiError):
+        return _error_response(error, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):  # unknown routes, wrong methods
         detail = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         response = _error_response(ApiError(error.status_code, detail.get(error.status_code, str(error.detail)), None,
-                                            {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)))
+                                            {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)),
+                                   request.url.path)
         response.headers.update(error.headers or {})
         return response
 
@@ -384,60 +442,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
         service = service_or_503()
         params = parse_speech(await json_body(request), settings.limits, service.has_voice)
         params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
-        job = await asyncio.to_thread(service.job, params, settings.request_timeout)
-        try:  # in a thread: an adapter voice out of its slot is read from disk here
-            handle = await asyncio.to_thread(service.engine.submit, job)
-        except QueueFull as error:
-            service.metrics.count("rejected")
-            raise ApiError(429, f"the server is busy: {error}; retry later", None, "queue_full",
-                           {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except EngineStopped as error:
-            raise ApiError(503, str(error), None, "stopped") from None
-        except AdapterSlotsBusy as error:
-            service.metrics.count("rejected")
-            raise ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        except KeyError:  # its adapter was deleted since the request was checked
-            raise ApiError(404, f"voice: no voice {params.voice!r}", "voice", "voice_not_found") from None
-        except AdapterError as error:  # its adapter's folder changed on disk since it was registered
-            raise _damaged_adapter(params.voice, error) from None
-        rate = output_rate(params.response_format, service.processor.sampling_rate, params.sample_rate)
-        headers = {"X-Sample-Rate": str(encoded_rate(params.response_format, rate)), "X-Seed": str(handle.seed)}
-        take = _Take(handle, params, rate, request.state.request_id, service.voice_of(params))
-        if params.stream_format is None:
-            return await _whole(service, take, request, headers)
-        body = _stream(service, take, request)
-        watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))  # once it streams, Starlette watches
-        try:  # the response starts with the first audio: a failure before it keeps its status
-            first = await body.__anext__()
-        except StopAsyncIteration:  # the client left before any audio
-            return Response(status_code=499)
-        finally:
-            watcher.cancel()
-        media = "text/event-stream" if params.stream_format == "sse" else MEDIA_TYPES[params.response_format]
-        return StreamingResponse(_after(first, body), media_type=media, headers=headers)
-
-    async def _whole(service, take, request, headers):
-        handle, params = take.handle, take.params
-        watcher = asyncio.ensure_future(_cancel_when_gone(handle, request))
-        try:
-            while True:
-                event = await _next_event(handle, request)
-                if event is None or (isinstance(event, ErrorEvent) and event.kind == "cancelled"):
-                    return Response(status_code=499)  # nobody is listening
-                if isinstance(event, ErrorEvent):
-                    raise _failure(event)
-                if isinstance(event, DoneEvent):
-                    break
-        finally:
-            watcher.cancel()
-        waveform = await asyncio.to_thread(service.waveform, event.codes)
-        _observe(service, handle, time.perf_counter() - handle.submitted, waveform.shape[0])
-        output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed)
-        samples = await asyncio.to_thread(output.whole, waveform)
-        data = await asyncio.to_thread(encode, samples, take.rate, params.response_format)
-        take.log(event, samples.size, time.perf_counter() - handle.submitted)
-        headers = {**headers, "X-Finish-Reason": event.finish_reason, "X-Anomalies": ",".join(event.anomalies)}
-        return Response(data, media_type=MEDIA_TYPES[params.response_format], headers=headers)
+        return await speak(service, params, request, settings)
 
     slots = TextStreamSlots(settings.max_text_streams)
     app.state.text_streams = slots
@@ -473,6 +478,10 @@ def create_app(get_service, settings: ServerSettings | None = None):
         except Exception as error:  # the catch-all: the client gets an error and a close code
             await _close_with_error(websocket, _unexpected(error, "WebSocket /v1/audio/speech/stream"))
 
+    from .fish_routes import add_fish_routes  # Fish Audio's API (`/v1/tts`, `/v1/tts/live`) over the same service
+
+    add_fish_routes(app, settings, get_service, slots)
+
     app.add_middleware(KeyGuard, settings=settings)
     app.add_middleware(CatchAll)
     if settings.allowed_origins:  # pages of these sites may read the answers (and send JSON, after a preflight)
@@ -495,10 +504,6 @@ def _check_json_content_type(value: str | None) -> None:
     if media != "application/json":
         shown = "none" if value is None else repr(value if len(value) <= 64 else value[:61] + "...")
         raise ApiError(415, f"Content-Type {shown}: expected application/json", None, "unsupported_media_type")
-
-
-_END = object()
-_CANCEL = object()
 
 
 async def _receive(websocket: WebSocket):
@@ -546,61 +551,11 @@ def _event_message(item) -> dict:
 
 
 async def _run_text_stream(websocket: WebSocket, service: SpeechService, params: TextStreamParams, references, settings):
-    """Pieces from the client go to `model.stream_text` in a worker thread; its audio (16-bit PCM)
-    and events come back. A client that goes away, or a session past the time limit, stops the
-    worker at its next frame or piece."""
-    loop = asyncio.get_running_loop()
-    pieces: queue.Queue = queue.Queue()
-    outbox: asyncio.Queue = asyncio.Queue()
-    cancelled, timed_out = threading.Event(), threading.Event()
-    deadline = time.perf_counter() + settings.request_timeout
+    """Pieces from the client go to `model.stream_text` in a worker thread (`TextStreamRun`); its
+    audio (16-bit PCM) and events come back. A client that goes away, or a session past the time
+    limit, stops the worker at its next frame or piece."""
     seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
-
-    def stop() -> bool:
-        if time.perf_counter() > deadline:
-            timed_out.set()
-        return cancelled.is_set() or timed_out.is_set()
-
-    def text():
-        while True:
-            try:
-                piece = pieces.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if stop():
-                    raise TextStreamCancelled("the text stream was cancelled") from None
-                continue
-            if piece is _END:
-                return
-            if piece is _CANCEL:
-                raise TextStreamCancelled("the text stream was cancelled")
-            yield piece
-
-    def work():
-        outcome = None
-        try:
-            # the whole stream, its codec's decodes included, at the service's codec thread count, as
-            # every take is decoded: this pool thread's own count would round the audio differently
-            with torch_threads(service.codec_threads):
-                for item in service.text_stream(params, references, seed, text(), stop):
-                    message = item
-                    if isinstance(item, AudioChunk):
-                        audio = item.audio.detach().cpu().float().numpy()
-                        message = pcm16(audio) if audio.size else None
-                    elif isinstance(item, (ChunkStarted, ChunkSpoken)):
-                        message = _event_message(item)
-                    if message is not None:
-                        loop.call_soon_threadsafe(outbox.put_nowait, message)
-        except TextStreamCancelled:
-            outcome = ApiError(504, "the text stream ran past its time limit", None, "timeout") if timed_out.is_set() else _CANCEL
-        except AdapterSlotsBusy as error:  # as /v1/audio/speech answers it: 429, retry shortly
-            outcome = ApiError(429, str(error), "voice", "adapter_slots_busy", {"Retry-After": str(RETRY_AFTER_SECONDS)})
-        except AdapterError as error:
-            outcome = _damaged_adapter(params.voice, error)
-        except ValueError as error:
-            outcome = ApiError(400, str(error), "text")
-        except Exception as error:  # a failed stream fails its client, not the server
-            outcome = _unexpected(error, "a text stream")
-        loop.call_soon_threadsafe(outbox.put_nowait, (_END, outcome))
+    run = TextStreamRun(service, params, references, seed, settings.request_timeout, pcm16, _unexpected)
 
     async def receive():
         index, received, held = 1, 0, []  # held: the pieces before the first letter or digit
@@ -613,53 +568,50 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
                 if piece is None:
                     if held is not None:  # the whole text had nothing to say: refused as HTTP refuses it
                         check_speakable("".join(held))
-                    pieces.put(_END)
+                    run.end()
                     return
                 received += len(piece)
                 if held is None:
-                    pieces.put(piece)
+                    run.put(piece)
                     continue
                 held.append(piece)
                 if speakable(piece):  # the text has something to say: speak it, from its first piece
                     for earlier in held:
-                        pieces.put(earlier)
+                        run.put(earlier)
                     held = None
         except ApiError as error:
-            cancelled.set()
-            pieces.put(_CANCEL)
-            await outbox.put((_END, error))
+            await run.fail(error)
         except WebSocketDisconnect:
-            cancelled.set()
-            pieces.put(_CANCEL)
+            run.cancel()
 
     rate = service.processor.sampling_rate
     await websocket.send_json({"type": "ready", "sample_rate": rate, "seed": seed, "response_format": params.response_format})
     if params.response_format == "wav":
         await websocket.send_bytes(streaming_wav_header(rate))
-    worker = asyncio.ensure_future(asyncio.to_thread(work))
+    run.start()
     receiver = asyncio.ensure_future(receive())
     started, first, frames, chunks = time.perf_counter(), None, 0, 0
     try:
         while True:
-            message = await outbox.get()
-            if isinstance(message, bytes):
+            item = await run.next()
+            if isinstance(item, bytes):
                 first = time.perf_counter() - started if first is None else first
-                await websocket.send_bytes(message)
-            elif isinstance(message, dict):
+                await websocket.send_bytes(item)
+            elif isinstance(item, (ChunkStarted, ChunkSpoken)):
+                message = _event_message(item)
                 if message["type"] == "chunk.done":
                     frames, chunks = frames + message["frames"], chunks + 1
                 await websocket.send_json(message)
             else:
-                outcome = message[1]
+                outcome = item.outcome
                 break
     except (WebSocketDisconnect, RuntimeError, OSError):
-        outcome = _CANCEL  # the client went away while audio was being sent
+        outcome = CANCELLED  # the client went away while audio was being sent
     if outcome is not None:
-        cancelled.set()
-    pieces.put(_CANCEL)  # a worker still waiting for text stops
+        run.cancel()
     receiver.cancel()
-    await worker
-    if outcome is _CANCEL:
+    await run.join()
+    if outcome is CANCELLED:
         service.metrics.count("cancelled")
         return
     if isinstance(outcome, ApiError):
@@ -725,8 +677,8 @@ async def _stream(service, take: _Take, request):
     stream with an error: SSE an `{"type": "error", "error": ...}` event (no `speech.audio.done`),
     raw audio a chunked stream cut before its last chunk (`StreamCut`)."""
     handle, params = take.handle, take.params
-    streamer = WaveformStreamer(service.processor.codec, handle.submitted)
-    output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed)
+    streamer = WaveformStreamer(service.processor.codec, handle.submitted, first_window=params.first_window)
+    output = OutputAudio(service.processor.sampling_rate, take.rate, params.speed, params.volume_db)
     sse = params.stream_format == "sse"
     first, made, samples, yielded = None, 0, 0, False  # made: samples at the model's rate; samples: as sent
 
@@ -736,7 +688,7 @@ async def _stream(service, take: _Take, request):
         event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
         return f"data: {json.dumps(event)}\n\n".encode()
 
-    encoder = stream_encoder(params.response_format, take.rate)
+    encoder = stream_encoder(params.response_format, take.rate, params.bit_rate)
     pending = encoder.head()  # held until the first audio: an error before it still gets its status
     try:
         while True:

@@ -90,9 +90,10 @@ class PyAVEncoder:
     """Samples in, the bytes of an FFmpeg-encoded format out as they are ready (`push`, `finish`).
 
     `output`: a seekable file (io.BytesIO) for a whole file, whose muxer may go back and fill in its
-    header (flac's length); None for a stream, whose bytes are handed out as they come."""
+    header (flac's length); None for a stream, whose bytes are handed out as they come. `bit_rate`:
+    bits per second for the lossy coders (None: the encoder's default)."""
 
-    def __init__(self, response_format: str, sampling_rate: int, output=None):
+    def __init__(self, response_format: str, sampling_rate: int, output=None, bit_rate: int | None = None):
         if av is None:
             raise ValueError(f"response_format: {response_format!r} needs PyAV (pip install av)")
         muxer, encoder = ENCODED[response_format]
@@ -104,6 +105,8 @@ class PyAVEncoder:
         self.stream = self.container.add_stream(encoder, rate=encoded_rate(response_format, sampling_rate), layout="mono")
         if response_format == "flac":
             self.stream.format = "s16"  # lossless 16-bit: the samples wav and pcm carry
+        if bit_rate is not None:  # bits per second; None: the encoder's default (LAME's 128k, libopus's own choice)
+            self.stream.bit_rate = bit_rate
         self.samples, self.closed = 0, False
 
     def head(self) -> bytes:
@@ -159,18 +162,20 @@ class _RawEncoder:
         pass
 
 
-def stream_encoder(response_format: str, sampling_rate: int):
+def stream_encoder(response_format: str, sampling_rate: int, bit_rate: int | None = None):
     """An encoder for a streamed take: `head()` (bytes to send at once), `push(samples) -> bytes` as
-    audio is made, `finish() -> bytes` at its end, `close()` when the stream ends early."""
+    audio is made, `finish() -> bytes` at its end, `close()` when the stream ends early. `bit_rate`:
+    bits per second of mp3, opus or aac (None: the encoder's default)."""
     if response_format == "pcm":
         return _RawEncoder()
     if response_format == "wav":
         return _RawEncoder(streaming_wav_header(sampling_rate))
-    return PyAVEncoder(response_format, sampling_rate)
+    return PyAVEncoder(response_format, sampling_rate, bit_rate=bit_rate)
 
 
-def encode(samples: np.ndarray, sampling_rate: int, response_format: str) -> bytes:
-    """A whole waveform [samples] as the bytes of `response_format` (one of `supported_formats()`)."""
+def encode(samples: np.ndarray, sampling_rate: int, response_format: str, bit_rate: int | None = None) -> bytes:
+    """A whole waveform [samples] as the bytes of `response_format` (one of `supported_formats()`);
+    `bit_rate` as `stream_encoder`'s."""
     if response_format == "pcm":
         return pcm16(samples)
     buffer = io.BytesIO()
@@ -179,7 +184,7 @@ def encode(samples: np.ndarray, sampling_rate: int, response_format: str) -> byt
         return buffer.getvalue()
     if response_format not in ENCODED or av is None:
         raise ValueError(f"response_format: {response_format!r} cannot be written; supported: {supported_formats()}")
-    encoder = PyAVEncoder(response_format, sampling_rate, output=buffer)
+    encoder = PyAVEncoder(response_format, sampling_rate, output=buffer, bit_rate=bit_rate)
     encoder.push(samples)
     encoder.finish()
     return buffer.getvalue()

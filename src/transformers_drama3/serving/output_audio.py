@@ -1,5 +1,6 @@
-"""A take's samples as a response carries them: time-stretched to the request's `speed` and
-resampled to the response's rate, whole or chunk by chunk with the same result.
+"""A take's samples as a response carries them: time-stretched to the request's `speed`,
+resampled to the response's rate and made louder or softer by its `volume_db`, whole or chunk by
+chunk with the same result.
 
 - `speed` (OpenAI's 0.25-4.0): FFmpeg's `atempo` filter through PyAV (the FFmpeg in the `av` wheel
   of the [serve] extra), which keeps the pitch. One atempo stage blends samples only within
@@ -8,6 +9,7 @@ resampled to the response's rate, whole or chunk by chunk with the same result.
 - The rate: `pcm` is OpenAI's 24 kHz (clients play it at 24 kHz without asking); `wav` stays at the
   model's rate (its header says the rate); a request's `sample_rate` sets either. Resampled with
   soxr's streaming resampler, whose chunks join to its one-shot resample sample for sample.
+- The volume (Fish Audio's `prosody.volume`, in dB): a gain, last.
 
 The stages keep their state between chunks, so a streamed take is the whole take, cut where its
 chunks were cut (tested).
@@ -118,18 +120,34 @@ class Resample:
         return self.stream.resample_chunk(np.zeros(0, np.float32), last=True)
 
 
+class Gain:
+    """Float samples times 10^(volume_db / 20): a loudness change in decibels (Fish Audio's
+    `prosody.volume`). Samples pushed past full scale are clipped where they become 16-bit."""
+
+    def __init__(self, volume_db: float):
+        self.factor = np.float32(10.0 ** (volume_db / 20.0))
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        return np.asarray(samples, dtype=np.float32) * self.factor
+
+    def finish(self) -> np.ndarray:
+        return np.zeros(0, np.float32)
+
+
 class OutputAudio:
     """A take's float samples at the model's rate -> the response's samples: `speed` applied, then
-    resampled to `rate`. `push(samples)` returns what is ready, `finish()` the rest; with speed 1.0
-    and the model's rate it passes samples through untouched."""
+    resampled to `rate`, then `volume_db` applied. `push(samples)` returns what is ready, `finish()`
+    the rest; with speed 1.0, the model's rate and 0 dB it passes samples through untouched."""
 
-    def __init__(self, model_rate: int, rate: int, speed: float = 1.0):
-        self.model_rate, self.rate, self.speed = model_rate, rate, speed
+    def __init__(self, model_rate: int, rate: int, speed: float = 1.0, volume_db: float = 0.0):
+        self.model_rate, self.rate, self.speed, self.volume_db = model_rate, rate, speed, volume_db
         self.stages = []
         if speed != 1.0:
             self.stages.append(TimeStretch(model_rate, speed))
         if rate != model_rate:
             self.stages.append(Resample(model_rate, rate))
+        if volume_db != 0.0:
+            self.stages.append(Gain(volume_db))
 
     def push(self, samples: np.ndarray) -> np.ndarray:
         for stage in self.stages:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..decoding.sampler import check_sampling_values
 from .audio_formats import STREAMABLE, supported_formats
+from .error_shapes import error_body
 from .json_bounds import JsonBounds, json_cost
 from .output_audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, can_stretch
 from .voices import VoiceReference, read_audio_bytes
@@ -70,9 +71,21 @@ class ApiError(Exception):
         self.param = param if param is None or len(param) <= 64 else param[:61] + "..."
         self.headers = headers  # e.g. Retry-After on a 429
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+    def body(self, path: str | None = None) -> dict:
+        """The error's JSON body as the route at `path` answers it (`error_shapes`: OpenAI's shape,
+        Fish Audio's on its routes)."""
+        return error_body(path, self.status, self.message, self.TYPES.get(self.status, "server_error"), self.param,
+                          self.code)
+
+
+RETRY_AFTER_SECONDS = 1
+"""What a 429 asks the client to wait (`Retry-After`): a slot frees as soon as one request ends."""
+
+
+def damaged_adapter(voice_id: str, error: Exception) -> ApiError:
+    """The 409 of a request for an adapter voice whose folder no longer loads (changed on disk)."""
+    return ApiError(409, f"voice: the fine-tuned voice {voice_id!r} cannot be loaded ({error}); register it again",
+                    "voice", "voice_damaged")
 
 
 class LongNumber:
@@ -138,7 +151,10 @@ class SpeechParams:
     """A checked speech request. voice: a voice id or None; references: inline references;
     stream_format: "audio" or "sse", None for the whole take in one body (`stream: false`);
     speed: the time-stretch factor (1.0: as spoken); sample_rate: the rate asked for pcm or wav
-    (None: the format's own, `output_audio.output_rate`)."""
+    (None: the format's own, `output_audio.output_rate`). Set by Fish Audio's door
+    (`fish_protocol`) only: volume_db, a gain in decibels; bit_rate, bits per second of a lossy
+    format (None: the encoder's default); first_window, frames of a stream's first audio chunk
+    (None: the codec's schedule)."""
 
     model: str | None
     input: str
@@ -152,6 +168,9 @@ class SpeechParams:
     max_new_tokens: int | None = None
     speed: float = 1.0
     sample_rate: int | None = None
+    volume_db: float = 0.0
+    bit_rate: int | None = None
+    first_window: int | None = None
 
 
 def _number(body: dict, name: str, low: float, high: float, integer: bool = False, low_open: bool = False):
@@ -194,8 +213,16 @@ def parse_voice(value) -> str | None:
 
 
 def decode_audio_field(value, location: str, limits: Limits, voice_ids: bool = True) -> tuple:
-    """Base64 audio (optionally a `data:` URL) -> (samples, rate). `voice_ids`: whether the field
-    could also have named a registered voice (the error says so only then)."""
+    """Base64 audio (optionally a `data:` URL), or the file's bytes themselves (a MessagePack
+    binary: Fish Audio's `references`) -> (samples, rate). `voice_ids`: whether the field could
+    also have named a registered voice (the error says so only then)."""
+    if isinstance(value, (bytes, bytearray)) and value:
+        if len(value) > limits.max_reference_bytes:
+            raise ApiError(413, f"{location}: the audio is over {limits.max_reference_bytes} bytes", location)
+        try:
+            return read_audio_bytes(bytes(value), location)
+        except ValueError as error:
+            raise ApiError(400, str(error), location) from None
     if not isinstance(value, str) or not value:
         expected = "base64 audio or a registered voice id" if voice_ids else "base64 audio"
         raise ApiError(400, f"{location}: expected {expected}", location)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 from urllib.parse import urlsplit
 
+from .error_shapes import error_body
+
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 """The names of this machine no DNS answer can rebind."""
 WILDCARD_ADDRESSES = ("", "0.0.0.0", "::", "[::]")
@@ -46,9 +48,9 @@ class Refusal(Exception):
         super().__init__(message)
         self.status, self.message, self.error_type, self.code, self.close = status, message, error_type, code, close
 
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": self.error_type, "param": None, "code": self.code}
-        return json.dumps({"error": error}).encode("ascii")
+    def body(self, path: str | None = None) -> bytes:
+        """The refusal as the route at `path` answers errors (`error_shapes`)."""
+        return json.dumps(error_body(path, self.status, self.message, self.error_type, None, self.code)).encode("ascii")
 
 
 def host_name(value: str) -> str:
@@ -153,7 +155,7 @@ class RequestGuard:
 
 async def _refuse(scope, receive, send, refusal: Refusal) -> None:
     """Answer `refusal` as an HTTP response (a WebSocket handshake too, where the server can)."""
-    body = refusal.body()
+    body = refusal.body(scope.get("path"))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if refusal.close:
         headers.append((b"connection", b"close"))

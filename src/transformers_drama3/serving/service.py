@@ -223,15 +223,17 @@ class SpeechService:
             seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
         )
 
-    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None):
+    def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None,
+                    first_window: int | None = None):
         """`model.stream_text` for a checked `start` message: its items (audio chunks, events);
         sampling as the model's generation config says, then `preset`, then the message's fields;
-        a fine-tuned voice speaks with its adapter."""
+        a fine-tuned voice speaks with its adapter. `first_window`: frames of each turn's first
+        audio chunk (None: the codec's schedule)."""
         stream = self.model.stream_text(
             pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
             preset=preset,
             max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
-            **params.sampling,
+            first_window=first_window, **params.sampling,
         )
         adapter = self.adapter_of(params.voice)
         return stream if adapter is None else adapter_stream(self.adapters, adapter, stream)
