@@ -29,7 +29,7 @@ from fastapi import Request, WebSocket, WebSocketDisconnect
 
 from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken
-from .app import ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason, speak
+from .speech_answer import ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason, speak
 from .audio_formats import stream_encoder
 from .fish_protocol import FishRequest, fish_live_start, fish_speech, load_msgpack, media_loader
 from .output_audio import OutputAudio
@@ -63,7 +63,7 @@ def add_fish_routes(app, settings, get_service, slots) -> None:
         body = await asyncio.to_thread(loader, raw)  # counted, then unpacked, off the event loop
         fish = await asyncio.to_thread(fish_speech, body, request.headers.get("model"), service.model_name,
                                        settings.limits, service.has_voice)  # reference clips are read here
-        return await speak(service, _with_voice(fish.speech, service, settings), request, settings)
+        return await speak(service, _with_voice(fish.speech, service, settings), request, settings.request_timeout)
 
     @app.websocket(LIVE_PATH)
     async def fish_live(websocket: WebSocket):
