@@ -39,7 +39,8 @@ CLIENTS = {
     # the releases the client tests were written against; pinned so that a client's release cannot
     # turn CI red on its own (bump them here, and the environments rebuild)
     "clients": ("3.10", ["pipecat-ai[openai]==1.14.0", "livekit-agents==1.8.9", "livekit-plugins-openai==1.8.9",
-                         "litellm==1.110.2", "openai==3.63.0"]),
+                         "litellm==1.110.2", "openai==3.63.0", "fish-audio-sdk==1.3.0",
+                         "livekit-plugins-fishaudio==1.8.9"]),
     "wyoming": ("3.12", ["wyoming-openai==0.8.0"]),
 }
 
