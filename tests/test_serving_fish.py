@@ -8,6 +8,7 @@ speaks two utterances on one socket, each flushed segment as `model.stream_text`
 ends an utterance that fails with `finish` / `error`.
 """
 
+import functools
 import io
 import json
 import time
@@ -129,13 +130,19 @@ def test_references_as_bytes_speak_as_the_stored_voice_of_the_same_clip(server):
     assert_same_take(inline.content, stored.content)
 
 
+@functools.lru_cache(maxsize=None)
+def raw_take(port: int, rate: int | None):
+    """The take of seed 6 as raw pcm at `rate` (asked once per rate: the formats share it)."""
+    return fish(port, request(format="pcm", sample_rate=rate, seed=6))
+
+
 @pytest.mark.parametrize("fmt, rate, media", [("wav", 8000, "audio/wav"), ("wav", None, "audio/wav"),
                                               ("mp3", 32000, "audio/mpeg"), ("mp3", None, "audio/mpeg"),
                                               ("opus", None, "audio/ogg"), ("opus", 48000, "audio/ogg")])
 def test_every_format_decodes_at_the_asked_rate_and_lasts_the_take(server, fmt, rate, media):
     port, _ = server
     response = fish(port, request(format=fmt, sample_rate=rate, seed=6))
-    raw = fish(port, request(format="pcm", sample_rate=rate if fmt != "opus" else 48000, seed=6))
+    raw = raw_take(port, rate if fmt != "opus" else 48000)
     assert response.status_code == 200 and response.headers["content-type"] == media
     expected_rate = rate or {"wav": 44100, "mp3": 44100, "opus": 48000}[fmt]
     samples, decoded_rate = decoded(response.content)
