@@ -39,7 +39,7 @@ from transformers import CompileConfig
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun
-from transformers_drama3.decoding.sampler import Drama3Sampler, SamplingSettings, prompt_window
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.threads import available_cores, busy_cores_elsewhere, decode_threads, torch_threads
 
 CONFIGS = {
@@ -134,11 +134,18 @@ def steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path: str):
     return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, compile_config=compile_config).steps_ahead()
 
 
+def sampler_of(model, input_ids, mask, frames: int):
+    """(sampler, budgets [batch]) of a prompt decoded for `frames` frames with the serving defaults,
+    as `generate()` resolves them."""
+    options = RequestOptions(max_new_tokens=frames, expected_seconds=frames / model.config.frame_rate)
+    request = resolve_request(model, input_ids, mask, options)
+    return make_sampler(model, request), request.budgets
+
+
 def run(model, batch: int, rows: int, frames: int, path: str = "eager") -> tuple[float, float]:
     """(prefill seconds, decode seconds) for `frames` frames of a batch."""
     input_ids, audio_codes, mask = prompt_of(model, batch, rows)
-    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
-    budgets = torch.full((batch,), frames)
+    sampler, budgets = sampler_of(model, input_ids, mask, frames)
     started = time.perf_counter()
     steps = steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path)
     next(steps)  # prefill + first frame
@@ -173,8 +180,8 @@ class OpCounter(TorchDispatchMode):
 def ops_per_step(model, path: str = "eager") -> tuple[int, int]:
     """(ATen ops, `_to_copy` casts) of one decode step of batch 1, after a few warm steps."""
     input_ids, audio_codes, mask = prompt_of(model, 1, 16)
-    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
-    steps = steps_of(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8), path)
+    sampler, budgets = sampler_of(model, input_ids, mask, 8)
+    steps = steps_of(model, input_ids, audio_codes, mask, sampler, budgets, path)
     next(steps), next(steps)
     counter = OpCounter()
     with counter:
@@ -186,8 +193,8 @@ def graph_of_one_step(model) -> tuple[int, int, int]:
     """(graphs, graph breaks, ops in the graphs) of one step (`draw` + `feed`), as
     `torch._dynamo.explain` sees them."""
     input_ids, audio_codes, mask = prompt_of(model, 1, 16)
-    sampler = Drama3Sampler(SamplingSettings(), model.speech_token_ids(), prompt_window(input_ids, mask))
-    run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, torch.full((1,), 8))
+    sampler, budgets = sampler_of(model, input_ids, mask, 8)
+    run = DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets)
     run.cache.mark_static()
     for part in run.cache.parts:
         run.cache.open_window(part, 1)

@@ -114,7 +114,7 @@ from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.accounting import account
 from transformers_drama3.codec import Drama3CodecConfig, Drama3CodecModel
 from transformers_drama3.decoding.loop import DecodeRun, default_compile_config
-from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.state import compiled_capacity
 from transformers_drama3.planning import GIB, plan_memory
@@ -505,8 +505,9 @@ def prefilled_run(model, batch: int, rows: int, frames: int, device: str, compil
     """A decode run of `frames` frames per item (the serving defaults' sampler, seed 0) with a random
     prompt of `rows` rows prefilled, through the library's public loop."""
     input_ids, audio_codes, mask = prompt(model, batch, rows, device)
-    request = resolve_request(model, SamplingSettings(), input_ids, mask, frames, frames / model.config.frame_rate)
-    sampler = make_sampler(model, request, input_ids, mask, seed=0)
+    options = RequestOptions(SamplingSettings(), seed=0, max_new_tokens=frames, expected_seconds=frames / model.config.frame_rate)
+    request = resolve_request(model, input_ids, mask, options)
+    sampler = make_sampler(model, request)
     budgets = torch.full((batch,), frames, dtype=torch.long)
     return DecodeRun.prefilled(model, input_ids, audio_codes, mask, sampler, budgets, request.separators,
                                compile_config=compile_config, prefill_graphs=prefill_graphs)

@@ -1,8 +1,9 @@
 """The `drama3` console script: parse the command line, then import the package and run it.
 
 Importing the package imports torch and transformers (seconds), which `--help` and a mistyped flag
-should not wait for. So the parser's module, `transformers_drama3.cli_arguments` (standard library
-only), is loaded from the package's folder without running the package's `__init__`; the package
+should not wait for. So the parser's module, `transformers_drama3.cli_arguments`, and the option
+schema its flags are made from, `transformers_drama3.decoding.options` (both standard library
+only), are loaded from the package's folder without running the package's `__init__`; the package
 itself is imported once there is work to do, and `transformers_drama3.cli.run` does it.
 """
 
@@ -13,20 +14,25 @@ import sys
 from pathlib import Path
 
 ARGUMENTS_MODULE = "transformers_drama3.cli_arguments"
+STANDALONE_MODULES = ("transformers_drama3.decoding.options", ARGUMENTS_MODULE)
+"""The modules the parser needs, in import order: each imports only the standard library and those before it."""
 
 
 def load_arguments_module():
     """`transformers_drama3.cli_arguments`, loaded from its file without importing the package (the
-    package's own `from .cli_arguments import ...` later finds this same module in `sys.modules`)."""
-    if ARGUMENTS_MODULE in sys.modules:
-        return sys.modules[ARGUMENTS_MODULE]
+    package's own `from .cli_arguments import ...` later finds this same module in `sys.modules`),
+    after the option schema it reads, loaded the same way."""
     package = importlib.util.find_spec("transformers_drama3")  # finds the folder, runs nothing
-    path = Path(package.submodule_search_locations[0]) / "cli_arguments.py"
-    spec = importlib.util.spec_from_file_location(ARGUMENTS_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[ARGUMENTS_MODULE] = module
-    spec.loader.exec_module(module)
-    return module
+    folder = Path(package.submodule_search_locations[0])
+    for name in STANDALONE_MODULES:
+        if name in sys.modules:
+            continue
+        path = folder.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[ARGUMENTS_MODULE]
 
 
 def main(argv: list[str] | None = None) -> int:

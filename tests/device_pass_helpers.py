@@ -18,7 +18,7 @@ from transformers import CompileConfig
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.decoding.loop import DecodeRun
-from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.kernels.cuda_paths import cuda_stand_in
 
@@ -47,9 +47,10 @@ def meta_run(model, prompt_seed: int = 1, compile_config=EAGER_GRAPHS, settings=
     path taken (`cuda_stand_in`)."""
     ids, codes = prompt(prompt_seed)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = resolve_request(model, settings or SamplingSettings(top_k=8), ids, mask, 12, 1.0, None)
+    options = RequestOptions(settings or SamplingSettings(top_k=8), seed, max_new_tokens=12, expected_seconds=1.0)
+    request = resolve_request(model, ids.to(META), mask.to(META), options)
     with cuda_stand_in("meta"):
-        sampler = make_sampler(model, request, ids.to(META), mask.to(META), seed)
+        sampler = make_sampler(model, request)
         return DecodeRun.prefilled(model, ids.to(META), codes.to(META), mask.to(META), sampler, request.budgets,
                                    compile_config=compile_config, prefill_graphs=True)
 

@@ -16,7 +16,7 @@ from generation_helpers import SEPARATOR, line_model, line_prompt, ops_serve_cpu
 from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
 from transformers_drama3.decoding.sampler import SamplingSettings
-from transformers_drama3.decoding.request import make_sampler
+from transformers_drama3.decoding.request import RequestOptions, make_sampler
 from transformers_drama3.decoding.request import resolve_request as _resolve_request
 from transformers_drama3.kernels import fused_step
 from transformers_drama3.kernels.capture_check import NotCapturable, capture_report, check_capturable
@@ -165,8 +165,9 @@ def test_the_decode_step_draw_feed_and_both_in_one_are_each_capturable(settings,
     model = line_model(seed=0) if separator else tiny_model(seed=0)
     ids, codes = line_prompt(1) if separator else prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = _resolve_request(model, SamplingSettings(**settings), ids, mask, 20, 1.0, SEPARATOR if separator else None)
-    sampler = make_sampler(model, request, ids, mask, seed)
+    options = RequestOptions(SamplingSettings(**settings), max_new_tokens=20, expected_seconds=1.0)
+    request = _resolve_request(model, ids, mask, options, separator_id=SEPARATOR if separator else None)
+    sampler = make_sampler(model, request.reseeded(seed))
     # a compile config marks the cache static and sizes it as a compiled run does; the backend is unused
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
                               compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
@@ -193,8 +194,9 @@ def test_the_decode_step_with_its_sizes_symbolic_is_capturable_through_the_decod
     prompts = [line_prompt(seed) for seed in (1, 2, 3)]
     ids, codes = torch.stack([ids for ids, _ in prompts]), torch.stack([codes for _, codes in prompts])
     mask = torch.ones_like(ids)
-    request = _resolve_request(model, SamplingSettings(top_k=8, top_p=0.9), ids, mask, 20, 1.0, SEPARATOR)
-    sampler = make_sampler(model, request, ids, mask, 4)
+    options = RequestOptions(SamplingSettings(top_k=8, top_p=0.9), max_new_tokens=20, expected_seconds=1.0)
+    request = _resolve_request(model, ids, mask, options, separator_id=SEPARATOR)
+    sampler = make_sampler(model, request.reseeded(4))
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
                               compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
     run.cache.open_window(run.cache.tower_part, 1)
@@ -217,8 +219,9 @@ def test_float32_experts_read_their_offsets_on_the_host_unless_the_step_switches
     model = tiny_model(seed=0)
     ids, codes = prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = _resolve_request(model, SamplingSettings(do_sample=False), ids, mask, 20, 1.0, None)
-    run = DecodeRun.prefilled(model, ids, codes, mask, make_sampler(model, request, ids, mask, None), request.budgets,
+    options = RequestOptions(SamplingSettings(do_sample=False), max_new_tokens=20, expected_seconds=1.0)
+    request = _resolve_request(model, ids, mask, options)
+    run = DecodeRun.prefilled(model, ids, codes, mask, make_sampler(model, request), request.budgets,
                               compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))
     run.cache.open_window(run.cache.backbone_part, 1)
     main_ids = torch.full((1,), model.config.semantic_start_token_id + 3)

@@ -18,7 +18,7 @@ from transformers_drama3.decoding import step as decode_step
 from transformers_drama3.decoding.loop import DecodeRun, compiled_functions
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.state import MIN_COMPILED_CAPACITY, compiled_capacity
-from transformers_drama3.decoding.request import make_sampler, resolve_decoding
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_decoding
 from transformers_drama3.decoding.request import resolve_request as _resolve_request
 from transformers_drama3.tiny.shipped import reference_voice
 
@@ -43,8 +43,9 @@ def opened_run(model, settings: SamplingSettings, seed, separator: bool = False,
     """A run right after its prefill (batch 1, budget 20 frames)."""
     ids, codes = line_prompt(1) if separator else prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = _resolve_request(model, settings, ids, mask, 20, 1.0, SEPARATOR if separator else None)
-    sampler = make_sampler(model, request, ids, mask, seed)
+    options = RequestOptions(settings, max_new_tokens=20, expected_seconds=1.0)
+    request = _resolve_request(model, ids, mask, options, separator_id=SEPARATOR if separator else None)
+    sampler = make_sampler(model, request.reseeded(seed))
     return DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
                                compile_config=compile_config)
 
@@ -72,7 +73,8 @@ def test_the_prefill_writes_the_states_a_growing_cache_holds(model):
     """Keys, values and Gated DeltaNet states of a left-padded prefill, written into the
     preallocated columns, equal those of the plain growing cache; columns past the prompt stay empty."""
     ids, codes, mask = left_pad([prompt(1), prompt(2, audio_rows=1)])
-    sampler = make_sampler(model, _resolve_request(model, SamplingSettings(), ids, mask, 8, 1.0), ids, mask, 0)
+    options = RequestOptions(SamplingSettings(), seed=0, max_new_tokens=8, expected_seconds=1.0)
+    sampler = make_sampler(model, _resolve_request(model, ids, mask, options))
     run = DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor([8, 8]))
     growing = GrowingCache.empty(model.config)
     hidden = model.prefill(ids, codes, mask, growing)

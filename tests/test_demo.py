@@ -104,17 +104,22 @@ def test_brackets_in_the_directors_note_are_refused_naming_the_note(director):
 
 
 def test_bad_sampling_numbers_are_refused_naming_their_field(director):
-    assert error_of(lambda: director.settings("model default", None, -1, 0, 0, 0)).startswith("Temperature")
-    assert error_of(lambda: director.settings("model default", None, 0, 1.5, 0, 0)).startswith("Top-p")
-    assert error_of(lambda: director.settings("model default", -3, 0, 0, 0, 0)).startswith("Seed")
-    assert error_of(lambda: director.settings("loud", None, 0, 0, 0, 0)).startswith("Preset")
+    assert error_of(lambda: director.settings("model default", temperature=-1)).startswith("Temperature")
+    assert error_of(lambda: director.settings("model default", top_p=1.5)).startswith("Top-p")
+    assert error_of(lambda: director.settings("model default", seed=-3)).startswith("Seed")
+    assert error_of(lambda: director.settings("loud")).startswith("Preset")
 
 
-def test_zero_leaves_sampling_to_the_preset_and_no_seed_draws_one(director):
-    settings = director.settings("paper evaluation", None, 0, 0, 0, 0)
+def test_empty_fields_leave_sampling_to_the_preset_and_no_seed_draws_one(director):
+    settings = director.settings("paper evaluation", seed=None, temperature=None, top_p="", top_k=None)
     assert settings.preset == "paper-eval"
-    assert settings.sampling == {"temperature": None, "top_p": None, "top_k": None}
-    assert 0 <= settings.seed < 2**31 and settings.max_new_tokens is None
+    assert settings.options == {}
+    assert 0 <= settings.seed < 2**31
+
+
+def test_a_field_set_to_zero_is_a_value_as_in_every_other_door(director):
+    settings = director.settings("model default", temperature=0, top_k=0.0)  # greedy; no top-k (a field gives 0.0)
+    assert settings.options == {"temperature": 0, "top_k": 0}
 
 
 def test_each_speakers_voice_clones_that_speaker(director):
@@ -146,7 +151,7 @@ def test_revising_before_any_take_is_refused_naming_the_revision_note(director):
 def test_a_take_streams_its_audio_and_its_revision_keeps_each_turns_take_in_context(director):
     voices = bundled("A", "B")
     script = director.script("<|speaker:0|> Good morning. <|speaker:1|> Hello there.", "", voices)
-    settings = director.settings("model default", 3, 0, 0, 0, FRAMES)
+    settings = director.settings("model default", seed=3, max_new_tokens=FRAMES)
     updates = list(director.speak(director.scene_requests(script, voices), settings, 1))
     streamed = np.concatenate([update.audio for update in updates if update.audio is not None])
     last = updates[-1]
@@ -205,7 +210,7 @@ def test_the_voice_panel_offers_every_bundled_voice(director):
 def test_a_caller_stepping_an_engine_without_its_thread_gets_the_take_the_thread_gives(demo_backend):
     service = demo_backend.service
     references = service.voices.references("A")
-    job = service.job_of_rows(service.processor(Script("Good morning.", references)), None, {}, seed=4, max_new_tokens=12)
+    job = service.job_of_rows(service.processor(Script("Good morning.", references)), None, {"seed": 4, "max_new_tokens": 12})
     expected = service.engine.submit(job).result(timeout=120)
     stepped = Drama3Engine(service.model, max_batch=2)  # never started: driven_events steps it
     events = list(driven_events(stepped, stepped.submit(job)))

@@ -51,7 +51,7 @@ def test_a_fine_tuned_voice_speaks_the_merged_models_take(demo):
     script = director.script("Good morning to you, and welcome back.", "", voices)
     requests = director.scene_requests(script, voices)
     assert [request.adapter for request in requests] == ["calm"]
-    settings = director.settings("model default", 4, None, None, None, FRAMES)
+    settings = director.settings("model default", seed=4, max_new_tokens=FRAMES)
     take = [update for update in director.speak(requests, settings, 1)][-1].take
     job = director.job(requests[0], settings, settings.seed)
     assert job.adapter == "calm"

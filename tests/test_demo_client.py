@@ -9,9 +9,12 @@ import soundfile
 pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
+from transformers_drama3.serving.director import TAKE_OPTIONS  # noqa: E402
+
 SCENE = "<|speaker:0|> Good morning to you. <|speaker:1|> Hello there."
 VOICES = ["A", None, "", "B", None, "", "B", None, "", "A", None, ""]  # (voice, clip, transcript) per speaker
-SAMPLING = ["model default", 5, 0, 0, 0, 24]  # preset, seed, temperature, top-p, top-k, max frames
+# preset, then the sampling panel's fields in the option schema's order: seed 5, max frames 24, the others empty
+SAMPLING = ["model default", *({"seed": 5, "max_new_tokens": 24}.get(option.name) for option in TAKE_OPTIONS)]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def test_concurrent_users_each_get_their_own_take(demo_url):
     """Three sessions ask for the same take at once: they share the engine's batch, and their
     streams carry equal chunks, which must not collide on the way to the page."""
     clients = [gradio_client.Client(demo_url, verbose=False) for _ in range(3)]
-    sampling = ["model default", 11, 0, 0, 0, 16]
+    sampling = ["model default", *({"seed": 11, "max_new_tokens": 16}.get(option.name) for option in TAKE_OPTIONS)]
     jobs = [client.submit("Hello there.", "", *sampling, *VOICES, api_name="/generate") for client in clients]
     reports = [job.result(timeout=240)[2] for job in jobs]
     assert all(report.startswith("**Take 1**") and "seed 11" in report for report in reports)

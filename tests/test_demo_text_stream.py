@@ -80,7 +80,7 @@ def test_bad_fields_are_refused_naming_the_field(director, text, rate, chunk, fi
 
 def test_an_unknown_voice_is_refused_naming_the_voice_before_any_text_is_read(director):
     feed = director.arriving_text(TEXT, 50, 24)
-    settings = TakeSettings(None, {}, 1, FRAMES)
+    settings = TakeSettings(None, {"max_new_tokens": FRAMES}, 1)
     message = error_of(lambda: next(director.speak_as_it_arrives(feed, VoiceChoice(0, "nobody"), settings, 24)))
     assert message.startswith("Speaker 0 voice: no voice 'nobody'") and feed.read == 0
 
@@ -88,7 +88,7 @@ def test_an_unknown_voice_is_refused_naming_the_voice_before_any_text_is_read(di
 @pytest.mark.slow
 def test_audio_starts_before_the_last_word_is_read_and_every_chunk_is_spoken(director):
     feed = director.arriving_text(TEXT, 50, 24)
-    settings = TakeSettings(None, {}, 3, FRAMES)
+    settings = TakeSettings(None, {"max_new_tokens": FRAMES}, 3)
     read_at_first_audio, updates = None, []
     for update in director.speak_as_it_arrives(feed, VoiceChoice(0, "A"), settings, 24):
         if update.audio is not None and read_at_first_audio is None:

@@ -14,7 +14,7 @@ from transformers import CompileConfig
 from generation_helpers import left_pad, prompt, recorded_step_order, tiny_model
 from transformers_drama3.decoding import loop
 from transformers_drama3.decoding.loop import DecodeRun, PendingStep, RunFedAhead, compiled_functions
-from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.steady_guards import graphs_of
 from transformers_drama3.decoding.step import StepOutput
@@ -46,8 +46,8 @@ def batch_run(model, settings: SamplingSettings, seed, compile_config=None) -> D
     """Three left-padded prompts, prefilled, with budgets of 5, 12 and 30 frames: the items end at
     different steps (on the model's device)."""
     ids, codes, mask = (tensor.to(model.device) for tensor in left_pad([prompt(1), prompt(2, audio_rows=1), prompt(3)]))
-    request = resolve_request(model, settings, ids, mask, max(BUDGETS), 1.0)
-    sampler = make_sampler(model, request, ids, mask, seed)
+    request = resolve_request(model, ids, mask, RequestOptions(settings, seed, max(BUDGETS), expected_seconds=1.0))
+    sampler = make_sampler(model, request)
     return DecodeRun.prefilled(model, ids, codes, mask, sampler, torch.tensor(BUDGETS, device=model.device),
                                compile_config=compile_config)
 

@@ -57,7 +57,7 @@ def test_the_sdk_s_request_maps_onto_the_speech_request():
         ("Good morning to you all.", None, "mp3", "audio")
     assert speech.sample_rate == 44100  # Fish Audio's rate when none is asked
     assert speech.bit_rate == 128_000 and speech.first_window == 5  # balanced: a 5-frame first chunk
-    assert speech.sampling == {"temperature": 0.7, "top_p": 0.7} and speech.max_new_tokens == 1024
+    assert speech.options == {"temperature": 0.7, "top_p": 0.7, "max_new_tokens": 1024}  # the option schema's
     assert (speech.speed, speech.volume_db, speech.references, speech.seed) == (1.0, 0.0, [], None)
     assert fish.chunk_bytes == 200
 
@@ -95,8 +95,8 @@ def test_nulls_unknown_keys_and_ignored_fields_of_any_value_are_accepted():
             "early_stop_threshold": "high", "features": None, "repetition_penalty": -3, "something_new": {"a": [1]},
             "prosody": {"normalize_loudness": "maybe"}}
     speech = mapped(body).speech
-    assert (speech.response_format, speech.sample_rate, speech.first_window, speech.max_new_tokens) == ("mp3", 44100, None, None)
-    assert mapped({"text": "Hi there.", "max_new_tokens": 0}).speech.max_new_tokens is None  # Fish's 0: the default
+    assert (speech.response_format, speech.sample_rate, speech.first_window, speech.options) == ("mp3", 44100, None, {})
+    assert mapped({"text": "Hi there.", "max_new_tokens": 0}).speech.options == {}  # Fish's 0: the default
 
 
 def test_prosody_maps_onto_speed_and_volume_and_latency_onto_the_first_window():

@@ -8,7 +8,8 @@ from generation_helpers import (
     NUM_CODEBOOKS, SEMANTIC_START, left_pad, prompt, reference_greedy, script_main_tokens, tiny_model,
 )
 from transformers import GenerationConfig
-from transformers_drama3.decoding.sampler import PAPER_EVALUATION, SERVING_DEFAULTS, resolve_settings
+from transformers_drama3.decoding.request import resolve_settings
+from transformers_drama3.decoding.sampler import PAPER_EVALUATION, SERVING_DEFAULTS
 from transformers_drama3.generation_drama3 import Drama3GenerationOutput
 
 

@@ -14,7 +14,7 @@ from generation_helpers import prompt, tiny_model
 from transformers_drama3.decoding.loop import (
     DecodeRun, _prefill_rows, capturable_experts, left_padded, prefill_bucket,
 )
-from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.state import DecodeCache
 from transformers_drama3.kernels.capture_check import check_capturable
@@ -45,8 +45,8 @@ def test_left_padding_keeps_the_rows_and_masks_the_padding():
 
 def opened(model, ids, codes, prefill_graphs, compile_config=EAGER_GRAPHS, seed=3):
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = resolve_request(model, SamplingSettings(top_k=8), ids, mask, 12, 1.0, None)
-    sampler = make_sampler(model, request, ids, mask, seed)
+    request = resolve_request(model, ids, mask, RequestOptions(SamplingSettings(top_k=8), seed, 12, expected_seconds=1.0))
+    sampler = make_sampler(model, request)
     return DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, compile_config=compile_config,
                                prefill_graphs=prefill_graphs)
 

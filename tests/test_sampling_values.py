@@ -1,4 +1,4 @@
-"""One check of sampling values (`decoding.sampler.check_sampling_values`) for every entry point:
+"""One check of sampling values (`decoding.options.check_options`) for every entry point:
 `generate()`, the CLI and the demo refuse the same values, one past each limit, naming them."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.cli import CommandError, _check_say_arguments, build_parser
-from transformers_drama3.decoding.sampler import MAX_TEMPERATURE, MAX_TOP_K, check_sampling_values
+from transformers_drama3.decoding.options import MAX_TEMPERATURE, MAX_TOP_K, check_options
 
 ACCEPTED = [
     {"temperature": 0}, {"temperature": MAX_TEMPERATURE}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 0},
@@ -25,13 +25,13 @@ REFUSED = [
 
 @pytest.mark.parametrize("values", ACCEPTED, ids=str)
 def test_values_at_each_limit_are_accepted(values):
-    check_sampling_values(values)
+    check_options(values)
 
 
 @pytest.mark.parametrize("values, name", REFUSED, ids=str)
 def test_values_one_past_each_limit_are_refused_naming_the_field(values, name):
     with pytest.raises(ValueError, match=f"^{name}="):
-        check_sampling_values(values)
+        check_options(values)
 
 
 @pytest.mark.parametrize("values, name", [case for case in REFUSED if case[1] != "max_new_tokens"], ids=str)
@@ -56,23 +56,24 @@ def test_the_demo_refuses_what_the_check_refuses():
 
     director = Director.__new__(Director)
     with pytest.raises(gradio.Error, match="Temperature: temperature=10.5"):
-        director.settings("serving", 1, 10.5, None, None, None)
+        director.settings("serving", seed=1, temperature=10.5)
     with pytest.raises(gradio.Error, match="Top-p: top_p=1.5"):
-        director.settings("serving", 1, None, 1.5, None, None)
+        director.settings("serving", seed=1, top_p=1.5)
 
 
 @pytest.mark.parametrize("values, name", [case for case in REFUSED if case[1] in ("temperature", "top_p", "top_k")], ids=str)
 def test_the_http_protocol_refuses_what_the_check_refuses_naming_the_field(values, name):
     pytest.importorskip("fastapi")
-    from transformers_drama3.serving.protocol import ApiError, _sampling
+    from transformers_drama3.serving.protocol import ApiError, Limits, request_options
 
     with pytest.raises(ApiError) as refused:
-        _sampling(values)
+        request_options(values, "http", Limits())
     assert refused.value.param == name and str(refused.value).startswith(f"{name}=")
 
 
 def test_the_http_protocol_takes_what_the_check_takes():
     pytest.importorskip("fastapi")
-    from transformers_drama3.serving.protocol import _sampling
+    from transformers_drama3.serving.protocol import Limits, request_options
 
-    assert _sampling({"temperature": 10, "top_p": 1.0, "top_k": 0}) == {"temperature": 10, "top_p": 1.0, "top_k": 0}
+    values = {"temperature": 10, "top_p": 1.0, "top_k": 0}
+    assert request_options(values, "http", Limits()) == values

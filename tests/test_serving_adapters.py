@@ -451,7 +451,7 @@ def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
 
     from transformers_drama3.decoding import step as decode_step
     from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
-    from transformers_drama3.decoding.request import make_sampler, resolve_request
+    from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
     from transformers_drama3.kernels.capture_check import check_capturable
 
     model = tiny_model(seed=0)
@@ -460,8 +460,8 @@ def test_the_decode_step_with_adapter_slots_stays_capturable(tmp_path):
     registry.register("a", tmp_path / "a")
     ids, codes = prompt(1)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = resolve_request(model, SamplingSettings(top_p=0.9), ids, mask, 20, 1.0, None)
-    sampler = make_sampler(model, request, ids, mask, 3)
+    request = resolve_request(model, ids, mask, RequestOptions(SamplingSettings(top_p=0.9), 3, 20, expected_seconds=1.0))
+    sampler = make_sampler(model, request)
     with registry.use("a"):
         run = DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, request.separators,
                                   compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager", mode=None))

@@ -293,10 +293,11 @@ def test_the_engine_steps_a_request_as_the_decode_run_of_generate_steps_it_alone
 
 
 def _budget_of(model, request: SpeechJob):
+    from transformers_drama3.decoding.request import RequestOptions
     from transformers_drama3.decoding.request import resolve_request as _resolve_request
 
-    resolved = _resolve_request(model, request.settings, request.input_ids, torch.ones_like(request.input_ids),
-                                request.max_new_tokens, None)
+    options = RequestOptions(request.settings, max_new_tokens=request.max_new_tokens)
+    resolved = _resolve_request(model, request.input_ids, torch.ones_like(request.input_ids), options)
     return resolved, int(resolved.budgets[0]), float(resolved.expected_frames[0])
 
 

@@ -4,10 +4,9 @@ by name, with its status. Checked on the request parser the routes call, before 
 
 import pytest
 
-from transformers_drama3.decoding.sampler import MAX_TEMPERATURE, MAX_TOP_K
+from transformers_drama3.decoding.options import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
 from transformers_drama3.prompting import CHUNK_BYTES
 from transformers_drama3.serving.protocol import (
-    MAX_SEED,
     MIN_CHUNK_BYTES,
     ApiError,
     Limits,

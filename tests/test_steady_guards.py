@@ -9,7 +9,7 @@ from transformers import CompileConfig
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3.decoding.loop import DecodeRun, compiled_functions
-from transformers_drama3.decoding.request import make_sampler, resolve_request
+from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.steady_guards import CHECK_EVERY, GuardsChangedInRun, SteadyGuards, graphs_of
 from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, SpeechJob
@@ -78,8 +78,9 @@ def model():
 def opened(model, compile_config, budget):
     ids, codes = prompt(4)
     ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
-    request = resolve_request(model, SamplingSettings(temperature=1.5, top_p=1.0), ids, mask, budget, 10.0)
-    sampler = make_sampler(model, request, ids, mask, seed=25)  # a take that runs to its budget
+    options = RequestOptions(SamplingSettings(temperature=1.5, top_p=1.0), max_new_tokens=budget, expected_seconds=10.0)
+    request = resolve_request(model, ids, mask, options)
+    sampler = make_sampler(model, request.reseeded(25))  # a take that runs to its budget
     return DecodeRun.prefilled(model, ids, codes, mask, sampler, request.budgets, compile_config=compile_config)
 
 

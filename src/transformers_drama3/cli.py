@@ -23,7 +23,7 @@ import soundfile
 import torch
 
 from .accounting import account, format_table
-from .cli_arguments import build_parser
+from .cli_arguments import EVAL_OPTIONS, SAY_OPTIONS, SWITCH_WORDS, build_parser
 from .configuration_drama3 import Drama3Config
 from .evaluation import asr
 from .evaluation.espeak import INSTALL_HINT as ESPEAK_HINT
@@ -35,7 +35,7 @@ from .loading import DEFAULT_MODEL, CommandError, load_model_and_processor, reso
 from .long_form import generate_long_form
 from .planning import fitting, format_plans, load_code, plan_options, refusal
 from .decoding.alignment import resolve_alignment
-from .decoding.sampler import check_sampling_values
+from .decoding.options import Option
 from .prompting import parse_text
 from .tiny import shipped
 
@@ -64,7 +64,7 @@ class FileStreamer:
 
 
 def run_say(args) -> int:
-    sampling = _check_say_arguments(args)
+    options = _check_say_arguments(args)
     source, references, transcripts, speakers = _resolve_model_and_voice(args)
     _check_every_speaker_has_a_reference(args, references, speakers)
     model, processor = load_model_and_processor(source, args.device, args.dtype, progress=not args.quiet, quant=args.quant,
@@ -81,13 +81,11 @@ def run_say(args) -> int:
                     reference_audio=references or None,
                     reference_text=transcripts or None,
                     reference_speaker=speakers,
-                    seed=args.seed,
                     streamer=streamer,
                     progress=not args.quiet,
-                    preset=args.preset,
                     scene=None if args.scene == "auto" else args.scene,
                     threads=args.threads,
-                    **sampling,
+                    **options,
                 )
             finally:
                 if streamer is not None:
@@ -112,36 +110,22 @@ def run_say(args) -> int:
     return 0
 
 
-# (flag, its attribute, whether a value is usable, what is expected): the rules generate() applies,
-# checked here before the model is loaded.
-_SAY_NUMBERS = (
-    ("--max-chars", "max_chars", lambda v: v > 0, "a positive number of characters"),
-    ("--max-frames", "max_frames", lambda v: v > 0, "a positive number of frames"),
-    ("--regenerate", "regenerate", lambda v: v >= 0, "0 (off) or a positive number of attempts"),
-)
+def option_values(args, options: tuple[Option, ...]) -> dict:
+    """The request options given on the command line (`cli_arguments.add_option_flags`), by option
+    name, each checked by the option schema's one check (the one `generate()`, the server and the
+    demo run) before anything is loaded; the message names the flag."""
+    values = {}
+    for option in options:
+        value = getattr(args, option.name, None)
+        if value is None:
+            continue
+        if option.kind is bool:
+            value = SWITCH_WORDS[value]
+        if not option.accepts(value):
+            raise CommandError(f"{option.cli_flag} {value}: expected {option.expected()}")
+        values[option.name] = value
+    return values
 
-
-
-def check_sampling_flags(args) -> None:
-    """`--temperature` / `--top-p` through the one check of sampling values (`generate()`'s, the
-    server's and the demo's), before anything is loaded; the message names the flag."""
-    for flag, name in (("--temperature", "temperature"), ("--top-p", "top_p")):
-        value = getattr(args, name, None)
-        try:
-            check_sampling_values({name: value})
-        except ValueError as error:
-            expected = str(error).split("; ", 1)[-1]
-            raise CommandError(f"{flag} {value}: {expected}") from None
-
-
-def decoding_switches(args) -> dict:
-    """Generation keywords of `--ras` and `--alignment`; a switch left unset keeps the model's setting."""
-    switches = {}
-    if args.ras is not None:
-        switches["repetition_aware"] = args.ras == "on"
-    if args.alignment is not None:
-        switches["phoneme_alignment"] = args.alignment == "on"
-    return switches
 
 def _check_say_arguments(args) -> dict:
     """Refuse what `say` cannot do before anything is loaded or written (bad numbers, an -o that
@@ -149,11 +133,9 @@ def _check_say_arguments(args) -> dict:
     extension = os.path.splitext(args.output)[1].lower()
     if extension not in (".wav", ".flac"):
         raise CommandError(f"-o {args.output}: write a .wav or .flac file")
-    for flag, name, valid, expected in _SAY_NUMBERS:
-        value = getattr(args, name)
-        if value is not None and not valid(value):
-            raise CommandError(f"{flag} {value}: expected {expected}")
-    check_sampling_flags(args)
+    if args.max_chars < 1:
+        raise CommandError(f"--max-chars {args.max_chars}: expected a positive number of characters")
+    options = option_values(args, SAY_OPTIONS)
     if len(args.text) > args.max_chars:
         raise CommandError(
             f"text: {len(args.text)} characters, over the --max-chars limit of {args.max_chars}; "
@@ -177,22 +159,13 @@ def _check_say_arguments(args) -> dict:
     for speaker in args.reference_speaker:
         if speaker < 0:
             raise CommandError(f"--reference-speaker {speaker}: speakers are numbered from 0")
-    if args.stream and args.regenerate:
+    if args.stream and options.get("regenerate_on_anomaly"):
         raise CommandError("--stream and --regenerate cannot be combined: streamed audio cannot be taken back")
-    sampling = {
-        key: value
-        for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
-                           ("max_new_tokens", args.max_frames))
-        if value is not None
-    }
-    sampling.update(decoding_switches(args))
     try:
         check_output_path(args.output, "-o")
     except ValueError as error:
         raise CommandError(str(error)) from None
-    if args.regenerate:
-        sampling["regenerate_on_anomaly"] = args.regenerate
-    return sampling
+    return options
 
 
 def _resolve_model_and_voice(args) -> tuple[str, list[str], list[str], list[int] | None]:
@@ -512,7 +485,7 @@ def run_eval(args) -> int:
     sentences = _eval_sentences(args)
     references = _eval_references(args.voice)
     seeds = _eval_seeds(args)
-    check_sampling_flags(args)
+    sampling = option_values(args, EVAL_OPTIONS)
     if args.json:
         try:
             check_output_path(args.json, "--json")
@@ -526,9 +499,6 @@ def run_eval(args) -> int:
         raise CommandError(str(error)) from None
     model, processor = load_model_and_processor(args.model or shipped.TINY_MODEL_PATH, args.device, "float32",
                                                 progress=not args.quiet, quant=args.quant)
-    sampling = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p))
-                if value is not None}
-    sampling.update(decoding_switches(args))
     sampling["threads"] = args.threads
     try:
         aligned = resolve_alignment(model, [sampling]) is not None

@@ -15,16 +15,23 @@ espeak-ng speech; see model_card.md), and without `--reference` it clones drama3
 voices (`--voice`, default A; `--voice A,B` gives speaker 0 voice A and speaker 1 voice B). Each
 `--reference` clones speaker 0 unless its `--reference-speaker` says otherwise.
 
-This module imports only the standard library, nothing of the package nor torch: the console
-script (`drama3_cli`, beside the package) loads it alone, without the package's `__init__`, so
-that `--help` and a mistyped flag answer before torch and transformers are imported (seconds). A
-parsed command is run by `cli.run`. Subcommands are registered in `SUBCOMMANDS`: each is a
-function `add_<name>(subparsers)` that adds its parser; its work is `cli.HANDLERS[name]`.
+The request options of `say` (sampling, seed, frame cap, switches, preset, regeneration) and the
+sampling options of `eval` are not listed here: each is a flag made from its entry of the option
+schema (`decoding.options`: name, type, range, help), and `cli.option_values` reads them back.
+
+This module imports only the standard library and the option schema (itself standard library
+only), nothing else of the package nor torch: the console script (`drama3_cli`, beside the package)
+loads the two alone, without the package's `__init__`, so that `--help` and a mistyped flag answer
+before torch and transformers are imported (seconds). A parsed command is run by `cli.run`.
+Subcommands are registered in `SUBCOMMANDS`: each is a function `add_<name>(subparsers)` that adds
+its parser; its work is `cli.HANDLERS[name]`.
 """
 
 from __future__ import annotations
 
 import argparse
+
+from .decoding.options import CLI, Option, options_for
 
 DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2
@@ -41,17 +48,30 @@ THREADS_HELP = (
 )
 
 
-def add_decoding_switches(parser) -> None:
-    """`--ras` and `--alignment` (on / off; default: the model's generation config), for say and eval."""
-    parser.add_argument(
-        "--ras", choices=["on", "off"], default=None,
-        help="repetition-aware sampling of the main token (default: the model's; drama3-tiny turns it off)",
-    )
-    parser.add_argument(
-        "--alignment", choices=["on", "off"], default=None,
-        help="phoneme-aligned decoding (default: the model's; drama3-tiny's generation config holds its table, "
-             "off draws every code freely)",
-    )
+SAY_OPTIONS = options_for(CLI)
+"""The request options `say` takes, one flag each (`decoding.options`)."""
+EVAL_OPTIONS = tuple(option for option in SAY_OPTIONS if option.sampling or option.kind is bool)
+"""The options `eval` takes: how a take is drawn (its sampling and switches), not how long it may be
+or how many are drawn (eval sets those, and its seeds, itself)."""
+SWITCH_WORDS = {"on": True, "off": False}
+"""How a switch (a bool option) is said on the command line."""
+
+
+def add_option_flags(parser, options: tuple[Option, ...]) -> None:
+    """One flag per option (`Option.cli_flag`, into `args.<option name>`), typed and explained by its
+    entry: a switch takes on / off, a choice its choices, a number its kind. Unset (None) by
+    default: the option is left to the model's generation config (or the preset)."""
+    for option in options:
+        help_text = f"{option.help} (default: {option.unset})"
+        if option.kind is bool:
+            parser.add_argument(option.cli_flag, dest=option.name, choices=list(SWITCH_WORDS), default=None, help=help_text)
+        elif option.choices:
+            parser.add_argument(option.cli_flag, dest=option.name, choices=list(option.choices), default=None,
+                                help=help_text)
+        else:
+            metavar = option.cli_flag.lstrip("-").replace("-", "_").upper()
+            parser.add_argument(option.cli_flag, dest=option.name, type=option.kind, default=None, metavar=metavar,
+                                help=help_text)
 
 
 def thread_count(value: str):
@@ -91,23 +111,12 @@ def add_say(subparsers) -> None:
         help="speaker N (<|speaker:N|>) of each --reference, in the same order (default: all speaker 0)",
     )
     parser.add_argument("--stream", action="store_true", help="write audio as it is generated; print time to first audio")
-    parser.add_argument("--seed", type=int, default=None, help="make the take reproducible")
-    parser.add_argument(
-        "--preset", choices=["serving", "paper-eval"], default=None,
-        help="sampling preset, in place of the model's generation config (default: the model's own settings, "
-        "which for the published model are the serving defaults)",
-    )
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    add_decoding_switches(parser)
-    parser.add_argument("--max-frames", type=int, default=None, help="frame cap per chunk (default 1024)")
+    add_option_flags(parser, SAY_OPTIONS)
     parser.add_argument(
         "--max-chars", type=int, default=MAX_CHARS,
         help=f"refuse texts longer than this many characters (default {MAX_CHARS}, like OpenAI's speech API; "
              "at the default frame cap 100k characters would take hours on a CPU)",
     )
-    parser.add_argument("--regenerate", type=int, default=0, help="regenerate anomalous takes up to N times")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quiet", action="store_true", help="no progress bars (loading or speaking)")
@@ -246,9 +255,7 @@ def add_eval(subparsers) -> None:
     parser.add_argument("--seeds", default=None,
                         help="several seeds, e.g. 0,100,200: every sentence spoken once per seed, the WERs pooled "
                              "(the outputs are drawn; one seed's WER moves by several points)")
-    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: the model's)")
-    add_decoding_switches(parser)
+    add_option_flags(parser, EVAL_OPTIONS)
     parser.add_argument("--threads", type=thread_count, default="auto", help=THREADS_HELP + " (Whisper always uses one)")
     parser.add_argument("--json", default=None, help="also write the numbers and every take's words here")
     parser.add_argument("--device", default="auto")

@@ -4,10 +4,11 @@
 speech generator that accepted them and did nothing would let a user believe they ran beam search,
 a repetition penalty or a stop string. Here every one is sorted, once:
 
-- works: `max_new_tokens` (frames), `do_sample`, `temperature`, `top_k`, `top_p`,
-  `cache_implementation`, `compile_config`, `disable_compile`, `return_dict_in_generate`,
-  `output_scores`, `output_logits`, `output_hidden_states`, `num_return_sequences`,
-  `pad_token_id` (pads `sequences` after an item ends), `eos_token_id` (the model's own);
+- works: every field the option schema offers `generate()` (`decoding.options`: `max_new_tokens`
+  in frames, `do_sample`, `temperature`, `top_k`, `top_p`, ...), and `cache_implementation`,
+  `compile_config`, `disable_compile`, `return_dict_in_generate`, `output_scores`, `output_logits`,
+  `output_hidden_states`, `num_return_sequences`, `pad_token_id` (pads `sequences` after an item
+  ends), `eos_token_id` (the model's own);
 - has no effect in transformers either when a prompt is given: `bos_token_id`,
   `decoder_start_token_id` (metadata of a saved generation config);
 - accepted at the value that changes nothing (`num_beams=1`, `repetition_penalty=1.0`,
@@ -15,20 +16,27 @@ a repetition penalty or a stop string. Here every one is sorted, once:
   set (a keyword, the call's `generation_config`, or the model's own generation config);
 - every other field and argument: refused by name.
 
-The checks run before any work. The Drama 3 options (`repetition_aware`, the phoneme alignment,
-`prefill_graphs` and the keyword arguments of `generate()` itself) are read by their owners.
+transformers' fields are sorted below by what they do; a field the option schema defines works,
+whatever group it sits in (an option added to the schema starts working here, its group's refusal
+no longer applies). The checks run before any work. The Drama 3 options (`repetition_aware`, the
+phoneme alignment, `prefill_graphs` and the keyword arguments of `generate()` itself) are read by
+their owners.
 """
 
 from __future__ import annotations
 
 from transformers import GenerationConfig
 
+from .decoding.options import GENERATE, options_for
+
 GENERATION_FIELDS = frozenset(key for key in vars(GenerationConfig()) if not key.startswith("_"))
 
-WORKS = frozenset({
-    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "cache_implementation", "compile_config",
-    "disable_compile", "return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states",
-    "num_return_sequences", "pad_token_id", "eos_token_id",
+SCHEMA_FIELDS = frozenset(option.name for option in options_for(GENERATE)) & GENERATION_FIELDS
+"""transformers' fields that are options of the schema: each is read and checked as its entry says."""
+
+WORKS = SCHEMA_FIELDS | frozenset({
+    "cache_implementation", "compile_config", "disable_compile", "return_dict_in_generate", "output_scores",
+    "output_logits", "output_hidden_states", "num_return_sequences", "pad_token_id", "eos_token_id",
 })
 """Fields generate() honours (eos_token_id: when it is the model's own, see `check_eos`)."""
 
@@ -61,7 +69,7 @@ _CACHE = (
     "or 'static' (a power-of-two length class, compiled)"
 )
 
-REFUSED = {
+_GROUPS = {
     **dict.fromkeys(("num_beams", "num_beam_groups", "diversity_penalty", "length_penalty", "early_stopping",
                      "constraints", "force_words_ids"), _BEAMS),
     **dict.fromkeys(("is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
@@ -84,6 +92,9 @@ REFUSED = {
         "none); run forward(output_attentions=True) over the returned sequences"
     ),
 }
+"""transformers' fields by what they do, each with the reason it is refused where the schema does not define it."""
+
+REFUSED = {name: reason for name, reason in _GROUPS.items() if name not in SCHEMA_FIELDS}
 """Why each field that does not work is refused."""
 
 NEUTRAL = {

@@ -14,10 +14,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .decoding.alignment import CONFIG_KEY as ALIGNMENT_KEY
-from .decoding.alignment import AlignmentMasks, resolve_alignment, turn_token_ids
-from .decoding.request import PREFILL_GRAPHS_KEY, DecodeRequest, resolve_decoding, resolve_request, resolve_separator_id
-from .decoding.sampler import resolve_settings
+from .decoding.alignment import resolve_alignment
+from .decoding.options import GENERATE, options_for
+from .decoding.request import (
+    PREFILL_GRAPHS_KEY, DecodeRequest, RequestOptions, resolve_decoding, resolve_request, resolve_separator_id,
+    resolve_settings,
+)
 from .generation_arguments import (
     ARGUMENTS, GENERATION_FIELDS, check_argument, check_eos, check_field, check_generation_config, check_outputs_returned,
 )
@@ -27,8 +29,11 @@ OWN_ARGUMENTS = (
     "speak_span", "boundaries_left", "position_ids", "inputs_embeds",
 )
 """generate()'s own keyword arguments (beside the prompt and GenerationConfig fields)."""
-DRAMA3_FIELDS = frozenset({"repetition_aware", ALIGNMENT_KEY, PREFILL_GRAPHS_KEY})
-"""Generation-config options of Drama 3's own, read by the decode request."""
+DRAMA3_FIELDS = frozenset(
+    {option.name for option in options_for(GENERATE)} - GENERATION_FIELDS - set(OWN_ARGUMENTS) | {PREFILL_GRAPHS_KEY}
+)
+"""Generation-config options of Drama 3's own (the option schema's that transformers' GenerationConfig
+does not have, such as `repetition_aware`), read by the decode request."""
 
 
 # ----------------------------------------------------------------------------- the prompt
@@ -248,6 +253,18 @@ def check_sources(model, generation_config, overrides: dict, caller: str, return
             check_eos(value, model.config.eos_token_id, where)
 
 
+def check_seed_count(seed, batch: int, takes: int) -> None:
+    """A list of seeds names one per returned take (every prompt's `num_return_sequences` takes)."""
+    if seed is None or isinstance(seed, int):
+        return
+    seeds = list(seed)
+    if len(seeds) != batch:
+        raise ValueError(
+            f"seed has {len(seeds)} values; expected an int or one per take: {batch // takes} prompt(s) x "
+            f"num_return_sequences {takes} = {batch}"
+        )
+
+
 # ----------------------------------------------------------------------------- the call
 
 
@@ -274,14 +291,19 @@ class GenerationCall:
         embeds = None if self.inputs_embeds is None else self.inputs_embeds[index.to(self.inputs_embeds.device)]
         return replace(self, prompt=prompt, request=self.request.select(index), inputs_embeds=embeds)
 
+    def reseeded(self, seed) -> GenerationCall:
+        """The same call drawing with other seeds (a regeneration's attempt)."""
+        return replace(self, request=self.request.reseeded(seed))
+
 
 def set_up_call(
-    model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+    model, input_ids, audio_codes, attention_mask, generation_config, seed, preset, expected_seconds,
     audio_separator_token_id, layout: dict, kwargs: dict, streaming: str | None, caller: str = "generate()",
     position_ids=None, inputs_embeds=None,
 ) -> GenerationCall:
-    """Read the arguments of a call in one place: the options (checked), the sampling settings,
-    the prompt, its frame budgets and line separators (`layout`: the processor's `speak_span` /
+    """Read the arguments of a call in one place: the options (checked), the prompt, and the
+    request the resolver makes of them (`decoding.request.resolve_request`: sampling, seeds, frame
+    budgets, line separators, alignment; `layout`: the processor's `speak_span` /
     `boundaries_left`). `streaming` names what streams ("streamer", "stream()"), or None:
     streaming needs a batch of 1 take. Only generate() (`caller`) returns outputs."""
     returns_outputs = caller == "generate()"
@@ -306,21 +328,18 @@ def set_up_call(
             expected_seconds = seconds.repeat_interleave(times)
     if streaming is not None and prompt[0].shape[0] != 1:
         raise ValueError(f"{streaming}: streaming needs a batch of 1 prompt and 1 take; got {prompt[0].shape[0]}")
+    check_seed_count(seed, prompt[0].shape[0], times)
     separator_id = resolve_separator_id(model, generation_config, audio_separator_token_id)
+    options = RequestOptions(settings, seed, max_new_tokens, expected_seconds)
     request = resolve_request(
-        model, settings, prompt[0], prompt[2], max_new_tokens, expected_seconds, separator_id, layout
+        model, prompt[0], prompt[2], options, layout, separator_id, resolve_alignment(model, [generation_config, overrides]),
+        resolve_decoding(model, generation_config, overrides),
     )
-    request = replace(request, decoding=resolve_decoding(model, generation_config, overrides))
     if inputs_embeds is not None and request.decoding.prefill_graphs:
         raise ValueError("inputs_embeds cannot go through the compiled prefill (prefill_graphs=True), which pads the "
                          "prompt to its length bucket")
     if outputs.hidden_states and request.decoding.compile_config is not None:
         raise ValueError("output_hidden_states=True needs the eager decode step (a compiled step keeps its hidden states "
                          "inside its graph): add disable_compile=True, or leave cache_implementation='static' out")
-    alignment = resolve_alignment(model, [generation_config, overrides])
-    if alignment is not None:
-        rows = turn_token_ids(prompt[0].cpu(), prompt[2].cpu(), model.config.eos_token_id, layout.get("speak_span"))
-        tracker = AlignmentMasks(alignment, rows, model.config.codebook_size, request.expected_frames.tolist(), prompt[0].device)
-        request = replace(request, alignment=tracker)
     pad_id = resolve_pad_id(model, [model_config, generation_config, overrides])
     return GenerationCall(prompt, request, outputs, pad_id, inputs_embeds)

@@ -60,7 +60,7 @@ from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer, dec
 from .decoding.budget import detect_anomalies, overlong_factor
 from .decoding.loop import DecodeRun, FrameStep, TakeCollector
 from .decoding.request import make_sampler
-from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_seeds
+from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings
 from .decoding.takes import Drama3GenerationOutput, split_lines  # noqa: F401  (split_lines: importable from here, as before)
 from .decoding.threads import check_threads, resolve_threads, torch_threads
 from .generation_call import GenerationCall, prepare_prompt, set_up_call, split_kwargs
@@ -90,11 +90,11 @@ def check_codec_matches(config, codec, location: str = "codec") -> None:
 # ----------------------------------------------------------------------------- a decode run
 
 
-def _start(model, call: GenerationCall, seed, sampler_class=Drama3Sampler) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
+def _start(model, call: GenerationCall, sampler_class=Drama3Sampler) -> tuple[Drama3Sampler, Iterator[FrameStep]]:
     """The sampler of one decode run and its steps (not started until iterated)."""
     input_ids, audio_codes, attention_mask = call.prompt
     request = call.request
-    sampler = make_sampler(model, request, input_ids, attention_mask, seed, sampler_class)
+    sampler = make_sampler(model, request, sampler_class)
     # a fresh tracker per run: every run starts at the beginning of its text
     aligner = None if request.alignment is None else request.alignment.select(range(input_ids.shape[0]))
 
@@ -108,14 +108,14 @@ def _start(model, call: GenerationCall, seed, sampler_class=Drama3Sampler) -> tu
     return sampler, steps()
 
 
-def _run(model, call: GenerationCall, seed, codec, streamer=None) -> Drama3GenerationOutput:
+def _run(model, call: GenerationCall, codec, streamer=None) -> Drama3GenerationOutput:
     """One decode run over a batch: the rows it drew, the takes, their waveforms, what the guards
     found, and the per-step outputs `call.outputs` asks for."""
     started = time.perf_counter()
     input_ids, audio_codes, _ = call.prompt
     request, outputs = call.request, call.outputs
     recording = outputs.scores or outputs.logits
-    sampler, steps = _start(model, call, seed, RecordingSampler if recording else Drama3Sampler)
+    sampler, steps = _start(model, call, RecordingSampler if recording else Drama3Sampler)
     collector, rows = TakeCollector(call.batch), RowCollector(call.batch, call.pad_id)
     waveform_streamer = clicks = None
     if streamer is not None:
@@ -187,12 +187,12 @@ def _add_scores(model, sampler: RecordingSampler, steps: int, outputs, output: D
         output.codebook_scores = tuple(warped(heads, settings, settings.codebook_top_k, keep_crossing=False).unbind(0))
 
 
-def _regenerate(model, call: GenerationCall, seed, codec, output: Drama3GenerationOutput, attempts: int):
+def _regenerate(model, call: GenerationCall, codec, output: Drama3GenerationOutput, attempts: int):
     """Regenerate the anomalous takes of `output` up to `attempts` times; a new take replaces the old
     one (its rows in `sequences` too) when it has no more anomalies. Every attempt is recorded in
     `output.regenerations`."""
     batch, prompt_rows = call.batch, call.prompt[0].shape[1]
-    seeds = None if seed is None else item_seeds(seed, batch)
+    seeds = call.request.seeds
     takes = [
         [output.audio_codes[item, : int(output.lengths[item])], None if output.audio is None else output.audio[item]]
         for item in range(batch)
@@ -205,7 +205,7 @@ def _regenerate(model, call: GenerationCall, seed, codec, output: Drama3Generati
         index = torch.tensor(items, device=call.prompt[0].device)
         # attempt n draws with seed + n * SEED_STRIDE: retries differ from the first take yet reproduce
         sub_seed = None if seeds is None else [seeds[item] + attempt * SEED_STRIDE for item in items]
-        retry = _run(model, call.select(index), sub_seed, codec)
+        retry = _run(model, call.select(index).reseeded(sub_seed), codec)
         for position, item in enumerate(items):
             kept = len(retry.anomalies[position]) <= len(output.anomalies[item])
             output.regenerations.append(
@@ -344,34 +344,20 @@ def generate(
     check_threads(threads)
     check_codec_matches(model.config, codec)
     call = set_up_call(
-        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        model, input_ids, audio_codes, attention_mask, generation_config, seed, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
         None if streamer is None else "streamer", "generate()", position_ids, inputs_embeds,
     )
     if regenerate_on_anomaly and call.outputs.per_step:
         raise ValueError("regenerate_on_anomaly cannot be combined with output_scores, output_logits or "
                          "output_hidden_states: a regenerated take's steps are not the batch's")
-    _check_seed_count(seed, call)
     with torch_threads(resolve_threads(model, threads)):
-        output = _run(model, call, seed, codec, streamer)
+        output = _run(model, call, codec, streamer)
         if regenerate_on_anomaly:
-            output = _regenerate(model, call, seed, codec, output, regenerate_on_anomaly)
+            output = _regenerate(model, call, codec, output, regenerate_on_anomaly)
     if call.outputs.return_dict:
         return output
     return output.audio if codec is not None else output.audio_codes
-
-
-def _check_seed_count(seed, call: GenerationCall) -> None:
-    """A list of seeds names one per returned take (every prompt's `num_return_sequences` takes)."""
-    if seed is None or isinstance(seed, int):
-        return
-    seeds = list(seed)
-    if len(seeds) != call.batch:
-        takes = call.outputs.num_return_sequences
-        raise ValueError(
-            f"seed has {len(seeds)} values; expected an int or one per take: {call.batch // takes} prompt(s) x "
-            f"num_return_sequences {takes} = {call.batch}"
-        )
 
 
 @torch.no_grad()
@@ -405,12 +391,12 @@ def stream(
     check_threads(threads)
     check_codec_matches(model.config, codec)
     call = set_up_call(
-        model, input_ids, audio_codes, attention_mask, generation_config, preset, expected_seconds,
+        model, input_ids, audio_codes, attention_mask, generation_config, seed, preset, expected_seconds,
         audio_separator_token_id, {"speak_span": speak_span, "boundaries_left": boundaries_left}, kwargs,
         "stream()", "stream()",
     )
     started = time.perf_counter()
-    _, steps = _start(model, call, seed)
+    _, steps = _start(model, call)
     waveform_streamer = WaveformStreamer(codec, started, windows)
     clicks = ClickFilter()
     # torch keeps the count per thread: the caller's code between chunks runs with it too.

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from .decoding.loop import FrameStep
-from .decoding.sampler import MIN_TEMPERATURE, Drama3Sampler, SamplingSettings, filtered_probabilities
+from .decoding.sampler import MIN_TEMPERATURE, Drama3Sampler, SamplingSettings, distribution
 
 
 class RowCollector:
@@ -87,11 +87,11 @@ class RecordingSampler(Drama3Sampler):
 
 def warped(logits: torch.Tensor, settings: SamplingSettings, top_k: int | None, keep_crossing: bool) -> torch.Tensor:
     """Logits [..., V] -> the scores a draw samples from: divided by the temperature, -inf where
-    top-k / top-p drop a candidate (`filtered_probabilities`, the sampler's own distribution); the
-    logits as they are for greedy draws (argmax reads them so)."""
+    the settings' filters drop a candidate (`decoding.sampler.distribution`, the sampler's own
+    distribution); the logits as they are for greedy draws (argmax reads them so)."""
     if not settings.do_sample:
         return logits
-    kept = filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing) > 0
+    kept = distribution(logits, settings, top_k, keep_crossing) > 0
     scaled = logits / max(settings.temperature, MIN_TEMPERATURE)
     return scaled.masked_fill(~kept, float("-inf"))
 

@@ -38,18 +38,9 @@ import torch
 from transformers import GenerationConfig
 
 from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer
-from .decoding.budget import expected_seconds_of_tokens, frame_budgets, speak_span_tokens, text_tokens_per_second
 from .decoding.loop import DecodeRun, FrameStep
-from .decoding.sampler import (
-    RAS_WINDOW,
-    SEED_STRIDE,
-    Drama3Sampler,
-    SamplingSettings,
-    item_keys,
-    prompt_window,
-    resolve_settings,
-)
-from .decoding.request import resolve_decoding
+from .decoding.request import RequestOptions, make_sampler, resolve_decoding, resolve_request, resolve_settings
+from .decoding.sampler import RAS_WINDOW, SEED_STRIDE, SamplingSettings
 from .generation_drama3 import _split_kwargs, check_codec_matches
 from .prompting import (
     CHUNK_BYTES,
@@ -146,6 +137,14 @@ def _turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else seed + turn * SEED_STRIDE
 
 
+def _turn_request(model, recent: torch.Tensor, speak_span: tuple[int, int], options: RequestOptions):
+    """The decode request of one turn: its RAS window is the last main tokens of the whole context
+    (`recent` [1, RAS_WINDOW or fewer], the turn's rows last), its budget is `generate()`'s from the
+    text of the turn (`speak_span` counts the turn's rows, which the resolver reads for their number of
+    text tokens)."""
+    return resolve_request(model, recent, torch.ones_like(recent), options, {"speak_span": torch.tensor([speak_span])})
+
+
 @torch.no_grad()
 def stream_text(
     model,
@@ -230,14 +229,10 @@ def stream_text(
             turn, render_lines(chunks[turn].lines), look_ahead, chunks[turn].piece, stream.final_at[turn], stream.now()
         )
         yield started
-        seconds = expected_seconds_of_tokens(speak_span_tokens(torch.tensor([rows.speak_span])), text_tokens_per_second(model))
-        sampler = Drama3Sampler(
-            settings, model.speech_token_ids(device), prompt_window(recent, torch.ones_like(recent)),
-            item_keys(_turn_seed(seed, turn), 1, device),
-        )
-        drawn = _Turn(int(frame_budgets(seconds, model.config.frame_rate, max_new_tokens)[0]))
+        request = _turn_request(model, recent, rows.speak_span, RequestOptions(settings, _turn_seed(seed, turn), max_new_tokens))
+        drawn = _Turn(int(request.budgets[0]))
         last_turn = stream.ended and turn + 1 == len(chunks)
-        run.next_turn(sampler, torch.tensor([drawn.budget]))
+        run.next_turn(make_sampler(model, request), request.budgets)
         yield from _speak_turn(run, streamer, stream, stop, last_turn, drawn)
         last_step = drawn.last_step
         take = drawn.codes(model.config.num_codebooks, device)

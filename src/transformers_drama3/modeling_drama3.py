@@ -35,7 +35,7 @@ from transformers.utils.generic import can_return_tuple, is_flash_attention_requ
 
 from .checkpoint.files import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
-from .decoding.sampler import drama3_generation_config
+from .decoding.request import drama3_generation_config
 from .decoding.state import DecodeCache
 from .generation_drama3 import Drama3GenerationMixin
 from .generation_text_stream import Drama3TextStreamingMixin

@@ -1,4 +1,4 @@
-"""Sampling: settings and presets, the one validator of sampling values, the sampler and its random numbers.
+"""Sampling: the sampler, the distribution it draws from, and its random numbers.
 
 The sampler follows the published serving code (spec §5): temperature before top-p; the main token
 has no top-k by default and keeps the token that crosses top-p (so eos stays reachable); the
@@ -13,24 +13,23 @@ probability p_i) over the whole candidate set, whose numbers come from a counter
 draw, computed inside the decode step. So an item draws the same numbers whatever else is in the
 batch, and a compiled step holds its draws in its graph.
 
-`check_sampling_values` is the one check of sampling values: `generate()`, the CLI, the HTTP
-protocol and the demo all call it, so the same values are refused everywhere with the same words.
+The settings themselves (`SamplingSettings`, the presets) are the option schema's sampling
+entries (`decoding.options`), checked there once for every door.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
 import torch
-from transformers import GenerationConfig
 
 from ..kernels import fused_step
 # The sampler's distribution lives beside its fused kernel (kernels/fused_step.py), its reference.
 from ..kernels.fused_step import MIN_TEMPERATURE, filtered_probabilities  # noqa: F401
-from .budget import MAX_FRAMES
 from .counter_noise import MAIN_STREAM, RAS_STREAM, codebook_stream, exponentials, random_keys, seed_keys
+from .options import (  # noqa: F401  (the settings and presets, importable from here as before)
+    CODEBOOK_TOP_K, PAPER_EVALUATION, PRESETS, SERVING_DEFAULTS, SamplingSettings,
+)
 
 # ----------------------------------------------------------------------------- published constants
 
@@ -39,142 +38,45 @@ RAS_WINDOW = 16
 RAS_TEMPERATURE = 1.0
 RAS_TOP_P = 0.95
 RAS_TOP_K = 30
-CODEBOOK_TOP_K = 30
-"""The codebook heads never keep more than this many candidates."""
+RAS_SETTINGS = SamplingSettings(temperature=RAS_TEMPERATURE, top_p=RAS_TOP_P, top_k=RAS_TOP_K)
+"""How RAS draws a repeated semantic token again, whatever the request's settings."""
 EMPTY_WINDOW_SLOT = -1
 """Fills the RAS window where a row is padding; equals no token id."""
 
-# ----------------------------------------------------------------------------- sampling settings
+# ----------------------------------------------------------------------------- the distribution
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How frames are drawn.
-
-    Args:
-        do_sample: False draws every token by argmax (no RAS).
-        temperature: divides the logits before top-p, for the main token and the codebook heads.
-        top_p: nucleus mass for the main token and the codebook heads (1.0: off).
-        top_k: candidates kept for the main token (None: all); the codebook heads keep
-            `min(top_k, 30)`.
-        repetition_aware: apply RAS to the main token. A generation config may set it
-            (`repetition_aware: false`): a model whose main tokens repeat by design, such as
-            drama3-tiny's phonetic codes (one phoneme spans several frames), turns RAS off there.
-    """
-
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 0.9
-    top_k: int | None = None
-    repetition_aware: bool = True
-
-    @property
-    def codebook_top_k(self) -> int:
-        return CODEBOOK_TOP_K if self.top_k is None else min(self.top_k, CODEBOOK_TOP_K)
+def distribution(logits: torch.Tensor, settings: SamplingSettings, top_k: int | None, keep_crossing: bool) -> torch.Tensor:
+    """The distribution a draw with `settings` samples from: logits `[..., V]` -> probabilities
+    `[..., V]` (float32), at most `top_k` candidates (the main token's `settings.top_k`, a codebook
+    head's `settings.codebook_top_k`); `keep_crossing`: keep the token that crosses top-p (the main
+    token) or drop it (the codebook heads). The reference: every candidate sorted."""
+    return filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing)
 
 
-SERVING_DEFAULTS = SamplingSettings()
-"""The published serving defaults: temperature 1.0, top-p 0.9, main token uncapped."""
-PAPER_EVALUATION = SamplingSettings(temperature=0.7, top_p=0.7, top_k=30)
-"""The paper's evaluation setting (temperature 0.7, top-p 0.7, top-k 30). Capping the main token
-at 30 candidates makes takes without a reference go silent more often (spec §5)."""
-PRESETS = {"serving": SERVING_DEFAULTS, "paper-eval": PAPER_EVALUATION}
-
-
-def drama3_generation_config(config, **overrides) -> GenerationConfig:
-    """A `GenerationConfig` holding the published serving defaults for a model with `config`.
-
-    `max_new_tokens` is the hard cap of 4096 frames; each request is further capped by its own
-    budget (see `frame_budgets`)."""
-    values = dict(
-        do_sample=SERVING_DEFAULTS.do_sample,
-        temperature=SERVING_DEFAULTS.temperature,
-        top_p=SERVING_DEFAULTS.top_p,
-        max_new_tokens=MAX_FRAMES,
-        eos_token_id=config.eos_token_id,
-    )
-    values.update(overrides)
-    return GenerationConfig(**values)
-
-
-_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "repetition_aware")
-
-
-def resolve_settings(
-    model_config: GenerationConfig | None,
-    preset: str | SamplingSettings | None,
-    generation_config: GenerationConfig | None,
-    overrides: dict,
-) -> tuple[SamplingSettings, int | None, bool]:
-    """Sampling settings, max_new_tokens and return_dict_in_generate of one call.
-
-    Later sources win: the serving defaults, the model's generation config, the preset, the
-    `generation_config` argument, then keyword arguments. Unset (None) values never override.
-    """
-    if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ValueError(f"preset={preset!r}; expected one of {sorted(PRESETS)}")
-        preset = PRESETS[preset]
-    settings = SERVING_DEFAULTS
-    values: dict = {}
-    sources = [model_config, preset, generation_config, overrides]
-    for source in sources:
-        if source is None:
-            continue
-        if isinstance(source, SamplingSettings):
-            settings = source  # the preset's sampling settings replace those read so far
-            values = {key: value for key, value in values.items() if key not in _SAMPLING_KEYS}
-            continue
-        items = source if isinstance(source, dict) else source.to_dict()
-        values.update({key: value for key, value in items.items() if value is not None})
-    changes = {key: values[key] for key in _SAMPLING_KEYS if key in values}
-    check_sampling_values({**changes, "max_new_tokens": values.get("max_new_tokens")})
-    if "top_k" in changes and changes["top_k"] == 0:
-        changes["top_k"] = None
-    settings = replace(settings, **changes)
-    if settings.do_sample and settings.temperature <= 0:
-        settings = replace(settings, do_sample=False)
-    return settings, values.get("max_new_tokens"), bool(values.get("return_dict_in_generate", False))
-
-
-MAX_TEMPERATURE = 10.0
-"""The highest temperature any entry point takes (past it every draw is near uniform noise)."""
-MAX_TOP_K = 1_000_000
-"""The highest top-k any entry point takes (beyond any vocabulary; 0 or None: no top-k)."""
-
-
-def check_sampling_values(values: dict) -> None:
-    """Refuse sampling values that would sample something else than asked (NaN, a top-p of 0) or
-    generate anyway (a frame cap of 0). Reads `temperature`, `top_p`, `top_k`, `max_new_tokens`,
-    `repetition_aware` and `do_sample` where present and not None; raises ValueError naming the
-    field. Temperature 0 means greedy; top_k 0 means no top-k."""
-
-    def number(name) -> bool:
-        value = values.get(name)
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    for name in ("repetition_aware", "do_sample"):
-        flag = values.get(name)
-        if flag is not None and not isinstance(flag, bool):
-            raise ValueError(f"{name}={flag!r}; expected True or False")
-    if values.get("temperature") is not None and not (number("temperature") and 0 <= values["temperature"] <= MAX_TEMPERATURE):
-        raise ValueError(f"temperature={values['temperature']!r}; expected a finite number in [0, {MAX_TEMPERATURE:g}] (0 is greedy)")
-    if values.get("top_p") is not None and not (number("top_p") and 0 < values["top_p"] <= 1):
-        raise ValueError(f"top_p={values['top_p']!r}; expected a value in (0, 1]")
-    top_k = values.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K):
-        raise ValueError(f"top_k={top_k!r}; expected an integer in [0, {MAX_TOP_K}] (0: no top-k)")
-    frames = values.get("max_new_tokens")
-    if frames is not None and (isinstance(frames, bool) or not isinstance(frames, int) or not 0 < frames):
-        raise ValueError(f"max_new_tokens={frames!r}; expected a positive number of frames")
-
-
-# ----------------------------------------------------------------------------- the sampler
+def capped_distribution(logits: torch.Tensor, settings: SamplingSettings, top_k: int, keep_crossing: bool) -> torch.Tensor:
+    """`distribution` of a draw capped at `top_k` candidates, sorting only those (the codebook heads
+    and RAS: 30 of 4096); the same up to the order of exactly tied probabilities."""
+    return fused_step.top_k_filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing)
 
 
 def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`argmax p_i / E_i` over the last dimension: the draw of an exponential race over `noise`."""
     return (probabilities / noise).argmax(dim=-1)
+
+
+def filtered_draw(logits: torch.Tensor, settings: SamplingSettings, top_k: int | None, keep_crossing: bool,
+                  noise: torch.Tensor) -> torch.Tensor:
+    """One draw with `settings` over logits `[rows, V]` and its numbers `noise` `[rows, V]` -> long
+    `[rows]`; on CUDA a capped draw of the codebook heads' kind is one fused kernel over the same numbers."""
+    if top_k is not None and not keep_crossing and fused_step.use_kernel(logits):
+        return fused_step.filtered_race(logits, noise, settings.temperature, top_k, settings.top_p, keep_crossing)
+    if top_k is None:
+        return race(distribution(logits, settings, top_k, keep_crossing), noise)
+    return race(capped_distribution(logits, settings, top_k, keep_crossing), noise)
+
+
+# ----------------------------------------------------------------------------- the sampler
 
 
 class Drama3Sampler:
@@ -238,14 +140,6 @@ class Drama3Sampler:
         members = [[i for i, row in enumerate(self.row_settings) if row == each] for each in distinct]
         return [(each, torch.tensor(items, device=device), items) for each, items in zip(distinct, members)]
 
-    def _draw(self, logits, temperature, top_k, top_p, keep_crossing, noise):
-        # A capped draw sorts only its top_k candidates (the codebook heads and RAS: 30 of 4096).
-        if top_k is None:
-            probabilities = filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
-        else:
-            probabilities = fused_step.top_k_filtered_probabilities(logits, temperature, top_k, top_p, keep_crossing)
-        return race(probabilities, noise)
-
     def _per_group(self, batch_values: torch.Tensor, draw) -> torch.Tensor:
         """`draw(settings, pick, items)` for each group of items (`pick` selects a tensor's rows of
         the group, None stays None; `items` the group's item indices, None: every item), put back in
@@ -278,11 +172,11 @@ class Drama3Sampler:
                 return group_logits.argmax(dim=-1)
             keys, steps, widths = pick(self.keys), pick(self.steps), pick(self.main_widths)
             first_noise = exponentials(keys, steps, MAIN_STREAM, candidates, widths)
-            choice = self._draw(group_logits, settings.temperature, settings.top_k, settings.top_p, True, first_noise)
+            choice = filtered_draw(group_logits, settings, settings.top_k, True, first_noise)
             if not settings.repetition_aware:
                 return choice
             second_noise = exponentials(keys, steps, RAS_STREAM, candidates, widths)
-            second = self._draw(group_logits, RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P, True, second_noise)
+            second = filtered_draw(group_logits, RAS_SETTINGS, RAS_TOP_K, True, second_noise)
             first_ids = self.candidate_ids[choice]
             repeats = (pick(self.window) == first_ids[:, None]).any(dim=-1) & (choice < self.codebook_size)
             replaced = repeats if active is None else repeats & pick(active)
@@ -305,9 +199,7 @@ class Drama3Sampler:
             if not settings.do_sample:
                 return head.argmax(dim=-1)
             noise = exponentials(pick(self.keys), pick(self.steps), codebook_stream(codebook_index), head.shape[-1])
-            if fused_step.use_kernel(head):  # one fused kernel for the filtered draw, over the same numbers
-                return fused_step.filtered_race(head, noise, settings.temperature, settings.codebook_top_k, settings.top_p, False)
-            return self._draw(head, settings.temperature, settings.codebook_top_k, settings.top_p, False, noise)
+            return filtered_draw(head, settings, settings.codebook_top_k, False, noise)
 
         return self._per_group(logits[:, 0].long(), draw)[:, None]
 
@@ -321,11 +213,52 @@ class Drama3Sampler:
         in CUDA-graph memory the next replay overwrites."""
         self.window, self.ras_replacements, self.steps = self.window.clone(), self.ras_replacements.clone(), self.steps.clone()
 
-    def item_state(self, item: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(window `[1, RAS_WINDOW]`, key `[1]`, steps `[1]`) of one item: what it carries into a
-        sampler made anew (the serving engine's, when the batch changes)."""
-        span = slice(item, item + 1)
-        return self.window[span].clone(), self.keys[span].clone(), self.steps[span].clone()
+    def select(self, items: Sequence[int]) -> Drama3Sampler:
+        """The sampler of `items` (their settings, RAS windows, keys, step counts, candidate widths
+        and RAS counts), in that order: what a batch keeps of its items when others leave."""
+        index = torch.tensor(list(items), dtype=torch.long, device=self.window.device)
+        return self._of_parts(
+            [self.row_settings[item] for item in items], self.window[index], self.keys[index], self.steps[index],
+            None if self.main_widths is None else self.main_widths[index], self.ras_replacements[index],
+        )
+
+    def joined(self, other: Drama3Sampler) -> Drama3Sampler:
+        """This sampler's items, then `other`'s (the same candidates): a batch that an item joins."""
+        if self.candidate_ids.shape != other.candidate_ids.shape:  # the shape: comparing the ids would wait for the device
+            raise ValueError("joined samplers draw from different candidates")
+        widths = None
+        if self.main_widths is not None or other.main_widths is not None:
+            widths = torch.cat((self._widths(), other._widths().to(self.window.device)))
+        device = self.window.device
+        return self._of_parts(
+            self.row_settings + other.row_settings, torch.cat((self.window, other.window.to(device))),
+            torch.cat((self.keys, other.keys.to(device))), torch.cat((self.steps, other.steps.to(device))), widths,
+            torch.cat((self.ras_replacements, other.ras_replacements.to(device))),
+        )
+
+    def padded(self, count: int) -> Drama3Sampler:
+        """This sampler's items, then `count` items that hold no request (their draws are read by no
+        one): the first item's settings, so they draw in its group, an empty window, key 0, no
+        `<|audio_separator|>`."""
+        device = self.window.device
+        zeros = torch.zeros(count, dtype=torch.long, device=device)
+        free = self._of_parts(
+            [self.row_settings[0]] * count, torch.full((count, self.window.shape[1]), EMPTY_WINDOW_SLOT, dtype=torch.long,
+                                                      device=device),
+            zeros, zeros.clone(), None if self.main_widths is None else torch.full_like(zeros, self.codebook_size + 1),
+            zeros.clone(),
+        )
+        return self.joined(free)
+
+    def _widths(self) -> torch.Tensor:
+        if self.main_widths is not None:
+            return self.main_widths
+        return torch.full_like(self.keys, self.candidate_ids.shape[0])
+
+    def _of_parts(self, settings, window, keys, steps, widths, ras_replacements) -> Drama3Sampler:
+        sampler = Drama3Sampler(settings, self.candidate_ids, window, keys, self.codebook_size, widths)
+        sampler.steps, sampler.ras_replacements = steps, ras_replacements
+        return sampler
 
 
 def prompt_window(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..prompting import CHUNK_BYTES
 from .audio_formats import pcm16, streaming_wav_header
@@ -308,11 +307,7 @@ def create_app(get_service, settings: ServerSettings | None = None):
             params = parse_stream_start(start, settings.limits, service.has_voice, 4 * CHUNK_BYTES)
             params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
             references = await asyncio.to_thread(service.references_of, params)
-            try:
-                resolve_settings(getattr(service.model, "generation_config", None), None, None,
-                                 {**params.sampling, "max_new_tokens": params.max_new_tokens})
-            except ValueError as error:
-                raise ApiError(400, str(error)) from None
+            service.check_stream_options(params)
             if not slots.acquire():
                 service.metrics.count("rejected")
                 raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None, "queue_full",

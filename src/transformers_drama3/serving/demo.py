@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
+from ..decoding import Option
 from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..prompting import CHUNK_BYTES
 from .audio_formats import encode
@@ -43,6 +44,7 @@ from .director import (  # noqa: F401  (the page's names, and the director's, im
     OWN_CLIP,
     PRESETS,
     SPEAKERS,
+    TAKE_OPTIONS,
     WORDS_PER_SECOND,
     ArrivalUpdate,
     ArrivingText,
@@ -97,6 +99,18 @@ def _voice_panel(director: Director, voices: list[str]) -> list:
     return fields
 
 
+def option_field(option: Option) -> gr.Number:
+    """The panel's field of one request option (`decoding.options`): a number named by its label,
+    empty by default (the option is left to the preset or the model), whole for an integer option."""
+    return gr.Number(value=None, precision=0 if option.kind is int else None, label=f"{option.demo_label} (empty: {option.unset})",
+                     info=option.help, elem_id=f"option-{option.name.replace('_', '-')}")
+
+
+def _named(values) -> dict:
+    """The panel's field values (in `TAKE_OPTIONS`' order) by option name."""
+    return {option.name: value for option, value in zip(TAKE_OPTIONS, values)}
+
+
 def build_scene_tab(director: Director) -> None:
     """The "Direct a scene" tab: script, chips, voices, sampling, the streamed take and its revision."""
     voices = [OWN_CLIP, *director.voice_names]
@@ -110,11 +124,7 @@ def build_scene_tab(director: Director) -> None:
             voice_fields = _voice_panel(director, voices)
             with gr.Accordion("Sampling", open=False):
                 preset = gr.Radio(list(PRESETS), value="model default", label="Preset")
-                seed = gr.Number(value=None, precision=0, label="Seed (empty: random)", elem_id="seed")
-                temperature = gr.Number(value=0, label="Temperature (0: the preset's)")
-                top_p = gr.Number(value=0, label="Top-p (0: the preset's)")
-                top_k = gr.Number(value=0, precision=0, label="Top-k (0: the preset's)")
-                max_frames = gr.Number(value=0, precision=0, label="Max frames per request (0: the model's budget)")
+                option_fields = [option_field(option) for option in TAKE_OPTIONS]
             generate = gr.Button("Generate", variant="primary", elem_id="generate")
         with gr.Column(scale=2):
             stream = gr.Audio(label="Take (streaming)", streaming=True, autoplay=True, interactive=False, elem_id="stream")
@@ -130,21 +140,20 @@ def build_scene_tab(director: Director) -> None:
 
     for button, text in chips:
         button.click(lambda current, text=text: (current or "") + text, script, script, api_visibility="private")
-    sampling = [preset, seed, temperature, top_p, top_k, max_frames]
+    sampling = [preset, *option_fields]
     outputs = [stream, final, report, take]
+    options = len(option_fields)
 
     @gpu_call
-    def speak_script(text, director_note, preset, seed, temperature, top_p, top_k, max_frames, *voice_values,
-                     progress=gr.Progress()):
-        settings = director.settings(preset, seed, temperature, top_p, top_k, max_frames)
-        choices = _voice_choices(list(voice_values))
+    def speak_script(text, director_note, preset, *values, progress=gr.Progress()):
+        settings = director.settings(preset, **_named(values[:options]))
+        choices = _voice_choices(list(values[options:]))
         requests = director.scene_requests(director.script(text, director_note, choices), choices)
         yield from _page_updates(director, director.speak(requests, settings, 1), progress)
 
     @gpu_call
-    def revise_take(last_take, revision_note, preset, seed, temperature, top_p, top_k, max_frames,
-                    progress=gr.Progress()):
-        settings = director.settings(preset, seed, temperature, top_p, top_k, max_frames)
+    def revise_take(last_take, revision_note, preset, *values, progress=gr.Progress()):
+        settings = director.settings(preset, **_named(values))
         requests = director.revision_requests(last_take, revision_note)
         yield from _page_updates(director, director.speak(requests, settings, last_take.number + 1), progress)
 
@@ -223,7 +232,7 @@ def build_text_stream_tab(director: Director) -> None:
 
     @gpu_call
     def speak_arriving(text, voice, clip, transcript, rate, chunk_bytes, seed, progress=gr.Progress()):
-        settings = director.settings("model default", seed, 0, 0, 0, 0)
+        settings = director.settings("model default", seed=seed)
         feed = director.arriving_text(text, rate, chunk_bytes)
         choice = VoiceChoice(0, voice, clip, transcript)
         yield from _arrival_updates(director, feed, director.speak_as_it_arrives(feed, choice, settings, chunk_bytes), progress)

@@ -23,7 +23,7 @@ import torch
 
 from ..files import atomic_output
 from ..codec.take_streaming import AudioChunk, WaveformStreamer
-from ..decoding.sampler import check_sampling_values
+from ..decoding import DEMO, options_for
 from ..generation_text_stream import ChunkSpoken, ChunkStarted
 from ..loading import resolve_device
 from ..long_form import resolve_scene_mode
@@ -45,6 +45,10 @@ OWN_CLIP = "my clip"
 
 PRESETS = {"model default": None, "serving": "serving", "paper evaluation": "paper-eval"}
 """Sampling presets: the model's generation config, or `generate()`'s presets."""
+
+TAKE_OPTIONS = options_for(DEMO)
+"""The request options the sampling panel offers, one field each (`decoding.options`, the demo's door)."""
+OPTIONS_BY_NAME = {option.name: option for option in TAKE_OPTIONS}
 
 INSERTS = (
     ("speaker 0", "<|speaker:0|> "), ("speaker 1", "<|speaker:1|> "), ("[pause]", "[pause] "),
@@ -152,12 +156,12 @@ class VoiceChoice:
 
 @dataclass(frozen=True)
 class TakeSettings:
-    """Sampling of a take: preset name (None: the model's config), overrides, seed, frame cap."""
+    """How a take is drawn: the preset (None: the model's config), the options the panel set (name
+    -> checked value, `TAKE_OPTIONS`; the seed apart) and the seed (drawn when the panel gave none)."""
 
     preset: str | None
-    sampling: dict
+    options: dict
     seed: int
-    max_new_tokens: int | None
 
 
 @dataclass(frozen=True)
@@ -405,9 +409,8 @@ class Director:
         stream its audio; chunk k is spoken once chunk k + 1 is known, while later words arrive."""
         references = self.references(voice)
         params = TextStreamParams(
-            model=None, voice=self.service.adapter_of(voice.voice), response_format="pcm", seed=settings.seed,
-            sampling={name: value for name, value in settings.sampling.items() if value is not None},
-            max_new_tokens=settings.max_new_tokens, chunk_bytes=int(chunk_bytes),
+            model=None, voice=self.service.adapter_of(voice.voice), response_format="pcm",
+            options={**settings.options, "seed": settings.seed}, chunk_bytes=int(chunk_bytes),
         )
         heard, chunks = [], []
         started = time.perf_counter()
@@ -443,26 +446,30 @@ class Director:
         factor = f"{elapsed / seconds:.2f}" if seconds else "n/a"
         return f"**{len(chunks)} chunks**, {seconds:.2f} s of audio: {timing} · real-time factor {factor}"
 
-    def settings(self, preset: str, seed, temperature, top_p, top_k, max_frames) -> TakeSettings:
-        """Sampling of a take; 0 (or empty) leaves a value to the preset. No seed: a random one,
-        shown with the take so it can be drawn again."""
+    def settings(self, preset: str, **values) -> TakeSettings:
+        """How a take is drawn: `preset` (a label of `PRESETS`) and the panel's fields by option name
+        (`TAKE_OPTIONS`), each checked by the option schema's one check; an empty field (None or "")
+        leaves its option to the preset or the model. No seed: a random one, shown with the take so it
+        can be drawn again."""
         if preset not in PRESETS:
             raise bad_input(f"Preset: {preset!r}; choose one of {list(PRESETS)}")
-        numbers = {"Seed": seed, "Temperature": temperature, "Top-p": top_p, "Top-k": top_k, "Max frames": max_frames}
-        for name, value in numbers.items():
-            if value is not None and (not np.isfinite(value) or value < 0):
-                raise bad_input(f"{name}: {value!r}; expected a number of 0 or more")
-        labels = {"temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k"}
-        for name, value in (("temperature", temperature), ("top_p", top_p or None), ("top_k", int(top_k) if top_k else None)):
-            try:  # the one check of sampling values, as generate() and the server apply it
-                check_sampling_values({name: value})
+        options = {}
+        for option in TAKE_OPTIONS:
+            value = values.get(option.name)
+            if value is None or value == "":
+                continue
+            if option.kind is int and isinstance(value, float) and value.is_integer():
+                value = int(value)  # a number field gives 30.0 for 30
+            try:  # the one check of option values, as generate() and the server apply it
+                option.check(value)
             except ValueError as error:
-                raise bad_input(f"{labels[name]}: {error}") from None
-        if max_frames is not None and max_frames > self.limits.max_new_tokens:
-            raise bad_input(f"Max frames: {max_frames!r}; at most {self.limits.max_new_tokens}")
-        sampling = {"temperature": temperature or None, "top_p": top_p or None, "top_k": int(top_k) if top_k else None}
-        seed = int(seed) if seed is not None and seed != "" else secrets.randbelow(2**31)
-        return TakeSettings(PRESETS[preset], sampling, seed, int(max_frames) if max_frames else None)
+                raise bad_input(f"{option.demo_label}: {error}") from None
+            options[option.name] = value
+        frames = options.get("max_new_tokens")
+        if frames is not None and frames > self.limits.max_new_tokens:
+            raise bad_input(f"{OPTIONS_BY_NAME['max_new_tokens'].demo_label}: {frames!r}; at most {self.limits.max_new_tokens}")
+        seed = options.pop("seed", None)
+        return TakeSettings(PRESETS[preset], options, secrets.randbelow(2**31) if seed is None else seed)
 
     # ---- speaking --------------------------------------------------------------------------------
 
@@ -504,7 +511,7 @@ class Director:
             rows = self.service.processor(item.request)
         except ValueError as error:
             raise bad_input(f"Script: {error}") from None
-        job = self.service.job_of_rows(rows, self.backend.timeout, settings.sampling, seed, settings.max_new_tokens,
+        job = self.service.job_of_rows(rows, self.backend.timeout, {**settings.options, "seed": seed},
                                        preset=settings.preset, prefix=item.prefix)
         return dataclasses.replace(job, adapter=item.adapter)
 

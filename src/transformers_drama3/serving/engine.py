@@ -41,35 +41,37 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..decoding.loop import DecodeRun, FrameStep, PendingStep, compiled_functions, own_drawn_state, owned, runs_ahead
-from ..decoding.steady_guards import SteadyGuards
-from ..decoding.sampler import EMPTY_WINDOW_SLOT
-from ..decoding.state import DecodeCache, DecodeState
-from ..decoding.threads import check_threads, resolve_threads
-from ..decoding.request import line_separators
-from ..prompting.bare_rows import boundaries_left_of_rows
-from .routing import routed
+from ..codec.take_streaming import ClickFilter
+from ..decoding import (
+    DecodeCache,
+    DecodeRequest,
+    DecodeRun,
+    DecodeState,
+    Drama3Sampler,
+    FrameStep,
+    PendingStep,
+    RequestOptions,
+    SamplingSettings,
+    SteadyGuards,
+    check_threads,
+    compiled_functions,
+    detect_anomalies,
+    line_separators,
+    make_sampler,
+    overlong_factor,
+    own_drawn_state,
+    owned,
+    resolve_alignment,
+    resolve_request,
+    resolve_threads,
+    runs_ahead,
+)
 from .chunked_prefill import (
     DEFAULT_PREFILL_SHARE, OLDEST_EVERY, PrefillShare, PromptPrefill, check_prefill_settings, next_prompt,
     system_turn_boundary,
 )
-from .decoding import (
-    AlignmentMasks,
-    ClickFilter,
-    Drama3Sampler,
-    SamplingSettings,
-    detect_anomalies,
-    expected_seconds_of_tokens,
-    frame_budgets,
-    item_keys,
-    overlong_factor,
-    prompt_window,
-    resolve_alignment,
-    target_text_tokens,
-    text_tokens_per_second,
-    turn_token_ids,
-)
 from .memory import return_freed_memory
+from .routing import routed
 
 IDLE_TRIM_DELAY = 1.0
 """Seconds idle after a grown pool was dropped before the heap is trimmed once more: by then the
@@ -101,6 +103,9 @@ class SpeechJob:
     an `audio_separator_token_id` speaks line by line.
     adapter: the name of a LoRA adapter of the engine's `adapters` registry the request speaks
     with (prefill and every frame), None for the base model.
+    speak_span: (start, stop) rows of the text of the turn to speak (the processor's `speak_span`):
+    its expected duration and budget come from it; None reads them from the rows.
+    The job is resolved as `generate()` resolves a prompt (`decoding.request.resolve_request`).
     """
 
     input_ids: torch.Tensor
@@ -112,6 +117,7 @@ class SpeechJob:
     prefix: object | None = None
     boundaries_left: int | None = None
     adapter: str | None = None
+    speak_span: tuple[int, int] | torch.Tensor | None = None
 
 
 @dataclass
@@ -149,6 +155,7 @@ class RequestHandle:
 
     def __init__(self, request_id: int, job: SpeechJob, seed: int):
         self.id, self.job, self.seed = request_id, job, seed
+        self.options = RequestOptions(job.settings, seed, job.max_new_tokens)  # checked before the job waits
         self.queue: queue.Queue = queue.Queue()
         self.submitted = time.perf_counter()
         self.first_frame_at: float | None = None
@@ -182,20 +189,13 @@ class RequestHandle:
 
 @dataclass
 class _Slot:
-    """A running request: its handle, budgets, sampling, click filter, frames so far, the rows its
-    item holds (the backbone's; the tower holds one fewer between steps), the line boundaries its
-    prompt had left when it joined and those it drew."""
+    """A running request: its handle and its resolved request (one item: sampling, seed, RAS window,
+    budgets, line boundaries left, alignment), its click filter, frames so far, the rows its item
+    holds (the backbone's; the tower holds one fewer between steps) and the line boundaries it drew."""
 
     handle: RequestHandle
-    budget: int
-    guard_budget: int
-    expected_frames: float
-    settings: SamplingSettings
-    key: torch.Tensor
-    window: torch.Tensor
-    steps: torch.Tensor | None = None
+    request: DecodeRequest
     rows: int = 0
-    boundaries_left: int = 0
     line_boundaries: list[int] = field(default_factory=list)
     clicks: ClickFilter = field(default_factory=ClickFilter)
     frames: list[torch.Tensor] = field(default_factory=list)
@@ -557,30 +557,16 @@ class Drama3Engine:
             self._dropped_if_abandoned(prompt)
 
     def _new_slot(self, handle: RequestHandle) -> _Slot:
-        """The budgets and sampling of a request, as `generate()` resolves them for a batch of one."""
-        model, job = self.model, handle.job
-        config = model.config
-        ids = job.input_ids
-        mask = torch.ones_like(ids)
-        tokens = target_text_tokens(ids.cpu(), mask.cpu(), config.eos_token_id, model.is_semantic)
-        seconds = expected_seconds_of_tokens(tokens, text_tokens_per_second(model))
-        return _Slot(
-            handle=handle,
-            budget=int(frame_budgets(seconds, config.frame_rate, job.max_new_tokens)[0]),
-            guard_budget=int(frame_budgets(seconds, config.frame_rate)[0]),
-            expected_frames=float(seconds[0] * config.frame_rate),
-            settings=job.settings,
-            key=item_keys([handle.seed], 1, ids.device),
-            window=prompt_window(ids, mask),
-            boundaries_left=self._boundaries_left(job, mask),
-        )
-
-    def _boundaries_left(self, job: SpeechJob, mask: torch.Tensor) -> int:
-        if self.separator_id is None:
-            return 0
-        if job.boundaries_left is not None:
-            return int(job.boundaries_left)
-        return int(boundaries_left_of_rows(job.input_ids, mask, self.model.config.eos_token_id, self.separator_id)[0])
+        """The slot of a request: its job resolved as `generate()` resolves a batch of one (the one
+        resolver, `decoding.request.resolve_request`), with `<|audio_separator|>` among its candidates
+        wherever the engine speaks line by line (every item of the pool draws from the same ones)."""
+        job = handle.job
+        layout = {"speak_span": job.speak_span, "boundaries_left": job.boundaries_left}
+        request = resolve_request(self.model, job.input_ids, torch.ones_like(job.input_ids), handle.options, layout,
+                                  self.separator_id, self.alignment)
+        if self.separator_id is not None:
+            request = request.with_separator_candidate(self.separator_id)
+        return _Slot(handle, request)
 
     # ---- the running batch: items of one DecodeState over the pool --------------------------------
 
@@ -610,26 +596,26 @@ class Drama3Engine:
             self._grow(capacity)  # one copy of the pool, however many doublings the prompt needs
         item = len(self._slots)
         self._pool.place(item, run.cache)
-        state = run.state
+        state, request = run.state, slot.request
+        device = state.ids.device
+        separators_left = torch.zeros_like(state.separators_left) if request.separators is None else request.separators.left
         joining = DecodeState(
             state.hidden, state.ids, state.codes,
             torch.nn.functional.pad(state.key_mask, (0, self._pool.capacity - state.key_mask.shape[1])), state.position,
-            torch.ones_like(state.active), torch.zeros_like(state.produced),
-            torch.tensor([slot.budget], device=state.ids.device), torch.full_like(state.separators_left, slot.boundaries_left),
-            self._aligner(slot),
+            torch.ones_like(state.active), torch.zeros_like(state.produced), request.budgets.to(device),
+            separators_left.to(device), request.alignment,
         )
-        self._keep_windows()
-        running = None if self._state is None else self._state.select(list(range(item)))
+        joining_sampler = make_sampler(self.model, request)
+        running, running_sampler = None, None
+        if self._state is not None:
+            items = list(range(item))
+            running, running_sampler = self._state.select(items), self._sampler.select(items)
         slot.rows = rows
         self._slots.append(slot)
-        self._arrange(joining if running is None else running.joined(joining))
-
-    def _aligner(self, slot: _Slot) -> AlignmentMasks | None:
-        if self.alignment is None:
-            return None
-        config, ids = self.model.config, slot.handle.job.input_ids
-        token_ids = turn_token_ids(ids.cpu(), torch.ones_like(ids).cpu(), config.eos_token_id)
-        return AlignmentMasks(self.alignment, token_ids, config.codebook_size, [slot.expected_frames], ids.device)
+        if running is None:
+            self._arrange(joining, joining_sampler)
+        else:
+            self._arrange(running.joined(joining), running_sampler.joined(joining_sampler))
 
     def _items(self) -> int:
         """Items a step runs: the running requests, or their batch-size bucket when compiled."""
@@ -638,15 +624,17 @@ class Drama3Engine:
             return running
         return min(self.max_batch, 1 << max(0, (running - 1).bit_length()))
 
-    def _arrange(self, running: DecodeState) -> None:
-        """The state, sampler and view of the running items, padded with items that hold no request
-        up to the step's item count."""
+    def _arrange(self, running: DecodeState, sampler: Drama3Sampler) -> None:
+        """The state, sampler and view of the running items (each request's sampler item carries its
+        settings, key, step count and RAS window along), padded with items that hold no request up to
+        the step's item count."""
         free = self._items() - running.batch
         if free:
             running = running.joined(self._free_state(free, running))
+            sampler = sampler.padded(free)
         self._state = running
         self._pool.clear_items(len(self._slots))
-        self._sampler = self._batch_sampler(free)
+        self._sampler = sampler
         self._view = None
         self._guards.reset()
         if self.adapters is not None:
@@ -665,37 +653,6 @@ class Drama3Engine:
             None if like.alignment is None else like.alignment.blank(count),
         )
 
-    def _keep_windows(self) -> None:
-        """Each running request keeps its RAS window, key and step count when the batch's sampler is made anew."""
-        if self._sampler is not None:
-            for item, slot in enumerate(self._slots):
-                slot.window, slot.key, slot.steps = self._sampler.item_state(item)
-
-    def _batch_sampler(self, free: int) -> Drama3Sampler:
-        """One sampler over the step's items: each running request with its settings, key, step count and
-        RAS window; `free` items that hold no request after them."""
-        slots = self._slots
-        device = self._state.ids.device
-        windows = [slot.window for slot in slots]
-        if free:
-            windows.append(torch.full((free, windows[0].shape[1]), EMPTY_WINDOW_SLOT, dtype=torch.long, device=device))
-        candidates = self.model.speech_token_ids(device)
-        codebook_size, widths = candidates.shape[0] - 1, None
-        if self.separator_id is not None:
-            # the separator is the last candidate; a request draws a number for it only when its prompt
-            # had lines left when it joined, as generate() draws for it
-            candidates = torch.cat((candidates, torch.tensor([self.separator_id], device=device)))
-            widths = torch.tensor([codebook_size + 1 + (slot.boundaries_left > 0) for slot in slots] + [codebook_size + 1] * free,
-                                  device=device)
-        zeros = torch.zeros(free, dtype=torch.long, device=device)  # items without a request: any numbers
-        sampler = Drama3Sampler(
-            [slot.settings for slot in slots] + [slots[0].settings] * free, candidates, torch.cat(windows),
-            torch.cat([slot.key for slot in slots] + [zeros]), codebook_size, widths,
-        )
-        fresh = torch.zeros(1, dtype=torch.long, device=device)  # a request that joins draws from its step 0
-        sampler.steps = torch.cat([fresh if slot.steps is None else slot.steps for slot in slots] + [zeros])
-        return sampler
-
     def _grow(self, capacity: int | None = None) -> None:
         """Give every slot `capacity` columns (default: twice as many; one copy); the key masks
         widen with them."""
@@ -713,12 +670,11 @@ class Drama3Engine:
         for target, source in enumerate(kept):
             if source != target:
                 self._pool.move(source, target)
-        self._keep_windows()
         self._slots = [self._slots[item] for item in kept]
         if not kept:
             self._reset_batch_keeping_pool()
             return
-        self._arrange(self._state.select(kept))
+        self._arrange(self._state.select(kept), self._sampler.select(kept))
 
     def _reset_batch_keeping_pool(self) -> None:
         """No request runs: keep the pool for the next one, unless a long prompt grew it past the
@@ -824,9 +780,11 @@ class Drama3Engine:
 
     def _end(self, slot: _Slot, reason: str) -> None:
         codes = torch.stack(slot.frames) if slot.frames else torch.zeros(0, self.model.config.num_codebooks, dtype=torch.long)
-        anomalies = detect_anomalies(codes.shape[0], reason, slot.expected_frames, slot.guard_budget,
+        request = slot.request
+        expected_frames = float(request.expected_frames[0])
+        anomalies = detect_anomalies(codes.shape[0], reason, expected_frames, int(request.guard_budgets[0]),
                                      overlong=self.overlong)
-        self._finish(slot.handle, reason, DoneEvent(reason, codes, anomalies, slot.budget, slot.expected_frames,
+        self._finish(slot.handle, reason, DoneEvent(reason, codes, anomalies, int(request.budgets[0]), expected_frames,
                                                     slot.line_boundaries))
 
     def _timed_out(self, handle: RequestHandle) -> bool:

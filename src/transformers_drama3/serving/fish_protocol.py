@@ -22,9 +22,9 @@ asked (`fish_options`), so both doors speak through the same engine, voices and 
 | `mp3_bitrate` kbps, `opus_bitrate` kbps / bps / -1000 | `bit_rate` (bits per second; -1000: the encoder's choice) |
 | `prosody.speed`, `prosody.volume` (dB) | `speed` (the same time stretch), `volume_db` |
 | `latency` normal / balanced / low | `first_window`: frames of the first audio chunk (10 / 5 / 2) |
-| `temperature`, `top_p`, `max_new_tokens` | the same fields (0 frames: the server's default) |
+| `temperature`, `top_p`, `max_new_tokens` | the same request options (0 frames: the server's default) |
 | `chunk_length` | the text stream's chunk size in bytes (live route; HTTP speaks the whole text as one take) |
-| `seed` (drama3's extension) | `seed` |
+| `seed` and the other request options (drama3's extensions) | the same options (`decoding.options`, HTTP's) |
 
 `IGNORED` fields have no meaning for Drama 3 and are accepted with any value, as are unknown keys;
 a null is the field's default. Every problem is an `ApiError` naming the field, answered in Fish
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..decoding import HTTP
 from .audio_formats import supported_formats
 from .json_bounds import JsonBounds
 from .msgpack_bounds import msgpack_cost
@@ -47,11 +48,11 @@ from .protocol import (
     Limits,
     SpeechParams,
     _number,
-    _sampling,
     _string,
     check_speakable,
     load_json,
     parse_references,
+    request_options,
     unicode_text,
 )
 
@@ -192,9 +193,7 @@ def fish_options(body: dict, text: str, model: str | None, served: str, limits: 
         response_format=response_format,
         stream_format="audio",
         references=parse_references(body.get("references") or None, limits, is_voice),
-        seed=_number(body, "seed", 0, 2**63 - 1, integer=True),
-        sampling=_sampling(body),
-        max_new_tokens=max_new_tokens or None,  # Fish's 0: the server's default
+        options=request_options({**body, "max_new_tokens": max_new_tokens or None}, HTTP, limits),  # Fish's 0: the default
         speed=1.0 if speed is None else float(speed),
         sample_rate=_sample_rate(body, response_format),
         volume_db=0.0 if volume is None else float(volume),

@@ -27,7 +27,6 @@ import time
 import msgpack
 from fastapi import Request, WebSocket, WebSocketDisconnect
 
-from ..decoding.sampler import resolve_settings
 from ..generation_text_stream import ChunkSpoken
 from .speech_answer import ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason, speak
 from .audio_formats import stream_encoder
@@ -146,14 +145,9 @@ async def _utterance(websocket, service, settings, slots, fish: FishRequest, ind
     """One utterance: its text events in, its audio out, then `finish`; the index of the next event."""
     speech = _with_voice(fish.speech, service, settings)
     params = TextStreamParams(model=speech.model, voice=speech.voice, response_format="pcm",
-                              references=speech.references, seed=speech.seed, sampling=speech.sampling,
-                              max_new_tokens=speech.max_new_tokens, chunk_bytes=fish.chunk_bytes)
+                              references=speech.references, options=speech.options, chunk_bytes=fish.chunk_bytes)
     references = await asyncio.to_thread(service.references_of, params)
-    try:
-        resolve_settings(getattr(service.model, "generation_config", None), None, None,
-                         {**params.sampling, "max_new_tokens": params.max_new_tokens})
-    except ValueError as error:
-        raise ApiError(400, str(error)) from None
+    service.check_stream_options(params)
     if not slots.acquire():
         service.metrics.count("rejected")
         raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None,

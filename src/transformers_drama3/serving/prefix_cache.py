@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decoding.loop import DecodeRun
+from ..decoding import DecodeRun
 from ..prompting.bare_rows import system_turn_rows
 from .engine import SpeechJob, prefill_alone
 

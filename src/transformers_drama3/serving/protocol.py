@@ -2,8 +2,10 @@
 
 `POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `instructions`,
 `response_format`, `speed`, `stream_format`), the `sample_rate` extension Speaches and
-Kokoro-FastAPI accept, and SGLang-Omni's extensions (`references`, `seed`, `temperature`, `top_p`,
-`top_k`, `max_new_tokens`, `stream`). As OpenAI does, the audio is streamed unless the request says
+Kokoro-FastAPI accept, SGLang-Omni's extensions (`references`, `stream`) and the request options
+of the option schema offered over HTTP (`decoding.options`: `seed`, `temperature`, `top_p`,
+`top_k`, `max_new_tokens`, ...; read by `request_options`, one field per entry, each checked by the
+schema's one check). As OpenAI does, the audio is streamed unless the request says
 `stream: false`, and `response_format` defaults to mp3. Every problem is an `ApiError` with
 the status and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`, naming the
 field, raised before any work is done.
@@ -18,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..decoding.sampler import check_sampling_values
+from ..decoding import HTTP, STREAM, options_for
 from .audio_formats import STREAMABLE, supported_formats
 from .error_shapes import error_body
 from .json_bounds import JsonBounds, json_cost
@@ -29,7 +31,6 @@ STREAM_FORMATS = ("audio", "sse")
 OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 RATE_FORMATS = ("pcm", "wav")
 """The formats a request's `sample_rate` applies to (the others are coded at the model's rate)."""
-MAX_SEED = 2**63 - 1
 JSON_BOUNDS = JsonBounds()
 """How much JSON a request body or message may make the server build: 32 levels deep (the API's own
 bodies nest 4), 10,000 items, 2,000 keys."""
@@ -150,11 +151,12 @@ class Limits:
 class SpeechParams:
     """A checked speech request. voice: a voice id or None; references: inline references;
     stream_format: "audio" or "sse", None for the whole take in one body (`stream: false`);
-    speed: the time-stretch factor (1.0: as spoken); sample_rate: the rate asked for pcm or wav
-    (None: the format's own, `output_audio.output_rate`). Set by Fish Audio's door
-    (`fish_protocol`) only: volume_db, a gain in decibels; bit_rate, bits per second of a lossy
-    format (None: the encoder's default); first_window, frames of a stream's first audio chunk
-    (None: the codec's schedule)."""
+    options: the request options it gives (name -> value, the schema's entries offered over HTTP,
+    checked; `seed`, `temperature`, `max_new_tokens`, ...); speed: the time-stretch factor (1.0: as
+    spoken); sample_rate: the rate asked for pcm or wav (None: the format's own,
+    `output_audio.output_rate`). Set by Fish Audio's door (`fish_protocol`) only: volume_db, a gain
+    in decibels; bit_rate, bits per second of a lossy format (None: the encoder's default);
+    first_window, frames of a stream's first audio chunk (None: the codec's schedule)."""
 
     model: str | None
     input: str
@@ -163,14 +165,16 @@ class SpeechParams:
     response_format: str
     stream_format: str | None
     references: list = field(default_factory=list)
-    seed: int | None = None
-    sampling: dict = field(default_factory=dict)
-    max_new_tokens: int | None = None
+    options: dict = field(default_factory=dict)
     speed: float = 1.0
     sample_rate: int | None = None
     volume_db: float = 0.0
     bit_rate: int | None = None
     first_window: int | None = None
+
+    @property
+    def seed(self) -> int | None:
+        return self.options.get("seed")
 
 
 def _number(body: dict, name: str, low: float, high: float, integer: bool = False, low_open: bool = False):
@@ -335,30 +339,32 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         response_format=response_format,
         stream_format=stream_format,
         references=parse_references(body.get("references"), limits, is_voice),
-        seed=_number(body, "seed", 0, MAX_SEED, integer=True),
-        sampling=_sampling(body),
-        max_new_tokens=_number(body, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
+        options=request_options(body, HTTP, limits),
         speed=1.0 if speed is None else float(speed),
         sample_rate=sample_rate,
     )
 
 
-def _sampling(body: dict) -> dict:
-    """The sampling fields given: temperature, top_p, top_k, checked by the one check of sampling
-    values `generate()`, the CLI and the demo run (`decoding.sampler.check_sampling_values`)."""
-    sampling = {}
-    for name in ("temperature", "top_p", "top_k"):
-        value = body.get(name)
+def request_options(body: dict, door: str, limits: Limits) -> dict:
+    """The request options a body (or a text stream's `start` message) gives: one field per entry
+    of the option schema offered at `door` (`HTTP` or `STREAM`), each checked by the schema's one
+    check (`decoding.options`), the one `generate()`, the CLI and the demo run; an ApiError (400)
+    names the field. `max_new_tokens` is also held to the server's limit."""
+    values = {}
+    for option in options_for(door):
+        value = body.get(option.name)
         if value is None:
             continue
-        if isinstance(value, LongNumber):
-            raise ApiError(400, f"{name}: {value!r} is not a sampling value", name)
         try:
-            check_sampling_values({name: value})
+            option.check(value)
         except ValueError as error:
-            raise ApiError(400, str(error), name) from None
-        sampling[name] = value
-    return sampling
+            raise ApiError(400, str(error), option.name) from None
+        values[option.name] = value
+    frames = values.get("max_new_tokens")
+    if frames is not None and frames > limits.max_new_tokens:
+        raise ApiError(400, f"max_new_tokens={frames}; this server makes at most {limits.max_new_tokens} frames a take",
+                       "max_new_tokens")
+    return values
 
 
 # ---- the text stream (WebSocket /v1/audio/speech/stream) ----------------------------------------------
@@ -371,17 +377,20 @@ MIN_CHUNK_BYTES = 8
 @dataclass
 class TextStreamParams:
     """A checked `start` message of a text stream: the speech fields of `/v1/audio/speech` but the
-    text, which arrives in `text` messages; chunk_bytes: the streaming chunk size (None: the
-    published ~300 bytes)."""
+    text, which arrives in `text` messages (options: the schema's entries offered to a text stream;
+    `max_new_tokens` caps each chunk); chunk_bytes: the streaming chunk size (None: the published
+    ~300 bytes)."""
 
     model: str | None
     voice: str | None
     response_format: str
     references: list = field(default_factory=list)
-    seed: int | None = None
-    sampling: dict = field(default_factory=dict)
-    max_new_tokens: int | None = None
+    options: dict = field(default_factory=dict)
     chunk_bytes: int | None = None
+
+    @property
+    def seed(self) -> int | None:
+        return self.options.get("seed")
 
 
 def parse_message(raw, location: str = "message") -> dict:
@@ -395,8 +404,9 @@ def parse_message(raw, location: str = "message") -> dict:
 
 
 def parse_stream_start(message: dict, limits: Limits, is_voice, max_chunk_bytes: int) -> TextStreamParams:
-    """Check the `start` message: `voice`, `references`, `seed`, `temperature`, `top_p`, `top_k`,
-    `max_new_tokens` (per chunk), `response_format` ("pcm" or "wav"), `chunk_bytes`."""
+    """Check the `start` message: `voice`, `references`, the request options offered to a text
+    stream (`request_options`; `max_new_tokens` per chunk), `response_format` ("pcm" or "wav"),
+    `chunk_bytes`."""
     if message.get("type") != "start":
         raise ApiError(400, f"type: the first message must be {{\"type\": \"start\", ...}}; got {message.get('type')!r}", "type")
     if "input" in message:
@@ -409,9 +419,7 @@ def parse_stream_start(message: dict, limits: Limits, is_voice, max_chunk_bytes:
         voice=parse_voice(message.get("voice")),
         response_format=response_format,
         references=parse_references(message.get("references"), limits, is_voice),
-        seed=_number(message, "seed", 0, MAX_SEED, integer=True),
-        sampling=_sampling(message),
-        max_new_tokens=_number(message, "max_new_tokens", 1, limits.max_new_tokens, integer=True),
+        options=request_options(message, STREAM, limits),
         chunk_bytes=_number(message, "chunk_bytes", MIN_CHUNK_BYTES, max_chunk_bytes, integer=True),
     )
 

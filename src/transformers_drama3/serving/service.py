@@ -16,13 +16,11 @@ import threading
 import numpy as np
 import torch
 
-from ..decoding.loop import default_compile_config
-from ..decoding.sampler import resolve_settings
+from ..codec.take_streaming import decode_audio
+from ..decoding import default_compile_config, resolve_settings, torch_threads
 from ..loading import load_model_and_processor
 from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
-from ..decoding.threads import torch_threads
 from ..tiny import shipped
-from .decoding import decode_audio
 from .engine import Drama3Engine, FramesEvent, SpeechJob
 from .metrics import ServerMetrics
 from .prefix_cache import PrefixCache
@@ -185,7 +183,7 @@ class SpeechService:
             param = "instructions" if "instructions" in str(error) else "input"
             raise ApiError(400, str(error), param) from None
         prefix = (params.voice or self.default_voice) if not params.references else None
-        job = self.job_of_rows(rows, timeout, params.sampling, params.seed, params.max_new_tokens, prefix=prefix)
+        job = self.job_of_rows(rows, timeout, params.options, prefix=prefix)
         return dataclasses.replace(job, adapter=self.adapter_of(params.voice))
 
     def voice_of(self, params: SpeechParams) -> str | None:
@@ -208,20 +206,30 @@ class SpeechService:
             voices[name] = {**voices.get(name, {"id": name, "name": name}), "adapter": True}
         return [voices[key] for key in sorted(voices)]
 
-    def job_of_rows(self, rows, timeout: float | None, sampling: dict, seed: int | None = None,
-                    max_new_tokens: int | None = None, preset: str | None = None, prefix=None) -> SpeechJob:
-        """The engine job of one request's prompt rows (the processor's output for a `Script`):
-        sampling as the model's generation config says, then `preset`, then `sampling`
-        (temperature, top_p, top_k); `prefix` keys the voice-prefix cache (any hashable, or None;
-        the engine keys an adapter's prefixes apart)."""
-        settings, max_new_tokens, _ = resolve_settings(
-            getattr(self.model, "generation_config", None), preset, None, {**sampling, "max_new_tokens": max_new_tokens},
-        )
+    def job_of_rows(self, rows, timeout: float | None, options: dict, preset: str | None = None,
+                    prefix=None) -> SpeechJob:
+        """The engine job of one request's prompt rows (the processor's output for a `Script`, its
+        layout included: the engine reads the turn to speak from `speak_span`) and its request
+        options (name -> checked value, `decoding.options`): sampling as the model's generation
+        config says, then `preset`, then the options; `prefix` keys the voice-prefix cache (any
+        hashable, or None; the engine keys an adapter's prefixes apart)."""
+        settings, max_new_tokens, _ = resolve_settings(getattr(self.model, "generation_config", None), preset, None, options)
+        seed = options.get("seed")
         device = self.model.device
+        boundaries = rows.get("boundaries_left")
         return SpeechJob(
             rows["input_ids"].to(device), rows["audio_codes"].to(device), settings,
             seed=seed, max_new_tokens=max_new_tokens, timeout=timeout, prefix=prefix,
+            boundaries_left=None if boundaries is None else int(boundaries[0]), speak_span=rows.get("speak_span"),
         )
+
+    def check_stream_options(self, params: TextStreamParams) -> None:
+        """Refuse a text stream whose options, merged with the model's generation config, the decode
+        would refuse (ApiError 400), before its stream starts."""
+        try:
+            resolve_settings(getattr(self.model, "generation_config", None), None, None, params.options)
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
 
     def text_stream(self, params: TextStreamParams, references, seed: int, pieces, stop, preset: str | None = None,
                     first_window: int | None = None):
@@ -229,11 +237,10 @@ class SpeechService:
         sampling as the model's generation config says, then `preset`, then the message's fields;
         a fine-tuned voice speaks with its adapter. `first_window`: frames of each turn's first
         audio chunk (None: the codec's schedule)."""
+        options = {name: value for name, value in params.options.items() if name != "seed"}  # the stream's own seed
         stream = self.model.stream_text(
             pieces, processor=self.processor, references=tuple(references), codec=self.processor.codec, seed=seed,
-            preset=preset,
-            max_new_tokens=params.max_new_tokens, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop,
-            first_window=first_window, **params.sampling,
+            preset=preset, max_bytes=params.chunk_bytes or CHUNK_BYTES, stop=stop, first_window=first_window, **options,
         )
         adapter = self.adapter_of(params.voice)
         return stream if adapter is None else adapter_stream(self.adapters, adapter, stream)

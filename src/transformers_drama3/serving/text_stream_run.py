@@ -28,7 +28,7 @@ from itertools import chain
 import numpy as np
 
 from ..codec.take_streaming import AudioChunk
-from ..decoding.threads import torch_threads
+from ..decoding import torch_threads
 from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from .protocol import RETRY_AFTER_SECONDS, ApiError, TextStreamParams, damaged_adapter
 from .routing import AdapterError, AdapterSlotsBusy

@@ -19,9 +19,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..decoding.budget import BUDGET_FACTOR, MAX_FRAMES, frame_budgets
+from ..decoding.budget import BUDGET_FACTOR, MAX_FRAMES
 from ..decoding.loop import DecodeRun, TakeCollector
-from ..decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings, item_keys, prompt_window
+from ..decoding.request import RequestOptions, make_sampler, resolve_request
+from ..decoding.sampler import SEED_STRIDE, SamplingSettings
 from ..modeling_drama3 import positions_from_mask
 
 ROLLOUT_SETTINGS = SamplingSettings(do_sample=True, temperature=1.0, top_p=1.0, top_k=None, repetition_aware=False)
@@ -37,7 +38,8 @@ class GRPOConfig:
             on SFT takes).
         clip: |z| limit (3).
         min_group_std: groups whose raw reward std is below this are dropped (0.05).
-        budget_factor, max_frames: frame budget of a take: budget_factor x expected, <= max_frames.
+        budget_factor, max_frames: frame budget of a take: budget_factor x expected, <= max_frames
+            (and never above the paper's 4096 frames).
     """
 
     group_size: int = 8
@@ -82,16 +84,10 @@ def rollout(model, input_ids: torch.Tensor, audio_codes: torch.Tensor, group_siz
     ids = input_ids[None].expand(group_size, -1).to(model.device)
     codes = audio_codes[None].expand(group_size, -1, -1).to(model.device)
     mask = torch.ones_like(ids)
-    seconds = torch.full((group_size,), float(expected_seconds))
-    budgets = frame_budgets(
-        seconds, model.config.frame_rate, budget_factor=config.budget_factor, max_frames=config.max_frames
-    )
-    sampler = Drama3Sampler(
-        ROLLOUT_SETTINGS, model.speech_token_ids(ids.device), prompt_window(ids, mask),
-        item_keys(seed, group_size, ids.device),
-    )
+    options = RequestOptions(ROLLOUT_SETTINGS, seed, config.max_frames, float(expected_seconds), config.budget_factor)
+    request = resolve_request(model, ids, mask, options)
     collector = TakeCollector(group_size)
-    for step in DecodeRun.prefilled(model, ids, codes, mask, sampler, budgets).steps_ahead():
+    for step in DecodeRun.prefilled(model, ids, codes, mask, make_sampler(model, request), request.budgets).steps_ahead():
         collector.add(step)
     # The policy's tokens are kept as drawn: no click frame is dropped before eos.
     frames = [take.cpu() for take in collector.takes(model.config.num_codebooks)]
