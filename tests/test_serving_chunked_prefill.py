@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from generation_helpers import SEMANTIC_START, prompt, tiny_model
+from network_helpers import free_port
 from test_serving_engine import MAX_FRAMES, generate_alone, job, model  # noqa: F401  (the float64 model fixture)
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.serving.chunked_prefill import OLDEST_EVERY, check_prefill_settings, piece_end
@@ -334,7 +335,8 @@ def test_drama3_serve_passes_prefill_chunk_and_share_to_the_engine_and_refuses_b
     monkeypatch.setattr(app_module, "serve_in_background",
                         lambda *args, **kwargs: (started.setdefault("load", kwargs), ((lambda: None), None))[1])
     monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: None)
-    assert main(["serve", "--prefill-chunk", "64", "--prefill-share", "0.25"]) == 0
+    # a free port: the command checks it can bind before loading (port 8000 may be taken)
+    assert main(["serve", "--port", str(free_port()), "--prefill-chunk", "64", "--prefill-share", "0.25"]) == 0
     assert (started["load"]["prefill_chunk"], started["load"]["prefill_share"]) == (64, 0.25)
     for bad in ("0", "1.5", "nan"):
         assert main(["serve", "--prefill-share", bad]) == 2
