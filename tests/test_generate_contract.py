@@ -331,7 +331,7 @@ REFUSED_VALUES = {
     "prompt_lookup_num_tokens": 3, "max_matching_ngram_size": 2, "assistant_early_exit": 1,
     "assistant_lookbehind": 10, "target_lookbehind": 10, "assistant_ensemble_weight": 0.5,
     "speculation_type": "draft", "use_mtp": True, "penalty_alpha": 0.6, "dola_layers": "high", "low_memory": True,
-    "min_p": 0.1, "top_h": 0.5, "typical_p": 0.9, "epsilon_cutoff": 3e-4, "eta_cutoff": 3e-4,
+    "top_h": 0.5, "typical_p": 0.9, "epsilon_cutoff": 3e-4, "eta_cutoff": 3e-4,
     "repetition_penalty": 1.2, "encoder_repetition_penalty": 1.1, "no_repeat_ngram_size": 2,
     "encoder_no_repeat_ngram_size": 2, "bad_words_ids": [[5]], "sequence_bias": {(5,): -1.0},
     "suppress_tokens": [5], "begin_suppress_tokens": [5], "forced_bos_token_id": 5, "forced_eos_token_id": 5,

@@ -1,6 +1,8 @@
 """The continuous-batching engine: a request's codes equal `generate()`'s for it alone, whether it
 runs alone or joins a busy batch mid-flight; slots free at once; the queue has a cap."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def generate_alone(model, job: SpeechJob):
     out = model.generate(
         job.input_ids, job.audio_codes, seed=job.seed, max_new_tokens=job.max_new_tokens,
         do_sample=settings.do_sample, temperature=settings.temperature, top_p=settings.top_p,
-        top_k=settings.top_k, return_dict_in_generate=True,
+        top_k=settings.top_k, min_p=settings.min_p, return_dict_in_generate=True,
     )
     return out.audio_codes[0, : int(out.lengths[0])], out.finish_reasons[0]
 
@@ -72,6 +74,7 @@ def test_requests_joining_a_busy_batch_mid_flight_give_their_codes_alone(model, 
         job(seed=30, prompt_seed=31, audio_rows=7, temperature=0.8, top_k=5),
         job(seed=32, prompt_seed=33, text_rows=9),
         job(seed=34, prompt_seed=35, do_sample=False),
+        job(seed=150, prompt_seed=80, temperature=0.5, top_p=1.0, min_p=0.5),
     ]
     engine = make_engine(max_batch=8)
     handles = drive(engine, {0: first, 3: later[:2], 5: later[2:]})
@@ -338,6 +341,30 @@ def test_a_compiled_engine_steps_buckets_of_requests_and_gives_each_the_codes_it
         result = handle.result(timeout=1)
         assert isinstance(result, DoneEvent), result
         assert torch.equal(result.codes, generate_alone(model, request)[0]), f"seed {request.seed}"
+
+
+def test_a_compiled_engine_draws_min_p_requests_as_generate_does(model):
+    """min_p in the compiled step (dynamo's graph, fullgraph: a graph break fails the step): two
+    requests with different min_p give each the codes generate() gives it, which min_p changed."""
+    from transformers import CompileConfig
+
+    traced = tiny_model(seed=0)
+    traced.set_experts_implementation("batched_mm")
+    traced = traced.double()
+    # temperature 0.5: the tiny model's candidates are near equally likely, and min_p keeps a few
+    requests = [job(seed=150 + prompt_seed, prompt_seed=prompt_seed, temperature=0.5, top_p=1.0, min_p=min_p)
+                for prompt_seed, min_p in ((80, 0.5), (82, 0.8))]
+    torch._dynamo.reset()
+    engine = Drama3Engine(traced, max_batch=2, compile_config=CompileConfig(fullgraph=True, dynamic=False,
+                                                                             backend="eager", mode=None))
+    handles = drive(engine, {0: requests})
+    assert graphs_of(engine._step_function) >= 1
+    codes = [handle.result(timeout=1).codes for handle in handles]
+    for request, drawn in zip(requests, codes):
+        assert torch.equal(drawn, generate_alone(model, request)[0]), f"min_p {request.settings.min_p}"
+    for request, drawn in zip(requests, codes):
+        unfiltered = replace(request, settings=replace(request.settings, min_p=0.0))
+        assert not torch.equal(drawn, generate_alone(model, unfiltered)[0])  # min_p drew otherwise
 
 
 def test_a_prefill_continued_from_a_prefix_copies_its_cache_not_its_model(model):

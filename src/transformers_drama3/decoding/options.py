@@ -130,6 +130,9 @@ SCHEMA: tuple[Option, ...] = (
            low=0, high=1, low_open=True, sampling=True, label="Top-p", unset="the preset's"),
     Option("top_k", int, None, "candidates kept for the main token (0: all); the codebook heads keep at most 30",
            low=0, high=MAX_TOP_K, note="0: no top-k", sampling=True, label="Top-k", unset="the preset's"),
+    Option("min_p", float, 0.0,
+           "after top-k and top-p, drops the candidates less likely than min_p times the likeliest one, for the main "
+           "token and the codebook heads", low=0, high=1, note="0: off", sampling=True, label="Min-p", unset="0, off"),
     Option("repetition_aware", bool, True,
            "repetition-aware sampling (RAS) of the main token: a semantic draw that repeats one of the last 16 "
            "main tokens is drawn again at temperature 1.0, top-p 0.95, top-k 30",
@@ -193,6 +196,9 @@ class SamplingSettings:
         top_p: nucleus mass for the main token and the codebook heads (1.0: off).
         top_k: candidates kept for the main token (None: all); the codebook heads keep
             `min(top_k, 30)`.
+        min_p: after top-k and top-p, candidates whose probability (at `temperature`) is below
+            `min_p` times the likeliest one's are dropped, for the main token and the codebook
+            heads (0: off).
         repetition_aware: apply RAS to the main token. A generation config may set it
             (`repetition_aware: false`): a model whose main tokens repeat by design, such as
             drama3-tiny's phonetic codes (one phoneme spans several frames), turns RAS off there.
@@ -202,6 +208,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 0.9
     top_k: int | None = None
+    min_p: float = 0.0
     repetition_aware: bool = True
 
     def __post_init__(self):

@@ -50,14 +50,27 @@ def distribution(logits: torch.Tensor, settings: SamplingSettings, top_k: int | 
     """The distribution a draw with `settings` samples from: logits `[..., V]` -> probabilities
     `[..., V]` (float32), at most `top_k` candidates (the main token's `settings.top_k`, a codebook
     head's `settings.codebook_top_k`); `keep_crossing`: keep the token that crosses top-p (the main
-    token) or drop it (the codebook heads). The reference: every candidate sorted."""
-    return filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing)
+    token) or drop it (the codebook heads), then `settings.min_p` (`min_p_filtered`). The
+    reference: every candidate sorted."""
+    return min_p_filtered(filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing), settings.min_p)
 
 
 def capped_distribution(logits: torch.Tensor, settings: SamplingSettings, top_k: int, keep_crossing: bool) -> torch.Tensor:
     """`distribution` of a draw capped at `top_k` candidates, sorting only those (the codebook heads
     and RAS: 30 of 4096); the same up to the order of exactly tied probabilities."""
-    return fused_step.top_k_filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing)
+    probabilities = fused_step.top_k_filtered_probabilities(logits, settings.temperature, top_k, settings.top_p, keep_crossing)
+    return min_p_filtered(probabilities, settings.min_p)
+
+
+def min_p_filtered(probabilities: torch.Tensor, min_p: float) -> torch.Tensor:
+    """probabilities `[..., V]` without the candidates less likely than `min_p` times the likeliest
+    one, renormalised; min_p 0: as they are (the same tensor, so a draw without min_p is unchanged).
+    The likeliest candidate survives every filter before this one and the ratios to it are those of
+    the softmax at the draw's temperature, so the filters before it only narrow what it keeps."""
+    if not min_p:
+        return probabilities
+    kept = probabilities.masked_fill(probabilities < min_p * probabilities.amax(dim=-1, keepdim=True), 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -68,8 +81,9 @@ def race(probabilities: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def filtered_draw(logits: torch.Tensor, settings: SamplingSettings, top_k: int | None, keep_crossing: bool,
                   noise: torch.Tensor) -> torch.Tensor:
     """One draw with `settings` over logits `[rows, V]` and its numbers `noise` `[rows, V]` -> long
-    `[rows]`; on CUDA a capped draw of the codebook heads' kind is one fused kernel over the same numbers."""
-    if top_k is not None and not keep_crossing and fused_step.use_kernel(logits):
+    `[rows]`; on CUDA a capped draw of the codebook heads' kind is one fused kernel over the same
+    numbers (the kernel has no min-p: a draw with one takes the reference)."""
+    if top_k is not None and not keep_crossing and not settings.min_p and fused_step.use_kernel(logits):
         return fused_step.filtered_race(logits, noise, settings.temperature, top_k, settings.top_p, keep_crossing)
     if top_k is None:
         return race(distribution(logits, settings, top_k, keep_crossing), noise)
