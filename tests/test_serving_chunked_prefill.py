@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from generation_helpers import SEMANTIC_START, prompt, tiny_model
-from network_helpers import free_port
 from test_serving_engine import MAX_FRAMES, generate_alone, job, model  # noqa: F401  (the float64 model fixture)
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.serving.chunked_prefill import OLDEST_EVERY, check_prefill_settings, piece_end
@@ -324,8 +323,7 @@ def test_drama3_serve_passes_prefill_chunk_and_share_to_the_engine_and_refuses_b
     """`--prefill-chunk` and `--prefill-share` reach the service's engine (unset: 128 rows on a CPU and
     a share of 0.5); a share outside (0, 1] is refused before anything loads."""
     pytest.importorskip("uvicorn")
-    import uvicorn as uvicorn_module
-
+    from transformers_drama3 import cli
     from transformers_drama3.cli import main
     from transformers_drama3.serving import app as app_module
     from transformers_drama3.serving.chunked_prefill import DEFAULT_PREFILL_SHARE
@@ -334,9 +332,9 @@ def test_drama3_serve_passes_prefill_chunk_and_share_to_the_engine_and_refuses_b
     started = {}
     monkeypatch.setattr(app_module, "serve_in_background",
                         lambda *args, **kwargs: (started.setdefault("load", kwargs), ((lambda: None), None))[1])
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kwargs: None)
-    # a free port: the command checks it can bind before loading (port 8000 may be taken)
-    assert main(["serve", "--port", str(free_port()), "--prefill-chunk", "64", "--prefill-share", "0.25"]) == 0
+    monkeypatch.setattr(cli, "listen", lambda host, port: None)  # binds nothing
+    monkeypatch.setattr(cli, "run_server", lambda *args: None)  # serves nothing: the call returns
+    assert main(["serve", "--prefill-chunk", "64", "--prefill-share", "0.25"]) == 0
     assert (started["load"]["prefill_chunk"], started["load"]["prefill_share"]) == (64, 0.25)
     for bad in ("0", "1.5", "nan"):
         assert main(["serve", "--prefill-share", bad]) == 2
