@@ -35,7 +35,9 @@ DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ru
 # transformers' own model test battery (its source distribution's tests/test_modeling_common.py,
 # which .ci/run fetches) imports parameterized.
 MODEL_TESTS = ["parameterized>=0.9"]
-DEV = ["pytest>=8", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS, *DOCS, *MODEL_TESTS]
+# pytest-xdist: CI runs the suite on every core, a test file per worker (its module fixtures built
+# once); pytest-timeout: a test that hangs fails after its limit instead of stalling the whole run.
+DEV = ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "nbformat>=5", "nbclient>=0.10", "ipykernel>=6", *SERVER_TESTS, *DEMO_TESTS, *DOCS, *MODEL_TESTS]
 
 setup(
     name="transformers-drama3",
