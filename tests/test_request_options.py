@@ -95,7 +95,11 @@ def test_drama3s_own_generation_options_are_the_schemas_that_transformers_lacks(
     assert own <= DRAMA3_FIELDS and own
 
 
-@pytest.mark.parametrize("option, inside, outside", [edge for edge in EDGES if edge[0].sampling], ids=lambda x: str(x))
+SAMPLING_EDGES = [edge for edge in EDGES if edge[0].sampling]
+
+
+@pytest.mark.parametrize("option, inside, outside", SAMPLING_EDGES,
+                         ids=[f"{option.name}-{outside}" for option, _, outside in SAMPLING_EDGES])
 def test_generates_options_are_refused_one_past_their_range_from_any_source(option, inside, outside):
     resolve_settings(None, None, None, {option.name: inside})
     with pytest.raises(ValueError, match=f"^{option.name}="):
