@@ -181,8 +181,8 @@ def test_the_decode_step_touches_no_cpu_tensor_on_the_gpu_path(kind, fresh_model
 def test_the_engine_step_over_its_pool_touches_no_cpu_tensor_on_the_gpu_path(kind, fresh_model, monkeypatch):
     """Three requests joined by the engine's own code (`_join`: its pool, the view of the running
     items, the batch's state and sampler) on the stand-in device, each prefilled by the compiled
-    prefill; each request's host bookkeeping (budget, key, RAS window, computed from its prompt on the
-    host as on a GPU) moved to the device as its prompt would be. The step over the view: one
+    prefill; each resolved request's RAS window (computed from its prompt on the host, as on a GPU)
+    moved to the device as its prompt would be. The step over the view: one
     capturable graph, no operator on a CPU tensor."""
     import dataclasses
 
@@ -192,7 +192,9 @@ def test_the_engine_step_over_its_pool_touches_no_cpu_tensor_on_the_gpu_path(kin
         ids, codes = prompt(seed)
         handle = RequestHandle(number, SpeechJob(ids[None], codes[None], SamplingSettings(), seed=seed, max_new_tokens=8), seed)
         slot = engine._new_slot(handle)
-        slot = dataclasses.replace(slot, key=slot.key.to(META), window=slot.window.to(META))
+        # the resolved request's RAS window on the device, as its prompt is (the engine moves its budgets
+        # and draws its keys from its seeds when it joins)
+        slot = dataclasses.replace(slot, request=dataclasses.replace(slot.request, window=slot.request.window.to(META)))
         with cuda_stand_in("meta"):
             run = DecodeRun.prefilled(fresh_model, ids[None].to(META), codes[None].to(META),
                                       torch.ones(1, ids.shape[0], dtype=torch.long, device=META), None,
