@@ -62,7 +62,7 @@ def run_setting(arguments) -> list[dict]:
 
     from transformers_drama3.decoding.loop import compiled_functions
     from transformers_drama3.decoding.steady_guards import graphs_of
-    from transformers_drama3.torch_compat import raise_recompile_limit
+    from transformers_drama3.kernels.torch_compat import raise_recompile_limit
 
     torch.set_num_threads(1)
     model = gpu.without_eos(gpu.materialised(gpu.published_config(arguments.layers, dry_run=True), "cpu", torch.float32))

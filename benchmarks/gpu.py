@@ -111,13 +111,13 @@ import torch
 from transformers import CompileConfig
 
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
-from transformers_drama3.accounting import account
+from transformers_drama3.placement.accounting import account
 from transformers_drama3.codec import Drama3CodecConfig, Drama3CodecModel
 from transformers_drama3.decoding.loop import DecodeRun, default_compile_config
 from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
 from transformers_drama3.decoding.sampler import SamplingSettings
 from transformers_drama3.decoding.state import compiled_capacity
-from transformers_drama3.planning import GIB, plan_memory
+from transformers_drama3.placement.planning import GIB, plan_memory
 
 PAPER_FRAMES_PER_SECOND = 271.0
 """The paper's Drama 3 decode speed on one H200 (batch 1)."""
@@ -132,7 +132,7 @@ EXPERT_FORMATS = ("bf16", "fp8")
 MODES = ("compiled", "eager")
 OTHER_MODES = ("in-order", "prefill-graphs")
 """Measured only when asked (`--modes`): each adds compiles at the published depth."""
-FP8_MODULE = "transformers_drama3.checkpoint.quantization.fp8_experts"
+FP8_MODULE = "transformers_drama3.checkpoint.quantization.fp8_expert_layer"
 
 # A width that runs the same code in seconds on a CPU (--dry-run).
 DRY_RUN_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -242,7 +242,7 @@ def fp8_quantizer():
     """The library's block-FP8 expert quantiser; SystemExit naming `--experts fp8` when it is not
     importable (checked before the model is built)."""
     try:
-        from transformers_drama3.checkpoint.quantization.fp8_experts import quantize_experts_fp8
+        from transformers_drama3.checkpoint.quantization.fp8_expert_layer import quantize_experts_fp8
     except ImportError as error:
         raise SystemExit(f"--experts fp8: {FP8_MODULE}.quantize_experts_fp8 is not importable ({error}); this "
                          f"benchmark keeps no FP8 experts of its own: run --experts bf16") from None

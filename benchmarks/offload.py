@@ -28,7 +28,7 @@ import time
 import torch
 
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration, expert_cache_stats, offload_experts
-from transformers_drama3.offload import ExpertCacheStats
+from transformers_drama3.layers.offloaded_experts import ExpertCacheStats
 
 WIDTHS = {
     "published": (dict(num_experts=256, num_experts_per_tok=8), {}),

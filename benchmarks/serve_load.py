@@ -177,7 +177,7 @@ def random_model_and_processor(width: str, layers: int, device: str):
     import gpu  # benchmarks/gpu.py, this script's neighbour: the same config, meta-device build and codec
 
     from transformers_drama3 import Drama3Config, Drama3Processor
-    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+    from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
     tiny = width == "tiny"
     shape = gpu.published_config(layers, dry_run=tiny)

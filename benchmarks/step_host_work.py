@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu  # noqa: E402  (the published config, the meta-device build, the eos mask, the prefilled run)
 
 from transformers_drama3.decoding.loop import DecodeRun  # noqa: E402
-from transformers_drama3.torch_compat import raise_recompile_limit  # noqa: E402
+from transformers_drama3.kernels.torch_compat import raise_recompile_limit  # noqa: E402
 
 LOOPS = {"in order": DecodeRun.steps, "ahead": DecodeRun.steps_ahead}
 

@@ -26,9 +26,9 @@ import time
 import torch
 from transformers import AutoModel, AutoProcessor
 
-from transformers_drama3.codec.take_streaming import AudioChunk
+from transformers_drama3.codec.take_audio import AudioChunk
 from transformers_drama3.decoding.loop import DecodeRun
-from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted
+from transformers_drama3.generation.live_text import ChunkSpoken, ChunkStarted
 from transformers_drama3.prompting import Reference, StreamingScript
 from transformers_drama3.tiny.shipped import TINY_MODEL_PATH, reference_voice
 

@@ -1,7 +1,7 @@
 """The `drama3` console script: parse the command line, then import the package and run it.
 
 Importing the package imports torch and transformers (seconds), which `--help` and a mistyped flag
-should not wait for. So the parser's module, `transformers_drama3.cli_arguments`, and the option
+should not wait for. So the parser's module, `transformers_drama3.runtime.arguments`, and the option
 schema its flags are made from, `transformers_drama3.decoding.options` (both standard library
 only), are loaded from the package's folder without running the package's `__init__`; the package
 itself is imported once there is work to do, and `transformers_drama3.cli.run` does it.
@@ -13,13 +13,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ARGUMENTS_MODULE = "transformers_drama3.cli_arguments"
+ARGUMENTS_MODULE = "transformers_drama3.runtime.arguments"
 STANDALONE_MODULES = ("transformers_drama3.decoding.options", ARGUMENTS_MODULE)
 """The modules the parser needs, in import order: each imports only the standard library and those before it."""
 
 
 def load_arguments_module():
-    """`transformers_drama3.cli_arguments`, loaded from its file without importing the package (the
+    """`transformers_drama3.runtime.arguments`, loaded from its file without importing the package (the
     package's own `from .cli_arguments import ...` later finds this same module in `sys.modules`),
     after the option schema it reads, loaded the same way."""
     package = importlib.util.find_spec("transformers_drama3")  # finds the folder, runs nothing

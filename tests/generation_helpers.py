@@ -16,7 +16,7 @@ from codec_helpers import tiny_codec
 from model_helpers import CODEBOOK_SIZE, EOS, NUM_CODEBOOKS, SEMANTIC_START, tiny_model, tokenizer_config
 from transformers_drama3 import Drama3ForSpeechGeneration
 from transformers_drama3.processing_drama3 import Drama3Processor
-from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
 __all__ = [
     "CODEBOOK_SIZE", "EOS", "NUM_CODEBOOKS", "SEMANTIC_START", "SEPARATOR", "tiny_model",

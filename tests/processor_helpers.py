@@ -9,7 +9,7 @@ import functools
 import torch
 
 from transformers_drama3.processing_drama3 import Drama3Processor
-from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
 NUM_CODEBOOKS = 10
 

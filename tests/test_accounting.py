@@ -2,7 +2,7 @@
 
 import pytest
 
-from transformers_drama3.accounting import GB, PAPER_DRAMA3, account, format_table, main
+from transformers_drama3.placement.accounting import GB, PAPER_DRAMA3, account, format_table, main
 from transformers_drama3.configuration_drama3 import Drama3Config
 
 

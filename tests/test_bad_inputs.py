@@ -749,7 +749,7 @@ def test_a_corrupt_cache_entry_is_encoded_again(tmp_path, codec):
 
 
 def test_writing_through_a_symlink_replaces_the_file_it_names_and_keeps_the_link(tmp_path):
-    from transformers_drama3.files import atomic_output
+    from transformers_drama3.output_files import atomic_output
 
     target, link = tmp_path / "real.txt", tmp_path / "link.txt"
     target.write_text("old")

@@ -11,7 +11,7 @@ import torch
 from transformers_drama3 import cli
 from transformers_drama3.checkpoint.quantization.experts import Drama3RoutedExperts
 from transformers_drama3.decoding.request import has_offloaded_experts, resolve_decoding
-from transformers_drama3.offload import OffloadedExperts, offload_experts
+from transformers_drama3.layers.offloaded_experts import OffloadedExperts, offload_experts
 from transformers_drama3.serving.service import SpeechService, default_prefill_chunk
 
 from generation_helpers import tiny_model

@@ -159,14 +159,14 @@ HOST_SIDE_CUDA_CHECKS = {
     "kernels/cuda_paths.py": "the predicate itself",
     "kernels/device_dispatch.py": "`_cuda_callee`: which of two CUDA-path callees, once the path is taken",
     "kernels/fused_step.py": "`use_kernel`: eager calls only (False inside a compiled region, whatever the device)",
-    "kernels/fp8_experts.py": "`kernel_serves`: read inside the op's own implementation when it runs, never traced",
+    "kernels/fp8_expert_gemm.py": "`kernel_serves`: read inside the op's own implementation when it runs, never traced",
     "decoding/loop.py": "`runs_ahead` and `PendingStep`: the host's loop (queuing ahead, pinned copies)",
     "decoding/request.py": "the default compile config: chosen on the host before anything runs",
     "serving/engine.py": "`_settle`: the scheduler waits for the device on the host, to time a prefill",
-    "offload.py": "the expert offload's pinned host store (offloaded experts are never compiled)",
+    "layers/offloaded_experts.py": "the expert offload's pinned host store (offloaded experts are never compiled)",
     "checkpoint/quantization/quantized_loading.py": "loading",
     "checkpoint/quantization/weights.py": "loading",
-    "loading.py": "loading",
+    "runtime/loading.py": "loading",
 }
 """The files that may branch on a real CUDA device without `takes_cuda_path`, and why: nothing there
 decides what a compiled region traces."""

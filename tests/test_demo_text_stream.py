@@ -11,7 +11,7 @@ import soundfile
 gr = pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
 
-from transformers_drama3.generation_text_stream import ChunkSpoken  # noqa: E402
+from transformers_drama3.generation.live_text import ChunkSpoken  # noqa: E402
 from transformers_drama3.serving.demo import ArrivingText, Director, TakeSettings, VoiceChoice  # noqa: E402
 
 TEXT = "Good morning to you. It is a lovely day. Shall we walk to the river? The boats are out."

@@ -30,7 +30,7 @@ from transformers_drama3.checkpoint.quantization import (
     quantize_block_fp8_power_of_two,
     quantize_experts_fp8,
 )
-from transformers_drama3.kernels import fp8_experts as kernel
+from transformers_drama3.kernels import fp8_expert_gemm as kernel
 
 # Only the tests that run the kernels need Triton (the `interpreted` fixture, `needs_triton`): the
 # reference, the routing tiles and the module run everywhere, where Triton is not installed too.

@@ -24,7 +24,7 @@ from transformers_drama3.decoding.loop import compiled_functions
 from transformers_drama3.decoding.sampler import filtered_probabilities
 from transformers_drama3.decoding.steady_guards import graphs_of
 from transformers_drama3.decoding.takes import Drama3GenerationOutput
-from transformers_drama3.generation_arguments import ARGUMENTS, GENERATION_FIELDS, NO_EFFECT, REFUSED, WORKS
+from transformers_drama3.generation.arguments import ARGUMENTS, GENERATION_FIELDS, NO_EFFECT, REFUSED, WORKS
 from transformers_drama3.prompting.bare_rows import spoken_frames
 
 PAD = 7  # a text id of the tiny vocabulary that no prompt here ends in

@@ -30,7 +30,7 @@ def internal(name: str) -> str | None:
     return name.lstrip(".") if name.startswith(".") else None
 
 
-GENERATION = ["generation_drama3.py", "generation_call.py", "generation_outputs.py", "generation_arguments.py"]
+GENERATION = ["generation_drama3.py", "generation/call.py", "generation/outputs.py", "generation/arguments.py"]
 
 
 @pytest.mark.parametrize("module", GENERATION)
@@ -46,7 +46,7 @@ def test_generation_imports_nothing_above_it(module):
 def test_text_streaming_imports_nothing_above_generation():
     # it drives the processor it is given (duck typed) and builds rows with prompting, below it
     above = ("modeling_drama3", "processing_drama3", "long_form", "pipeline_drama3", "training", "serving")
-    ours = [internal(name) for name, _ in imports_of(PACKAGE / "generation_text_stream.py") if internal(name) is not None]
+    ours = [internal(name) for name, _ in imports_of(PACKAGE / "generation/live_text.py") if internal(name) is not None]
     assert {"generation_drama3", "prompting"} <= set(ours)
     assert not [name for name in ours if name.split(".")[0] in above]
 
@@ -61,12 +61,12 @@ def test_the_model_gets_its_cache_and_generate_from_generation():
     assert ours.get("generation_drama3") is True
 
 
-@pytest.mark.parametrize("module", [*GENERATION, "generation_text_stream.py", "long_form.py", "modeling_drama3.py"])
+@pytest.mark.parametrize("module", [*GENERATION, "generation/live_text.py", "runtime/long_form.py", "modeling_drama3.py"])
 def test_no_import_is_hidden_inside_a_function(module):
     hidden = [name for name, top in imports_of(PACKAGE / module) if not top and name != "__future__"]
     assert hidden == []
 
 
 def test_long_form_sits_above_the_processor():
-    ours = {internal(name) for name, _ in imports_of(PACKAGE / "long_form.py")} - {None}
+    ours = {internal(name) for name, _ in imports_of(PACKAGE / "runtime/long_form.py")} - {None}
     assert {"processing_drama3", "prompting", "generation_drama3"} <= ours

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from generation_helpers import RecordingStreamer
-from transformers_drama3.codec.take_streaming import WaveformStreamer, decode_audio
-from transformers_drama3 import long_form
-from transformers_drama3.long_form import generate_long_form
+from transformers_drama3.codec.take_audio import WaveformStreamer, decode_audio
+from transformers_drama3.runtime import long_form
+from transformers_drama3.runtime.long_form import generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
 TEXT = SENTENCE * 8  # ~660 bytes: three chunks of at most 300

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from generation_helpers import SEMANTIC_START, prompt, script_main_tokens, tiny_model
-from transformers_drama3.codec.take_streaming import AudioChunk, default_stream_windows
+from transformers_drama3.codec.take_audio import AudioChunk, default_stream_windows
 
 
 @pytest.fixture(scope="module")

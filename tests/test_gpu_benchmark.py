@@ -72,8 +72,8 @@ def test_the_model_materialised_from_the_meta_device_has_every_tensor_a_built_mo
 
 
 def test_one_step_reads_the_papers_weights_per_frame_at_batch_1_and_more_experts_for_a_batch(gpu_benchmark):
-    from transformers_drama3.accounting import account
-    from transformers_drama3.planning import plan_memory
+    from transformers_drama3.placement.accounting import account
+    from transformers_drama3.placement.planning import plan_memory
 
     config = gpu_benchmark.published_config(40, dry_run=False)
     accounting = account(config)
@@ -258,7 +258,7 @@ def test_batch_sizes_whose_memory_does_not_fit_the_gpu_are_left_out_naming_each(
     """The published model at 40 layers (bf16 experts: 60 GiB of them), a compiled run of 256 + 40 + 2
     rows (capacity 512): what fits is decided by the planner's bytes (weights, codec, state, the
     batch's 256-row prompts prefilled at once, workspace) against the free memory less 10%."""
-    from transformers_drama3.planning import GIB, plan_memory
+    from transformers_drama3.placement.planning import GIB, plan_memory
 
     config = gpu_benchmark.published_config(40, dry_run=False)
     batches, rows, prompt_rows = [1, 8, 32, 64], 298, 256
@@ -282,7 +282,7 @@ def test_the_prefills_transients_decide_a_batch_that_the_weights_and_state_alone
     """bf16 experts at batch 32: free memory that holds the weights, codec and state less 10% with
     room to spare, but not the 32 x 256-row prefill's transients (its tower logits alone 1.1 GiB)
     and the workspace, leaves the batch out."""
-    from transformers_drama3.planning import GIB
+    from transformers_drama3.placement.planning import GIB
 
     config = gpu_benchmark.published_config(40, dry_run=False)
     plan = gpu_benchmark.batch_plan(config, "bf16", 32, 298, 256)

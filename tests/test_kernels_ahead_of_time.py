@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from script_helpers import loaded_script
-from transformers_drama3.kernels import fp8_experts, fused_step, recurrent_decode, short_conv
+from transformers_drama3.kernels import fp8_expert_gemm as fp8_experts, fused_step, recurrent_decode, short_conv
 
 TARGETS = Path(__file__).with_name("triton_targets.py")
 SM90_SHARED_MEMORY = 227 * 1024
@@ -119,7 +119,7 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def published():
-    from transformers_drama3.planning import published_config
+    from transformers_drama3.placement.planning import published_config
 
     return published_config()
 

@@ -9,8 +9,8 @@ import torch
 
 from generation_helpers import RecordingStreamer
 from transformers_drama3 import cli
-from transformers_drama3.codec.take_streaming import decode_audio
-from transformers_drama3.long_form import generate_long_form
+from transformers_drama3.codec.take_audio import decode_audio
+from transformers_drama3.runtime.long_form import generate_long_form
 
 SENTENCE = "This sentence is long enough that a few of them fill more than one chunk of text. "
 TEXT = SENTENCE * 8  # three chunks of at most 300 bytes

@@ -11,7 +11,7 @@ import torch
 from generation_helpers import prompt, tiny_model
 from transformers_drama3 import expert_cache_stats, offload_experts
 from transformers_drama3.decoding.sampler import SamplingSettings
-from transformers_drama3.offload import ExpertCacheStats, OffloadedExperts
+from transformers_drama3.layers.offloaded_experts import ExpertCacheStats, OffloadedExperts
 from transformers_drama3.serving.engine import DoneEvent, Drama3Engine, SpeechJob
 
 FLOAT32 = dict(rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ from processor_helpers import random_codes
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.prompting import Line, Reference, Script, phonemes
 from transformers_drama3.prompting.phonemes import PhonemeFrontEnd, frontend_config, phoneme_symbols, phoneme_token
-from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
 TEXTS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog!", "¿Qué tal, amigo?"]
 

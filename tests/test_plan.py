@@ -16,11 +16,11 @@ from generation_helpers import prompt
 from model_helpers import tiny_config, tiny_model
 from transformers_drama3 import Drama3ForSpeechGeneration, plan_memory
 from transformers_drama3.cli import main as cli_main
-from transformers_drama3.cli_arguments import PLAN_QUANTIZATIONS
+from transformers_drama3.runtime.arguments import PLAN_QUANTIZATIONS
 from transformers_drama3.decoding.loop import DecodeRun
 from transformers_drama3.decoding.state import ColumnKeysLayer, DecodeCache, empty_state
-from transformers_drama3 import planning
-from transformers_drama3.planning import (
+from transformers_drama3.placement import planning
+from transformers_drama3.placement.planning import (
     GIB,
     QUANTIZATIONS,
     fitting,
@@ -192,7 +192,7 @@ def test_quantised_options_shrink_experts_and_dense_projections_only(saved_tiny)
 
 def test_published_plan_follows_the_accounting_of_its_parameters(monkeypatch):
     monkeypatch.setattr(planning, "_cached_file", lambda repo, filename: None)  # whatever this machine caches
-    from transformers_drama3.accounting import account
+    from transformers_drama3.placement.accounting import account
 
     plan = plan_memory("fishaudio/drama-3", "none")
     counted = account()
@@ -217,7 +217,7 @@ def test_offload_plan_holds_the_cache_not_the_experts(saved_tiny):
 
 def test_offload_plan_equals_what_offload_experts_allocates(saved_tiny):
     from transformers_drama3 import offload_experts
-    from transformers_drama3.offload import OffloadedExperts
+    from transformers_drama3.layers.offloaded_experts import OffloadedExperts
 
     model = offload_experts(Drama3ForSpeechGeneration.from_pretrained(saved_tiny / "float", dtype=torch.bfloat16),
                             cache_experts=3, device="cpu")

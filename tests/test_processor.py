@@ -10,7 +10,7 @@ import torch
 from processor_helpers import random_codes, tiny_processor
 from transformers_drama3.processing_drama3 import Drama3Processor, conversation_to_script
 from transformers_drama3.prompting import Line, Reference, Script, Take
-from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
 
 # ---- conversations --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 from processor_helpers import random_codes, tiny_processor, tiny_tokenizer, token_id
 from transformers_drama3.prompting import Clip, Script, Take, encode_text
-from transformers_drama3.tokenizer_build import drama3_special_tokens
+from transformers_drama3.prompting.tokenizer_build import drama3_special_tokens
 
 
 # ---- injection --------------------------------------------------------------------------------------------

@@ -414,7 +414,7 @@ def test_a_cuda_device_map_without_a_gpu_is_refused(config_only, monkeypatch):
 
 
 def test_the_commands_loader_quantises_drama3_tiny():
-    from transformers_drama3.loading import load_model_and_processor
+    from transformers_drama3.runtime.loading import load_model_and_processor
     from transformers_drama3.tiny import shipped
 
     if not shipped.is_available():
@@ -425,7 +425,7 @@ def test_the_commands_loader_quantises_drama3_tiny():
 
 
 def test_the_commands_loader_names_quant_when_refused(monkeypatch):
-    from transformers_drama3.loading import CommandError, load_model_and_processor
+    from transformers_drama3.runtime.loading import CommandError, load_model_and_processor
     from transformers_drama3.tiny import shipped
 
     real = quantized_loading.installed

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from transformers_drama3 import Drama3ForSpeechGeneration
-from transformers_drama3.checkpoint.qwen_init import drama3_config_from_qwen, init_from_qwen3_5_moe, main
+from transformers_drama3.runtime.qwen_init import drama3_config_from_qwen, init_from_qwen3_5_moe, main
 
 QWEN_VOCAB = 96
 CODEBOOK_SIZE = 32

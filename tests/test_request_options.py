@@ -10,14 +10,14 @@ import re
 import pytest
 
 from transformers_drama3.cli import CommandError, _check_say_arguments
-from transformers_drama3.cli_arguments import EVAL_OPTIONS, SAY_OPTIONS, build_parser
+from transformers_drama3.runtime.arguments import EVAL_OPTIONS, SAY_OPTIONS, build_parser
 from transformers_drama3.decoding.options import (
     CLI, DEMO, GENERATE, HTTP, OPTIONS, PRESETS, SAMPLING_NAMES, SCHEMA, STREAM, SamplingSettings, check_options,
     options_for,
 )
 from transformers_drama3.decoding.request import resolve_settings
-from transformers_drama3.generation_arguments import GENERATION_FIELDS, REFUSED, WORKS
-from transformers_drama3.generation_call import DRAMA3_FIELDS, OWN_ARGUMENTS
+from transformers_drama3.generation.arguments import GENERATION_FIELDS, REFUSED, WORKS
+from transformers_drama3.generation.call import DRAMA3_FIELDS, OWN_ARGUMENTS
 
 NUMBERS = [option for option in SCHEMA if option.kind in (int, float)]
 

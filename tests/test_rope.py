@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from transformers_drama3.rope import apply_interleaved_rope, rope_cos_sin
+from transformers_drama3.layers.rope import apply_interleaved_rope, rope_cos_sin
 
 
 def complex_rotation(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers import AutoModel
 from transformers_drama3 import Drama3ForSpeechGeneration
-from transformers_drama3.accounting import round_trip_memory
+from transformers_drama3.placement.accounting import round_trip_memory
 from transformers_drama3.checkpoint.loaded_checkpoint import published_state_dict
 from transformers_drama3.checkpoint.quantization import (
     FP8_DTYPE,

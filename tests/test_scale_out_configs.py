@@ -13,7 +13,7 @@ from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataP
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
 from training_helpers import stack_model
-from transformers_drama3.training.memory import training_memory
+from transformers_drama3.training.memory_estimate import training_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "accelerate"

@@ -19,7 +19,7 @@ from accelerate.utils import compute_module_sizes
 
 from generation_helpers import prompt, tiny_model
 from transformers_drama3 import Drama3ForSpeechGeneration
-from transformers_drama3.device_map import speech_device_map
+from transformers_drama3.placement.device_map import speech_device_map
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import soundfile
 import torch
 
 from generation_helpers import RecordingStreamer
-from transformers_drama3.long_form import generate_long_form, resolve_scene_mode
+from transformers_drama3.runtime.long_form import generate_long_form, resolve_scene_mode
 from transformers_drama3.prompting import Line, Reference, Script, speaker_turns
 from transformers_drama3.tiny import shipped
 

@@ -426,8 +426,8 @@ def test_reading_an_adapter_writes_nothing(tmp_path):
 
 def test_drama3_serve_refuses_bad_adapter_flags_before_loading(tmp_path):
     from transformers_drama3.cli import check_adapter_flags
-    from transformers_drama3.cli_arguments import build_parser
-    from transformers_drama3.loading import CommandError
+    from transformers_drama3.runtime.arguments import build_parser
+    from transformers_drama3.runtime.loading import CommandError
 
     def flags(*argv):
         return build_parser().parse_args(["serve", *argv])

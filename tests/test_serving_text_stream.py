@@ -14,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 websockets_sync = pytest.importorskip("websockets.sync.client")
 ConnectionClosed = pytest.importorskip("websockets.exceptions").ConnectionClosed
 
-from transformers_drama3.codec.take_streaming import AudioChunk
+from transformers_drama3.codec.take_audio import AudioChunk
 from transformers_drama3.decoding.threads import torch_threads  # noqa: E402
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app  # noqa: E402
 from transformers_drama3.serving.audio_formats import pcm16  # noqa: E402

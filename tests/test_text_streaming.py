@@ -14,9 +14,9 @@ import torch
 from generation_helpers import GrowingCache, tiny_speech_bundle
 from model_helpers import tiny_model
 from processor_helpers import random_codes
-from transformers_drama3.codec.take_streaming import AudioChunk, decode_audio
+from transformers_drama3.codec.take_audio import AudioChunk, decode_audio
 from transformers_drama3.decoding.sampler import SEED_STRIDE
-from transformers_drama3.generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
+from transformers_drama3.generation.live_text import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from transformers_drama3.prompting import (
     Reference,
     StreamingScript,

@@ -10,7 +10,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from training_helpers import processor, stack_model, voice_codes
-from transformers_drama3.generation_text_stream import ChunkSpoken
+from transformers_drama3.generation.live_text import ChunkSpoken
 from transformers_drama3.prompting import IGNORE_INDEX, StreamingScript
 from transformers_drama3.training import StreamingCollator
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from transformers_drama3 import torch_compat
+from transformers_drama3.kernels import torch_compat
 from transformers_drama3.decoding import loop
 
 

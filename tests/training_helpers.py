@@ -13,7 +13,7 @@ from codec_helpers import NUM_CODEBOOKS, RESIDUAL_CODEBOOK_SIZE, SEMANTIC_CODEBO
 from model_helpers import tokenizer_config
 from transformers_drama3 import Drama3Config, Drama3ForSpeechGeneration
 from transformers_drama3.processing_drama3 import Drama3Processor
-from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
 CODEBOOK_SIZE = SEMANTIC_CODEBOOK_SIZE  # the tiny codec's semantic codebook; residual codes < 16
 RESIDUAL_SIZE = RESIDUAL_CODEBOOK_SIZE

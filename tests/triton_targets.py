@@ -81,7 +81,7 @@ def jit_function(kernel):
 
 def kernel_modules():
     """The package's kernel modules, with their kernels defined (see the module docstring)."""
-    from transformers_drama3.kernels import fp8_experts, fused_step, recurrent_decode, short_conv
+    from transformers_drama3.kernels import fp8_expert_gemm as fp8_experts, fused_step, recurrent_decode, short_conv
 
     for module in (fp8_experts, fused_step, recurrent_decode, short_conv):
         if module.triton is None:
@@ -92,7 +92,7 @@ def kernel_modules():
 
 def published_shapes() -> dict:
     """The published model's sizes the kernels see (`planning.published_config`)."""
-    from transformers_drama3.planning import FP8_BLOCK, published_config
+    from transformers_drama3.placement.planning import FP8_BLOCK, published_config
 
     config = published_config()
     text, tower = config.text_config, config.audio_decoder_config

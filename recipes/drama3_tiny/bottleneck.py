@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import tempfile
 
-    from transformers_drama3.loading import load_model_and_processor
+    from transformers_drama3.runtime.loading import load_model_and_processor
 
     model, processor = load_model_and_processor(str(args.model), "cpu", "float32", progress=False)
     if not hasattr(processor.codec, "codebooks"):

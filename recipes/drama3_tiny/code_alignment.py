@@ -229,7 +229,7 @@ def write_alignment(model_dir, corpus, utterances: int = 3000, progress: bool = 
     from transformers import GenerationConfig
 
     from transformers_drama3 import Drama3Processor
-    from transformers_drama3.files import write_text_atomic
+    from transformers_drama3.output_files import write_text_atomic
 
     processor = Drama3Processor.from_pretrained(model_dir)
     phonemes = processor.codec.config.phonemes

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from transformers_drama3.files import check_output_path, write_text_atomic
-from transformers_drama3.loading import EXIT_USAGE, CommandError, load_model_and_processor
+from transformers_drama3.output_files import check_output_path, write_text_atomic
+from transformers_drama3.runtime.loading import EXIT_USAGE, CommandError, load_model_and_processor
 from transformers_drama3.tiny import shipped
 
 ENROLMENT_UTTERANCES = 6

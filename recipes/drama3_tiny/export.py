@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from transformers_drama3.files import atomic_folder
+from transformers_drama3.output_files import atomic_folder
 from transformers_drama3.tiny.shipped import TINY_MODEL_PATH
 
 from .corpus import read_manifest

@@ -44,7 +44,7 @@ from transformers_drama3.codec.mel_codec import Drama3MelCodecConfig, Drama3MelC
 from transformers_drama3.evaluation import asr
 from transformers_drama3.evaluation.espeak import ESPEAK_RATE, TINY_VOICES, speak
 from transformers_drama3.evaluation.intelligibility import HELDOUT_SENTENCES, resynthesize, speak_with_model
-from transformers_drama3.files import write_text_atomic
+from transformers_drama3.output_files import write_text_atomic
 from transformers_drama3.decoding.budget import expected_seconds_of_text
 from transformers_drama3.tiny import shipped
 from .instruments import SCORING_RATE, prepare
@@ -222,7 +222,7 @@ def corpus_heldout_sentences(count: int) -> list[str]:
 def lm_levers(voices: list[str], model_path: str | None = None) -> list[dict]:
     """`model_path` (drama3-tiny's bundled model by default) speaks every group of `LENGTH_GROUPS`
     and held-out sentences of its corpus grammar in each voice (the bundled reference clips)."""
-    from transformers_drama3.loading import load_model_and_processor
+    from transformers_drama3.runtime.loading import load_model_and_processor
 
     model, processor = load_model_and_processor(model_path or shipped.TINY_MODEL_PATH, "cpu", "float32", progress=False)
     groups = {**LENGTH_GROUPS, "corpus grammar, held out": tuple(corpus_heldout_sentences(3))}

@@ -58,7 +58,7 @@ LAYOUT_TEXTS = (
 def text_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=None):
     """The ChatML tokenizer of drama3-tiny's first release: a byte-level BPE trained on the corpus
     text plus every Drama 3 special token (see `tokenizer_build.build_drama3_tokenizer`)."""
-    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+    from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
     return build_drama3_tokenizer(
         texts=list(texts), vocab_size=TEXT_VOCABULARY, codebook_size=codebook_size, save_directory=save_directory
@@ -70,7 +70,7 @@ def phoneme_tokenizer(texts: Iterable[str], codebook_size: int, save_directory=N
     of the corpus (`prompting.phonemes`, en-us, the corpus's language tags in their own voice), and
     a byte-level BPE over what stays text (the layout's words, the corpus's tags and styles)."""
     from transformers_drama3.prompting.phonemes import PhonemeFrontEnd, frontend_config
-    from transformers_drama3.tokenizer_build import build_drama3_tokenizer
+    from transformers_drama3.prompting.tokenizer_build import build_drama3_tokenizer
 
     texts = list(texts)
     front_end = PhonemeFrontEnd(frontend_config("en-us", PHONEME_LANGUAGES))

@@ -398,7 +398,7 @@ def assemble_model_folder(model, tokenizer, codec, destination: str | Path, toke
     read it."""
     from transformers_drama3.modeling_drama3 import Drama3ForSpeechGeneration
     from transformers_drama3.processing_drama3 import Drama3Processor
-    from transformers_drama3.tokenizer_build import save_drama3_tokenizer
+    from transformers_drama3.prompting.tokenizer_build import save_drama3_tokenizer
     from .lm_recipe import TINY_REPETITION_AWARE, TINY_TEMPERATURE
 
     if isinstance(model, (str, Path)):

@@ -31,8 +31,8 @@ from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3Model, Drama3Outpu
 from .modeling_drama3_reward import Drama3ForRewardModeling
 from .processing_drama3 import Drama3Processor
 from .decoding.state import DecodeCache
-from .offload import expert_cache_stats, offload_experts
-from .planning import plan_memory, plan_options
+from .layers.offloaded_experts import expert_cache_stats, offload_experts
+from .placement.planning import plan_memory, plan_options
 
 __version__ = "0.1.0"
 

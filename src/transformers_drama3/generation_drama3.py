@@ -44,7 +44,7 @@ CUDA).
 Place among the modules: the model (`modeling_drama3`) imports this module and inherits
 `generate`/`stream` from `Drama3GenerationMixin`; this module imports nothing from the model and
 drives it through `decoding`. Long texts and scenes, which need the processor, are spoken by
-`long_form`.
+`runtime.long_form`.
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import GenerationConfig, GenerationMixin
 
-from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer, decode_audio, put_chunk
+from .codec.take_audio import AudioChunk, ClickFilter, WaveformStreamer, decode_audio, put_chunk
 from .decoding.budget import detect_anomalies, overlong_factor
 from .decoding.loop import DecodeRun, FrameStep, TakeCollector
 from .decoding.request import make_sampler
 from .decoding.sampler import SEED_STRIDE, Drama3Sampler, SamplingSettings
 from .decoding.takes import Drama3GenerationOutput, split_lines  # noqa: F401  (split_lines: importable from here, as before)
 from .decoding.threads import check_threads, resolve_threads, torch_threads
-from .generation_call import GenerationCall, prepare_prompt, set_up_call, split_kwargs
-from .generation_outputs import RecordingSampler, RowCollector, backbone_states, in_vocabulary, warped
+from .generation.call import GenerationCall, prepare_prompt, set_up_call, split_kwargs
+from .generation.outputs import RecordingSampler, RowCollector, backbone_states, in_vocabulary, warped
 
 __all__ = ["Drama3GenerationMixin", "Drama3GenerationOutput", "check_codec_matches", "generate", "prepare_prompt",
            "split_lines", "stream"]

@@ -33,12 +33,12 @@ from transformers.utils import ModelOutput, TransformersKwargs
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, is_flash_attention_requested
 
-from .checkpoint.files import check_dtype, check_weight_files
+from .checkpoint.folder_checks import check_dtype, check_weight_files
 from .configuration_drama3 import Drama3AudioDecoderConfig, Drama3Config
 from .decoding.request import drama3_generation_config
 from .decoding.state import DecodeCache
 from .generation_drama3 import Drama3GenerationMixin
-from .generation_text_stream import Drama3TextStreamingMixin
+from .generation.live_text import Drama3TextStreamingMixin
 from .checkpoint.loaded_checkpoint import LoadedCheckpoint, record_files, record_state_dict
 # The label of an unsupervised row: defined once, by the rows that carry it.
 from .prompting import IGNORE_INDEX
@@ -51,7 +51,7 @@ from .integrations import (
 )
 from .kernels import fused_step
 from .checkpoint.saving import save_model
-from .rope import apply_interleaved_rope, rope_cos_sin
+from .layers.rope import apply_interleaved_rope, rope_cos_sin
 
 
 # ----------------------------------------------------------------------------- outputs

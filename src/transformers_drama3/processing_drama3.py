@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 from .codec import Drama3CodecConfig, Drama3CodecModel, Drama3MelCodecConfig, Drama3PhoneCodecConfig
 from .feature_extraction_drama3 import SAMPLING_RATE, Drama3FeatureExtractor, seconds_over
-from .files import atomic_output
+from .output_files import atomic_output
 from .decoding.budget import MIN_SPEECH_FRACTION, speech_shortfall
 from .integrations import ProcessorMixinWithOwnParts, hub_keywords, optional_file
 from .prompting import (

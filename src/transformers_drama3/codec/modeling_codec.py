@@ -28,7 +28,7 @@ from transformers import initialization as init
 from transformers.models.dac.modeling_dac import Snake1d
 from transformers.utils import ModelOutput
 
-from ..rope import apply_interleaved_rope, rope_cos_sin
+from ..layers.rope import apply_interleaved_rope, rope_cos_sin
 from .audio import check_codes, prepare_audio_batch
 from .configuration_codec import Drama3CodecConfig
 from .fish_speech import load_fish_speech_codec

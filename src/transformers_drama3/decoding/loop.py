@@ -31,7 +31,7 @@ import torch
 from transformers import CompileConfig
 
 from ..kernels.cuda_paths import takes_cuda_path
-from ..torch_compat import keep_recording_new_static_inputs
+from ..kernels.torch_compat import keep_recording_new_static_inputs
 from . import step as decode_step
 from .steady_guards import SteadyGuards, checked_call
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ..offload import OffloadedExperts
+from ..layers.offloaded_experts import OffloadedExperts
 from ..prompting.bare_rows import boundaries_left_of_rows
 from .alignment import AlignmentMasks, PhonemeAlignment, turn_token_ids
 from .budget import (

@@ -113,7 +113,7 @@ from .script import (  # noqa: F401
     turn_text,
     turn_source,
 )
-from .text_stream import (  # noqa: F401
+from .text_chunker import (  # noqa: F401
     TextChunk,
     TextStreamChunker,
     settled_length,

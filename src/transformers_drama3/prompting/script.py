@@ -694,7 +694,7 @@ class StreamingTurn:
     Rows of `StreamingScript(chunks, references, spoken=takes[:index])` = rows of
     `StreamingSystemTurn(references)`, `StreamingTurn(script, 0)`, then for each k < index take k's
     frames and `StreamingTurn(script, k + 1)`. Speaking text as it arrives extends a cache with these
-    rows instead of building the whole prompt again (`generation_text_stream`)."""
+    rows instead of building the whole prompt again (`generation.live_text`)."""
 
     script: StreamingScript
     index: int

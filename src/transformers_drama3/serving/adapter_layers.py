@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..lora_targets import LIGHT_TARGET_MODULES, full_trained_modules
+from ..layers.lora_targets import LIGHT_TARGET_MODULES, full_trained_modules
 from .routing import AdapterError, routed, routing_index  # noqa: F401  (AdapterError, routed: re-exported)
 from .safe_files import OutsideRoot, parse_json, read_regular_file
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import write_text_atomic
+from ..output_files import write_text_atomic
 from .adapter_layers import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_FILE, READ_SECONDS, AdapterError, AdapterSlots, read_adapter
 from .routing import AdapterSlotsBusy, routed  # noqa: F401  (AdapterSlotsBusy: re-exported)
 from .safe_files import is_inside, parse_json, read_regular_file

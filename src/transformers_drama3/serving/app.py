@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..generation_text_stream import ChunkSpoken, ChunkStarted
+from ..generation.live_text import ChunkSpoken, ChunkStarted
 from ..prompting import CHUNK_BYTES
 from .audio_formats import pcm16, streaming_wav_header
 from .request_log import RequestIds
@@ -57,7 +57,7 @@ from .protocol import (
     parse_voice_upload,
 )
 from .service import SpeechService, TextStreamSlots, chunk_samples, driven_events, serve_in_background  # noqa: F401
-from .text_stream_run import CANCELLED, TextStreamRun
+from .live_text_run import CANCELLED, TextStreamRun
 from .speech_answer import (  # noqa: F401  (StreamCut, close_reason: part of this module's names)
     ErrorResponse,
     StreamCut,

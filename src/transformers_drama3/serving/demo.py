@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import gradio as gr
 
 from ..decoding import Option
-from ..generation_text_stream import ChunkSpoken, ChunkStarted
+from ..generation.live_text import ChunkSpoken, ChunkStarted
 from ..prompting import CHUNK_BYTES
 from .audio_formats import encode
 from .protocol import MIN_CHUNK_BYTES

@@ -21,12 +21,12 @@ import gradio as gr
 import numpy as np
 import torch
 
-from ..files import atomic_output
-from ..codec.take_streaming import AudioChunk, WaveformStreamer
+from ..output_files import atomic_output
+from ..codec.take_audio import AudioChunk, WaveformStreamer
 from ..decoding import DEMO, options_for
-from ..generation_text_stream import ChunkSpoken, ChunkStarted
-from ..loading import resolve_device
-from ..long_form import resolve_scene_mode
+from ..generation.live_text import ChunkSpoken, ChunkStarted
+from ..runtime.loading import resolve_device
+from ..runtime.long_form import resolve_scene_mode
 from ..prompting import CHUNK_BYTES, Reference, Script, parse_text, revision, speaker_turns
 from .service import SpeechService, chunk_samples, driven_events
 from .audio_formats import encode

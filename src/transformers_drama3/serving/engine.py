@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..codec.take_streaming import ClickFilter
+from ..codec.take_audio import ClickFilter
 from ..decoding import (
     DecodeCache,
     DecodeRequest,
@@ -70,7 +70,7 @@ from .chunked_prefill import (
     DEFAULT_PREFILL_SHARE, OLDEST_EVERY, PrefillShare, PromptPrefill, check_prefill_settings, next_prompt,
     system_turn_boundary,
 )
-from .memory import return_freed_memory
+from .heap_trim import return_freed_memory
 from .routing import routed
 
 IDLE_TRIM_DELAY = 1.0

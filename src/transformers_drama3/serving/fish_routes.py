@@ -27,14 +27,14 @@ import time
 import msgpack
 from fastapi import Request, WebSocket, WebSocketDisconnect
 
-from ..generation_text_stream import ChunkSpoken
+from ..generation.live_text import ChunkSpoken
 from .speech_answer import ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason, speak
 from .audio_formats import stream_encoder
 from .fish_protocol import FishRequest, fish_live_start, fish_speech, load_msgpack, media_loader
 from .output_audio import OutputAudio
 from .protocol import RETRY_AFTER_SECONDS, ApiError, TextStreamParams, speakable
 from .request_log import log_take, new_request_id
-from .text_stream_run import CANCELLED, Finished, TextStreamRun
+from .live_text_run import CANCELLED, Finished, TextStreamRun
 
 logger = logging.getLogger(__name__)
 

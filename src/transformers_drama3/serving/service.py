@@ -16,9 +16,9 @@ import threading
 import numpy as np
 import torch
 
-from ..codec.take_streaming import decode_audio
+from ..codec.take_audio import decode_audio
 from ..decoding import default_compile_config, resolve_settings, torch_threads
-from ..loading import load_model_and_processor
+from ..runtime.loading import load_model_and_processor
 from ..prompting import CHUNK_BYTES, Reference, Script, parse_text
 from ..tiny import shipped
 from .engine import Drama3Engine, FramesEvent, SpeechJob

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fastapi import Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..codec.take_streaming import WaveformStreamer
+from ..codec.take_audio import WaveformStreamer
 from .audio_formats import MEDIA_TYPES, encode, encoded_rate, stream_encoder
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .output_audio import OutputAudio, output_rate

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..feature_extraction_drama3 import is_inaudible, read_audio
-from ..files import write_text_atomic
+from ..output_files import write_text_atomic
 from ..decoding.budget import MIN_SPEECH_FRACTION, speech_shortfall
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")

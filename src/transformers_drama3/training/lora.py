@@ -21,7 +21,7 @@ import os
 
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from ..lora_targets import EXPERT_PARAMETERS, LIGHT_TARGET_MODULES, PRESETS, full_trained_modules  # noqa: F401
+from ..layers.lora_targets import EXPERT_PARAMETERS, LIGHT_TARGET_MODULES, PRESETS, full_trained_modules  # noqa: F401
 
 
 def lora_config(model, preset: str = "light", r: int = 16, alpha: int | None = None, dropout: float = 0.0) -> LoraConfig:

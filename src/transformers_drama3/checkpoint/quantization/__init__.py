@@ -28,7 +28,7 @@ from .block_fp8 import (
     weight_block_size,
 )
 from .checkpoint import quantize_saved_experts
-from .fp8_experts import Drama3FP8Experts, quantize_experts_fp8, replace_transformers_fp8_experts
+from .fp8_expert_layer import Drama3FP8Experts, quantize_experts_fp8, replace_transformers_fp8_experts
 from .experts import Drama3RoutedExperts, routed_experts_from_fused, split_routed_experts
 from .quantized_loading import (
     DEFAULT_MODULES_TO_NOT_CONVERT,

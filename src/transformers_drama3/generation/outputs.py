@@ -16,8 +16,8 @@ import threading
 
 import torch
 
-from .decoding.loop import FrameStep
-from .decoding.sampler import MIN_TEMPERATURE, Drama3Sampler, SamplingSettings, distribution
+from ..decoding.loop import FrameStep
+from ..decoding.sampler import MIN_TEMPERATURE, Drama3Sampler, SamplingSettings, distribution
 
 
 class RowCollector:

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from ...kernels import fp8_experts as kernel
+from ...kernels import fp8_expert_gemm as kernel
 from .block_fp8 import (
     DEFAULT_BLOCK, FP8_DTYPE, QUANTIZATION_METHOD, SCALE_SUFFIX, expert_as_stored, expert_projections, weight_block_size,
 )

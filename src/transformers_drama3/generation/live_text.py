@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from .codec.take_streaming import AudioChunk, ClickFilter, WaveformStreamer
-from .decoding.loop import DecodeRun, FrameStep
-from .decoding.request import RequestOptions, make_sampler, resolve_decoding, resolve_request, resolve_settings
-from .decoding.sampler import RAS_WINDOW, SEED_STRIDE, SamplingSettings
-from .generation_drama3 import _split_kwargs, check_codec_matches
-from .prompting import (
+from ..codec.take_audio import AudioChunk, ClickFilter, WaveformStreamer
+from ..decoding.loop import DecodeRun, FrameStep
+from ..decoding.request import RequestOptions, make_sampler, resolve_decoding, resolve_request, resolve_settings
+from ..decoding.sampler import RAS_WINDOW, SEED_STRIDE, SamplingSettings
+from ..generation_drama3 import _split_kwargs, check_codec_matches
+from ..prompting import (
     CHUNK_BYTES,
     CHUNK_SPEAKERS,
     Reference,

@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .decoding.alignment import resolve_alignment
-from .decoding.options import GENERATE, options_for
-from .decoding.request import (
+from ..decoding.alignment import resolve_alignment
+from ..decoding.options import GENERATE, options_for
+from ..decoding.request import (
     PREFILL_GRAPHS_KEY, DecodeRequest, RequestOptions, resolve_decoding, resolve_request, resolve_separator_id,
     resolve_settings,
 )
-from .generation_arguments import (
+from .arguments import (
     ARGUMENTS, GENERATION_FIELDS, check_argument, check_eos, check_field, check_generation_config, check_outputs_returned,
 )
 

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .prompting.phonemes import phoneme_token
-from .prompting import (
+from .phonemes import phoneme_token
+from . import (
     AUDIO_SEPARATOR,
     CODEBOOK_SIZE,
     IM_END,

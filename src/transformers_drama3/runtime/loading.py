@@ -15,12 +15,12 @@ import os
 import torch
 from transformers.utils import logging as hf_logging
 
-from .cli_arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
-from .checkpoint.quantization.quantized_loading import QuantizationRefused, quantization_config_for
-from .configuration_drama3 import Drama3Config
-from .modeling_drama3 import Drama3ForSpeechGeneration
-from .offload import offload_experts
-from .processing_drama3 import Drama3Processor
+from .arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
+from ..checkpoint.quantization.quantized_loading import QuantizationRefused, quantization_config_for
+from ..configuration_drama3 import Drama3Config
+from ..modeling_drama3 import Drama3ForSpeechGeneration
+from ..layers.offloaded_experts import offload_experts
+from ..processing_drama3 import Drama3Processor
 
 
 class CommandError(Exception):

@@ -22,8 +22,8 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.utils import compute_module_sizes, convert_file_size_to_int
 
-from .configuration_drama3 import Drama3Config
-from .modeling_drama3 import Drama3ForSpeechGeneration
+from ..configuration_drama3 import Drama3Config
+from ..modeling_drama3 import Drama3ForSpeechGeneration
 
 BACKBONE_LAYERS = "model.language_model.layers"
 

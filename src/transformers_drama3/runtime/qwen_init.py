@@ -23,7 +23,7 @@ Qwen3.5-MoE checkpoint into a `Drama3ForSpeechGeneration`:
 The result is built without a second full-size copy: the Drama 3 model is created on the `meta`
 device and takes Qwen's tensors as they are (only the two vocabulary tables are new tensors).
 
-    python -m transformers_drama3.checkpoint.qwen_init QWEN_DIR OUT_DIR [--eos-token-id ID]
+    python -m transformers_drama3.runtime.qwen_init QWEN_DIR OUT_DIR [--eos-token-id ID]
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def im_end_token_id(qwen_dir: str | os.PathLike) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m transformers_drama3.checkpoint.qwen_init",
+        prog="python -m transformers_drama3.runtime.qwen_init",
         description="Build a Drama 3 model from a Qwen3.5-MoE checkpoint's language model and save it.",
     )
     parser.add_argument("qwen_dir", help="Qwen3.5-MoE checkpoint directory (e.g. Qwen3.5-35B-A3B)")

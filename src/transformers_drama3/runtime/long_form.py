@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .codec.take_streaming import WaveformStreamer, put_chunk
-from .generation_drama3 import check_codec_matches, generate
-from .processing_drama3 import Drama3Processor
-from .prompting import Script, Take, long_text_history, parse_text, speaker_turns
+from ..codec.take_audio import WaveformStreamer, put_chunk
+from ..generation_drama3 import check_codec_matches, generate
+from ..processing_drama3 import Drama3Processor
+from ..prompting import Script, Take, long_text_history, parse_text, speaker_turns
 
 LONG_FORM_FRAMES_PER_CHUNK = 1024
 """Default cap on the frames of one chunk of a long text (as the MLX port)."""

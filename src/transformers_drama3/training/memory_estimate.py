@@ -12,7 +12,7 @@ Counted from the model built on the meta device and the config file, per GPU:
   `tokens x hidden x 2 bytes` (bf16), for the backbone's and the tower's layers.
 
 Not counted: the recompute peak inside one layer, the CUDA context and allocator slack, the
-collectives' buffers. `python -m transformers_drama3.training.memory CONFIG.yaml ...` prints the
+collectives' buffers. `python -m transformers_drama3.training.memory_estimate CONFIG.yaml ...` prints the
 table that docs/scale_out.md shows.
 """
 
@@ -28,7 +28,7 @@ from accelerate.utils import DistributedType
 
 from ..configuration_drama3 import Drama3Config
 from ..modeling_drama3 import Drama3ForSpeechGeneration
-from ..planning import published_config
+from ..placement.planning import published_config
 from .optim import is_muon_parameter
 
 GB = 1e9

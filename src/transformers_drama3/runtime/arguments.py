@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 
-from .decoding.options import CLI, Option, options_for
+from ..decoding.options import CLI, Option, options_for
 
 DEFAULT_MODEL = "fishaudio/drama-3"
 EXIT_USAGE = 2

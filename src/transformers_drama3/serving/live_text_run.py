@@ -27,9 +27,9 @@ from itertools import chain
 
 import numpy as np
 
-from ..codec.take_streaming import AudioChunk
+from ..codec.take_audio import AudioChunk
 from ..decoding import torch_threads
-from ..generation_text_stream import ChunkSpoken, ChunkStarted, TextStreamCancelled
+from ..generation.live_text import ChunkSpoken, ChunkStarted, TextStreamCancelled
 from .protocol import RETRY_AFTER_SECONDS, ApiError, TextStreamParams, damaged_adapter
 from .routing import AdapterError, AdapterSlotsBusy
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from .decoding.options import GENERATE, options_for
+from ..decoding.options import GENERATE, options_for
 
 GENERATION_FIELDS = frozenset(key for key in vars(GenerationConfig()) if not key.startswith("_"))
 

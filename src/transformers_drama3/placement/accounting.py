@@ -32,7 +32,7 @@ What is counted:
 `round_trip_memory` counts what a model loaded from the published checkpoint keeps so that
 `save_pretrained` writes it back byte for byte (`checkpoint/loaded_checkpoint.py`), in the same way.
 
-`python -m transformers_drama3.accounting` prints the default (full-size) model's table next to
+`python -m transformers_drama3.placement.accounting` prints the default (full-size) model's table next to
 the paper's, and that cost.
 """
 
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet
 
-from .configuration_drama3 import Drama3Config
-from .checkpoint.loaded_checkpoint import FLOAT32_PARAMETER_SUFFIXES, must_keep
-from .modeling_drama3 import Drama3ForSpeechGeneration, Drama3TowerAttention
+from ..configuration_drama3 import Drama3Config
+from ..checkpoint.loaded_checkpoint import FLOAT32_PARAMETER_SUFFIXES, must_keep
+from ..modeling_drama3 import Drama3ForSpeechGeneration, Drama3TowerAttention
 
 BF16_BYTES = 2
 FP8_BYTES = 1
