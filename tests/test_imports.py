@@ -358,3 +358,75 @@ def test_the_command_line_parser_imports_only_the_standard_library():
         outside = {module for module in imported
                    if module.split(".")[0] not in sys.stdlib_module_names and module not in names[:index]}
         assert not outside, f"{name} imports {sorted(outside)}"
+
+
+# ----------------------------------------------------------------------------- the floors
+
+FLOORS = (
+    ("command line", ("cli", "")),  # "" is the package itself: its __init__ is the public surface
+    ("serving", ("serving",)),
+    ("training and evaluation", ("training", "evaluation")),
+    ("runtime", ("runtime", "placement", "tiny")),
+    ("model", ("modeling_drama3", "modeling_drama3_reward", "generation_drama3", "generation",
+               "processing_drama3", "processing", "pipeline_drama3")),
+    ("decoding", ("decoding",)),
+    ("prompting", ("prompting",)),
+    ("codec", ("codec", "feature_extraction_drama3")),
+    ("checkpoint", ("checkpoint", "configuration_drama3")),
+    ("ground", ("kernels", "layers", "integrations", "output_files")),
+)
+"""The package's floors, top (the console script's) to ground, each named by the top-level
+modules and subpackages it holds. A module imports its own floor or the floors below it, never one
+above; the architecture page (docs/architecture.md) draws the same floors."""
+
+
+def floor_of(name: str, floors=FLOORS) -> int | None:
+    """The floor's height (ground = 1) of a module, by its top-level module or subpackage."""
+    top = "" if name == PACKAGE else short(name).split(".")[0]
+    for index, (_, members) in enumerate(floors):
+        if top in members:
+            return len(floors) - index
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Each import that runs from a floor to one above it, as 'importer (floor) -> imported (floor)'."""
+    found = []
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            below, above = floor_of(module, floors), floor_of(target, floors)
+            if below is not None and above is not None and above > below:
+                found.append(f"{short(module)} ({below}) -> {short(target)} ({above})")
+    return found
+
+
+def test_the_floor_check_finds_a_planted_upward_import_and_an_unplaced_module():
+    floors = (("top", ("serving",)), ("ground", ("kernels",)))
+    graph = {f"{PACKAGE}.kernels.planted": {f"{PACKAGE}.serving.app"}, f"{PACKAGE}.serving.app": {f"{PACKAGE}.kernels"}}
+    assert upward_imports(graph, floors) == ["kernels.planted (1) -> serving.app (2)"]
+    assert floor_of(f"{PACKAGE}.newcomer", floors) is None
+
+
+def test_every_module_stands_on_one_floor_and_there_are_at_most_ten():
+    assert len(FLOORS) <= 10
+    members = [member for _, floor in FLOORS for member in floor]
+    assert len(members) == len(set(members)), "a module or subpackage is on two floors"
+    unplaced = sorted(short(name) for name in MODULES if floor_of(name) is None)
+    assert not unplaced, f"modules on no floor (add their subpackage to FLOORS): {unplaced}"
+
+
+def test_no_import_runs_from_a_floor_up_to_a_higher_one():
+    """Function-level imports count too (the command line's lazy import of serving runs down)."""
+    found = upward_imports(full_import_graph())
+    assert not found, "imports running up a floor:\n" + "\n".join(found)
+
+
+def test_the_architecture_page_draws_the_floors_the_test_holds():
+    page = (ROOT.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = [line for line in page.splitlines() if line.startswith("| ") and line.count("|") == 4]
+    drawn = {cells[1].strip(): cells[2].strip() for cells in (line.split("|") for line in table)}
+    for name, members in FLOORS:
+        assert name in drawn, f"docs/architecture.md's floor table lacks the floor {name!r}"
+        for member in members:
+            if member:
+                assert f"`{member}" in drawn[name], f"floor {name!r} on the page lacks `{member}`"
