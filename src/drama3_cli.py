@@ -2,8 +2,9 @@
 
 Importing the package imports torch and transformers (seconds), which `--help` and a mistyped flag
 should not wait for. So the parser's module, `transformers_drama3.runtime.arguments`, and the option
-schema its flags are made from, `transformers_drama3.decoding.options` (both standard library
-only), are loaded from the package's folder without running the package's `__init__`; the package
+schema its flags are made from, `transformers_drama3.decoding.options`, and the quantisation
+schemes its `--quant` choices are, `transformers_drama3.checkpoint.quantization.schemes` (all standard
+library only), are loaded from the package's folder without running the package's `__init__`; the package
 itself is imported once there is work to do, and `transformers_drama3.cli.run` does it.
 """
 
@@ -14,7 +15,11 @@ import sys
 from pathlib import Path
 
 ARGUMENTS_MODULE = "transformers_drama3.runtime.arguments"
-STANDALONE_MODULES = ("transformers_drama3.decoding.options", ARGUMENTS_MODULE)
+STANDALONE_MODULES = (
+    "transformers_drama3.decoding.options",
+    "transformers_drama3.checkpoint.quantization.schemes",
+    ARGUMENTS_MODULE,
+)
 """The modules the parser needs, in import order: each imports only the standard library and those before it."""
 
 

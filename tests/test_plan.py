@@ -498,7 +498,7 @@ def test_plan_memory_reads_a_repo_from_the_hugging_face_cache(saved_tiny, tmp_pa
 
 
 def test_cli_quant_choices_are_the_plans_options():
-    assert PLAN_QUANTIZATIONS == QUANTIZATIONS
+    assert PLAN_QUANTIZATIONS is QUANTIZATIONS
 def test_the_memory_guides_tables_are_what_the_plan_prints(monkeypatch):
     monkeypatch.setattr(planning, "_cached_file", lambda repo, filename: None)
     with open(MEMORY_GUIDE, encoding="utf-8") as reader:
@@ -520,3 +520,13 @@ def test_model_card_memory_figures_are_what_the_plan_gives(monkeypatch):
     assert f"{totals['int8']:.1f} GiB int8, {totals['nf4']:.1f} GiB nf4, {totals['int4']:.1f} GiB int4" in card
     assert f"{offload.offload.cache_experts} of each layer's {offload.offload.num_experts} cached" in card
     assert f"(`offload_experts`, {offload.total / GIB:.1f} GiB)" in card
+
+
+def test_every_list_of_quantisation_schemes_is_the_one_table():
+    from transformers_drama3.checkpoint.quantization import quantized_loading, schemes, weights
+    from transformers_drama3.runtime.arguments import EVAL_QUANTIZATIONS
+
+    assert EVAL_QUANTIZATIONS is schemes.WEIGHT_OPTIONS is quantized_loading.WEIGHT_OPTIONS
+    assert weights.OPTIONS is schemes.BYTE_COUNTED
+    assert QUANTIZATIONS is schemes.PLAN_OPTIONS
+    assert set(schemes.PLAN_OPTIONS) - {"none"} <= set(schemes.BYTE_COUNTED)  # every plan's bytes are counted

@@ -76,13 +76,14 @@ from transformers import AutoConfig, AutoModel
 
 from .accounting import parameter_kind
 from ..checkpoint.quantization.quantized_loading import bnb_cpu_misfits, int4_group_size
+from ..checkpoint.quantization.schemes import PLAN_OPTIONS
 from ..checkpoint.quantization.weights import DEFAULT_INT4_GROUP, quantized_bytes
 from ..codec import Drama3CodecConfig
 from ..configuration_drama3 import Drama3Config
 from ..kernels.fp8_expert_gemm import tiles_buffer_bytes
 from ..modeling_drama3 import Drama3ForSpeechGeneration
 
-QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
+QUANTIZATIONS = PLAN_OPTIONS
 """The options a plan is made for, from the most bytes a weight (the most faithful) to the fewest."""
 PUBLISHED_MODEL = "fishaudio/drama-3"
 DEFAULT_CONTEXT = 4096

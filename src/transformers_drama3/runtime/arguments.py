@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..checkpoint.quantization.schemes import PLAN_OPTIONS, WEIGHT_OPTIONS
 from ..decoding.options import CLI, Option, options_for
 
 DEFAULT_MODEL = "fishaudio/drama-3"
@@ -263,9 +264,8 @@ def add_eval(subparsers) -> None:
     add_quant_argument(parser, "; compare with the same command without it")
 
 
-EVAL_QUANTIZATIONS = ("int8", "int4", "nf4", "bnb-int8")
-"""`drama3 eval / say / serve --quant` choices: `checkpoint.quantization.WEIGHT_OPTIONS` (this module
-imports no package code)."""
+EVAL_QUANTIZATIONS = WEIGHT_OPTIONS
+"""`drama3 eval / say / serve --quant` choices: the schemes loaded on the fly."""
 
 
 def add_offload_argument(parser, note: str = "") -> None:
@@ -285,8 +285,8 @@ def add_quant_argument(parser, note: str = "") -> None:
              "int4, bitsandbytes nf4 / 8-bit (the [quant] extra; `drama3 plan` says what fits)" + note,
     )
 
-PLAN_QUANTIZATIONS = ("none", "fp8", "int8", "nf4", "int4")
-"""`drama3 plan --quant` choices: `planning.QUANTIZATIONS` (this module imports no package code)."""
+PLAN_QUANTIZATIONS = PLAN_OPTIONS
+"""`drama3 plan --quant` choices: the schemes a plan is made for."""
 
 
 def positive_number(value: str) -> float:

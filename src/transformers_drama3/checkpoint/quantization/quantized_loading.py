@@ -56,9 +56,8 @@ import torch
 from .block_fp8 import dequantize_block_fp8, weight_block_size
 from .experts import routed_experts_split
 from .fp8_expert_layer import replace_transformers_fp8_experts
+from .schemes import WEIGHT_OPTIONS
 
-WEIGHT_OPTIONS = ("int8", "int4", "nf4", "bnb-int8")
-"""Options loaded and quantised on the fly (`quantization_config_for`)."""
 
 DEFAULT_MODULES_TO_NOT_CONVERT = [
     "lm_head",

@@ -40,7 +40,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-OPTIONS = ("int8", "int4", "nf4", "bnb-int8", "fp8")
+from .schemes import BYTE_COUNTED
+
+OPTIONS = BYTE_COUNTED
 """The options `quantized_bytes` knows (`quantized_loading.WEIGHT_OPTIONS` are those loaded on the fly)."""
 DEFAULT_INT4_GROUP = 128
 NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize (BitsAndBytesConfig's default on CPU and CUDA)
