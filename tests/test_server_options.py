@@ -15,7 +15,7 @@ from transformers_drama3.decoding.options import (  # noqa: E402
 )
 from transformers_drama3.decoding.request import resolve_settings  # noqa: E402
 from transformers_drama3.generation.call import split_kwargs  # noqa: E402
-from transformers_drama3.serving import output_audio  # noqa: E402
+from transformers_drama3.serving import audio_formats, output_audio  # noqa: E402
 from transformers_drama3.serving.fish_protocol import FORMATS, fish_speech  # noqa: E402
 from transformers_drama3.serving.protocol import (  # noqa: E402
     STREAM_AUDIO_FORMATS, ApiError, Limits, parse_speech, parse_stream_start,
@@ -116,8 +116,10 @@ def test_a_voice_is_any_id_and_nothing_else_at_both_doors(parse):
         assert refusal(parse, voice=wrong).param == "voice"
 
 
-def test_the_stretch_and_the_schema_have_one_range():
-    """`output_audio` applies speed and rate with its own bounds: they are the entries' bounds."""
+def test_the_audio_writers_and_the_schema_agree():
+    """`output_audio` applies speed and rate with its own bounds: they are the entries' bounds; the
+    encoder (`audio_formats`) writes every format the entry offers, each of them streamed."""
+    assert set(audio_formats.MEDIA_TYPES) == set(audio_formats.STREAMABLE) == set(OPTIONS["response_format"].choices)
     assert (OPTIONS["speed"].low, OPTIONS["speed"].high) == (output_audio.MIN_SPEED, output_audio.MAX_SPEED)
     assert (OPTIONS["sample_rate"].low, OPTIONS["sample_rate"].high) == (
         output_audio.MIN_SAMPLE_RATE, output_audio.MAX_SAMPLE_RATE)
