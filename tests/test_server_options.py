@@ -9,16 +9,29 @@ import pytest
 
 pytest.importorskip("av")  # a speed other than 1.0 and the encoded formats need PyAV
 
-from test_request_options import EDGES  # noqa: E402
-from transformers_drama3.decoding.options import (  # noqa: E402
-    CLI, DEMO, GENERATE, HTTP, OPTIONS, SCHEMA, SERVING_DEFAULTS, STREAM, options_for,
+from test_request_options import EDGES
+
+from transformers_drama3.decoding.options import (
+    CLI,
+    DEMO,
+    GENERATE,
+    HTTP,
+    OPTIONS,
+    SCHEMA,
+    SERVING_DEFAULTS,
+    STREAM,
+    options_for,
 )
-from transformers_drama3.decoding.request import resolve_settings  # noqa: E402
-from transformers_drama3.generation.call import split_kwargs  # noqa: E402
-from transformers_drama3.serving import audio_formats, output_audio  # noqa: E402
-from transformers_drama3.serving.fish_protocol import FORMATS, fish_speech  # noqa: E402
-from transformers_drama3.serving.protocol import (  # noqa: E402
-    STREAM_AUDIO_FORMATS, ApiError, Limits, parse_speech, parse_stream_start,
+from transformers_drama3.decoding.request import resolve_settings
+from transformers_drama3.generation.call import split_kwargs
+from transformers_drama3.serving import audio_formats, output_audio
+from transformers_drama3.serving.fish_protocol import FORMATS, fish_speech
+from transformers_drama3.serving.protocol import (
+    STREAM_AUDIO_FORMATS,
+    ApiError,
+    Limits,
+    parse_speech,
+    parse_stream_start,
 )
 
 SERVER_OPTIONS = [option for option in SCHEMA if not option.decode]
