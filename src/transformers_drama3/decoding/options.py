@@ -13,6 +13,13 @@ everywhere with the same words, naming the option ("top_p=0; expected ..."); a d
 where the option came from (a flag, a field, a widget). A request's sampling options become one
 `SamplingSettings`, which the decode reads; the rest go to the resolver (`decoding.request`).
 
+Some options are the server's own, not the decode's (`decode=False`): the voice that speaks and
+the answer's audio (`voice`, `response_format`, `speed`, `sample_rate`). Their entries give the
+HTTP body and the text stream's `start` message their type, range or choices, default and help;
+the door reads them itself (`serving.protocol`) and never hands them to the resolver, and what
+only the server knows stays the door's check (whether a voice exists, whether this server can
+encode a format). No door of the decode (`generate`, `cli`, `demo`) offers them.
+
 This module imports only the standard library: the console script reads it to build `drama3`'s
 flags before torch is imported.
 """
@@ -31,6 +38,13 @@ MAX_TOP_K = 1_000_000
 """The highest top-k any door takes (beyond any vocabulary; 0 or None: no top-k)."""
 MAX_SEED = 2**63 - 1
 """Seeds are 64-bit (both halves go into an item's key)."""
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+"""The time-stretch factors the server applies (`serving.output_audio.stretch`'s range)."""
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
+"""The `sample_rate` a request may ask for (telephony's 8 kHz to 48 kHz)."""
+AUDIO_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+"""Every `response_format` the protocol knows (OpenAI's); which of them this server can encode is
+its own check (`serving.audio_formats.supported_formats`)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,8 @@ class Option:
         choices: the values a `str` takes.
         doors: where it is offered (`EVERY_DOOR` or a subset).
         sampling: a field of `SamplingSettings` (how tokens are drawn).
+        decode: read by the decode (the resolver, `decoding.request`); False: the server's own
+            (the voice, the answer's audio), read by its door and never passed on.
         note: words after the expected range in an error ("0 is greedy").
         flag: the CLI flag when it is not `--name` with dashes; label: how the demo names it;
         unset: what applies when a door leaves it empty ("the preset's").
@@ -62,6 +78,7 @@ class Option:
     choices: tuple = ()
     doors: frozenset = EVERY_DOOR
     sampling: bool = False
+    decode: bool = True
     note: str = ""
     flag: str | None = None
     label: str | None = None
@@ -81,6 +98,8 @@ class Option:
             return "True or False"
         if self.choices:
             return f"one of {list(self.choices)}"
+        if self.kind is str:
+            return "a string"
         what = "an integer" if self.kind is int else "a finite number"
         if self.low is not None and self.high is not None:
             words = f"{what} in {'(' if self.low_open else '['}{_shown(self.low)}, {_shown(self.high)}]"
@@ -152,17 +171,31 @@ SCHEMA: tuple[Option, ...] = (
            choices=("serving", "paper-eval"), doors=frozenset({GENERATE, CLI}), unset="the model's generation config"),
     Option("regenerate_on_anomaly", int, 0, "regenerate anomalous takes up to N times (0: never)",
            low=0, doors=frozenset({GENERATE, CLI}), flag="--regenerate", unset="0"),
+    Option("voice", str, None,
+           "the voice that speaks: a stored voice, a fine-tuned (adapter) voice or an alias, by id (whether it exists "
+           "is the server's check)", doors=frozenset({HTTP, STREAM}), decode=False, unset="the server's default voice"),
+    Option("response_format", str, "mp3",
+           "the answer's audio format (a text stream sends pcm or wav); mp3, opus, aac and flac need PyAV on the server",
+           choices=AUDIO_FORMATS, doors=frozenset({HTTP, STREAM}), decode=False,
+           unset="mp3, or pcm with stream: true (wav where mp3 cannot be written; a text stream: pcm)"),
+    Option("speed", float, 1.0,
+           "time-stretches the answer's audio without changing its pitch (1.0: as spoken; other values need PyAV on "
+           "the server)", low=MIN_SPEED, high=MAX_SPEED, doors=frozenset({HTTP}), decode=False, unset="1.0"),
+    Option("sample_rate", int, None, "the rate of pcm or wav audio (the other formats are coded at their own)",
+           low=MIN_SAMPLE_RATE, high=MAX_SAMPLE_RATE, doors=frozenset({HTTP}), decode=False,
+           unset="pcm 24 kHz, wav the model's rate"),
 )
 """Every per-request option, in the order doors show them."""
 
 OPTIONS: dict[str, Option] = {option.name: option for option in SCHEMA}
 
 
-def options_for(door: str) -> tuple[Option, ...]:
-    """The options a door offers, in the schema's order."""
+def options_for(door: str, decode: bool | None = None) -> tuple[Option, ...]:
+    """The options a door offers, in the schema's order; `decode` True or False: only those the
+    decode reads, or only the server's own (None: both)."""
     if door not in EVERY_DOOR:
         raise ValueError(f"door={door!r}; expected one of {sorted(EVERY_DOOR)}")
-    return tuple(option for option in SCHEMA if door in option.doors)
+    return tuple(option for option in SCHEMA if door in option.doors and decode in (None, option.decode))
 
 
 SAMPLING_NAMES: tuple[str, ...] = tuple(option.name for option in SCHEMA if option.sampling)

@@ -27,8 +27,10 @@ asked (`fish_options`), so both doors speak through the same engine, voices and 
 | `seed` and the other request options (drama3's extensions) | the same options (`decoding.options`, HTTP's) |
 
 `IGNORED` fields have no meaning for Drama 3 and are accepted with any value, as are unknown keys;
-a null is the field's default. Every problem is an `ApiError` naming the field, answered in Fish
-Audio's error shape on these routes (`error_shapes`).
+a null is the field's default. `sample_rate` and `prosody.speed` are checked by the option
+schema's entries of the same options (`decoding.options`: `sample_rate`, `speed`), `format` is one
+of the `response_format` entry's choices. Every problem is an `ApiError` naming the field, answered
+in Fish Audio's error shape on these routes (`error_shapes`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ..decoding import HTTP
 from .audio_formats import supported_formats
 from .json_bounds import JsonBounds
 from .msgpack_bounds import msgpack_cost
-from .output_audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, can_stretch
+from .output_audio import can_stretch
 from .protocol import (
     JSON_BOUNDS,
     ApiError,
@@ -51,6 +53,7 @@ from .protocol import (
     _string,
     check_speakable,
     load_json,
+    option_value,
     parse_references,
     request_options,
     unicode_text,
@@ -62,6 +65,7 @@ DEFAULT_VOICE_IDS = ("933563129e564b19a115bedd57b7406a",)
 """Fish Audio voice ids that speak the server's default voice unless a voice of that id is stored:
 the one LiveKit's plugin sends when no voice is set (so it works by base URL alone)."""
 FORMATS = ("wav", "pcm", "mp3", "opus")
+"""Fish Audio's formats: four of the option schema's `response_format` choices."""
 DEFAULT_FORMAT = "mp3"
 DEFAULT_RATES = {"wav": 44100, "pcm": 44100, "mp3": 44100, "opus": 48000}
 """Fish Audio's rate of each format when a request gives none."""
@@ -175,12 +179,12 @@ def fish_options(body: dict, text: str, model: str | None, served: str, limits: 
     prosody = body.get("prosody")
     if prosody is not None and not isinstance(prosody, dict):
         raise ApiError(400, f"prosody: expected a map of speed and volume; got {type(prosody).__name__}", "prosody")
-    prosody = {f"prosody.{name}": value for name, value in (prosody or {}).items() if isinstance(name, str)}
-    speed = _number(prosody, "prosody.speed", MIN_SPEED, MAX_SPEED)
+    prosody = prosody or {}
+    speed = option_value(prosody, "speed", "prosody.")  # the speech route's `speed`, checked by its entry
     if speed is not None and speed != 1.0 and not can_stretch():
         raise ApiError(400, f"prosody.speed: {speed} needs PyAV on the server (the [serve] extra); only 1.0 here",
                        "prosody.speed")
-    volume = _number(prosody, "prosody.volume", *VOLUME_DB)
+    volume = _number({"prosody.volume": prosody.get("volume")}, "prosody.volume", *VOLUME_DB)
     latency = _string(body, "latency") or "normal"
     if latency not in LATENCY_FIRST_WINDOW:
         raise ApiError(400, f"latency: {latency!r}; expected one of {list(LATENCY_FIRST_WINDOW)}", "latency")
@@ -218,7 +222,7 @@ def _voice(body: dict, is_voice) -> str | None:
 
 def _sample_rate(body: dict, response_format: str) -> int:
     """`sample_rate`, checked for its format; Fish Audio's default for the format when absent."""
-    rate = _number(body, "sample_rate", MIN_SAMPLE_RATE, MAX_SAMPLE_RATE, integer=True)
+    rate = option_value(body, "sample_rate")
     if rate is None:
         return DEFAULT_RATES[response_format]
     if response_format == "mp3" and rate not in MP3_RATES:

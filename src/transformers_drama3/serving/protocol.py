@@ -5,7 +5,10 @@
 Kokoro-FastAPI accept, SGLang-Omni's extensions (`references`, `stream`) and the request options
 of the option schema offered over HTTP (`decoding.options`: `seed`, `temperature`, `top_p`,
 `top_k`, `max_new_tokens`, ...; read by `request_options`, one field per entry, each checked by the
-schema's one check). As OpenAI does, the audio is streamed unless the request says
+schema's one check). `voice`, `response_format`, `speed` and `sample_rate` are the schema's too (the
+server's own entries, `decode=False`): `option_value` checks each by its entry, and the door adds
+only what the server alone knows (a format this server cannot encode, a rate that does not apply
+to the format, a speed without PyAV). As OpenAI does, the audio is streamed unless the request says
 `stream: false`, and `response_format` defaults to mp3. Every problem is an `ApiError` with
 the status and OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`, naming the
 field, raised before any work is done.
@@ -20,15 +23,17 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..decoding import HTTP, STREAM, options_for
+from ..decoding import HTTP, OPTIONS, STREAM, options_for
 from .audio_formats import STREAMABLE, supported_formats
 from .error_shapes import error_body
 from .json_bounds import JsonBounds, json_cost
-from .output_audio import MAX_SAMPLE_RATE, MAX_SPEED, MIN_SAMPLE_RATE, MIN_SPEED, can_stretch
+from .output_audio import can_stretch
 from .voices import VoiceReference, read_audio_bytes
 
 STREAM_FORMATS = ("audio", "sse")
-OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+RESPONSE_FORMAT = OPTIONS["response_format"]
+OPENAI_FORMATS = RESPONSE_FORMAT.choices
+"""Every `response_format` the protocol knows (the schema entry's choices)."""
 RATE_FORMATS = ("pcm", "wav")
 """The formats a request's `sample_rate` applies to (the others are coded at the model's rate)."""
 JSON_BOUNDS = JsonBounds()
@@ -205,13 +210,27 @@ def _string(body: dict, name: str, required: bool = False) -> str | None:
     return unicode_text(value, name)
 
 
+def option_value(body: dict, name: str, where: str = ""):
+    """The value `body` gives the option schema's entry `name` (`decoding.options.OPTIONS`),
+    checked by the entry's one check (`Option.check`: its type, range or choices): None when absent
+    or null; otherwise an ApiError (400) naming the field (`where` + name: "prosody.speed").
+    A string is also held to valid Unicode."""
+    option, value = OPTIONS[name], body.get(name)
+    try:
+        option.check(value, where)
+    except ValueError as error:
+        raise ApiError(400, str(error), where + name) from None
+    return unicode_text(value, where + name) if isinstance(value, str) else value
+
+
 def parse_voice(value) -> str | None:
-    """`voice`: a voice id, or `{"id": ...}` (OpenAI's custom-voice spelling)."""
+    """`voice`: a voice id (the schema's entry), or `{"id": ...}` (OpenAI's custom-voice spelling).
+    Whether the voice exists is the server's check."""
     if value is None:
         return None
     if isinstance(value, dict):
         value = value.get("id")
-    if not isinstance(value, str) or not value:
+    if value == "" or not OPTIONS["voice"].accepts(value):
         raise ApiError(400, f"voice: expected a voice id or {{\"id\": ...}}; got {value!r}", "voice")
     return unicode_text(value, "voice")
 
@@ -301,7 +320,7 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     instructions = _string(body, "instructions")
     if instructions is not None and len(instructions) > limits.max_input_chars:
         raise ApiError(413, f"instructions: {len(instructions)} characters; at most {limits.max_input_chars}", "instructions")
-    speed = _number(body, "speed", MIN_SPEED, MAX_SPEED)
+    speed = option_value(body, "speed")
     if speed is not None and speed != 1.0 and not can_stretch():
         raise ApiError(400, f"speed: {speed} needs PyAV on the server (the [serve] extra); only 1.0 here", "speed")
     stream_format = _string(body, "stream_format")
@@ -313,13 +332,12 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
     if stream is False and stream_format is not None:
         raise ApiError(400, f"stream: false contradicts stream_format {stream_format!r}; leave one of them out",
                        "stream")
-    response_format = _string(body, "response_format")
+    response_format = option_value(body, "response_format")
     if response_format is None:  # OpenAI's mp3; SGLang-Omni's `stream: true` sends raw PCM
-        response_format = "pcm" if stream else ("mp3" if "mp3" in supported_formats() else "wav")
+        default = RESPONSE_FORMAT.default
+        response_format = "pcm" if stream else (default if default in supported_formats() else "wav")
     if stream is not False and stream_format is None:
         stream_format = "audio"  # OpenAI's default: the audio is sent as it is made
-    if response_format not in OPENAI_FORMATS:
-        raise ApiError(400, f"response_format: {response_format!r}; expected one of {list(OPENAI_FORMATS)}", "response_format")
     if response_format not in supported_formats():
         raise ApiError(
             400, f"response_format: {response_format!r} cannot be written on this server; supported: {supported_formats()}",
@@ -327,7 +345,7 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         )
     if stream_format and response_format not in STREAMABLE:
         raise ApiError(400, f"response_format: streaming sends {list(STREAMABLE)}; got {response_format!r}", "response_format")
-    sample_rate = _number(body, "sample_rate", MIN_SAMPLE_RATE, MAX_SAMPLE_RATE, integer=True)
+    sample_rate = option_value(body, "sample_rate")
     if sample_rate is not None and response_format not in RATE_FORMATS:
         raise ApiError(400, f"sample_rate: {sample_rate} applies to {list(RATE_FORMATS)}; {response_format!r} is "
                             "coded at the model's rate", "sample_rate")
@@ -340,26 +358,22 @@ def parse_speech(body, limits: Limits, is_voice) -> SpeechParams:
         stream_format=stream_format,
         references=parse_references(body.get("references"), limits, is_voice),
         options=request_options(body, HTTP, limits),
-        speed=1.0 if speed is None else float(speed),
+        speed=OPTIONS["speed"].default if speed is None else float(speed),
         sample_rate=sample_rate,
     )
 
 
 def request_options(body: dict, door: str, limits: Limits) -> dict:
     """The request options a body (or a text stream's `start` message) gives: one field per entry
-    of the option schema offered at `door` (`HTTP` or `STREAM`), each checked by the schema's one
+    of the option schema offered at `door` (`HTTP` or `STREAM`) that the decode reads (the
+    server's own, `voice` to `sample_rate`, are read by the door), each checked by the schema's one
     check (`decoding.options`), the one `generate()`, the CLI and the demo run; an ApiError (400)
     names the field. `max_new_tokens` is also held to the server's limit."""
     values = {}
-    for option in options_for(door):
-        value = body.get(option.name)
-        if value is None:
-            continue
-        try:
-            option.check(value)
-        except ValueError as error:
-            raise ApiError(400, str(error), option.name) from None
-        values[option.name] = value
+    for option in options_for(door, decode=True):
+        value = option_value(body, option.name)
+        if value is not None:
+            values[option.name] = value
     frames = values.get("max_new_tokens")
     if frames is not None and frames > limits.max_new_tokens:
         raise ApiError(400, f"max_new_tokens={frames}; this server makes at most {limits.max_new_tokens} frames a take",
@@ -370,6 +384,7 @@ def request_options(body: dict, door: str, limits: Limits) -> dict:
 # ---- the text stream (WebSocket /v1/audio/speech/stream) ----------------------------------------------
 
 STREAM_AUDIO_FORMATS = ("pcm", "wav")
+"""The formats of the schema's `response_format` a text stream sends (its default the first)."""
 MIN_CHUNK_BYTES = 8
 """The smallest `chunk_bytes` a text stream may ask for (smaller chunks would cut inside words)."""
 
@@ -411,9 +426,7 @@ def parse_stream_start(message: dict, limits: Limits, is_voice, max_chunk_bytes:
         raise ApiError(400, f"type: the first message must be {{\"type\": \"start\", ...}}; got {message.get('type')!r}", "type")
     if "input" in message:
         raise ApiError(400, "input: a text stream sends its text in {\"type\": \"text\"} messages", "input")
-    response_format = _string(message, "response_format") or "pcm"
-    if response_format not in STREAM_AUDIO_FORMATS:
-        raise ApiError(400, f"response_format: {response_format!r}; a text stream sends {list(STREAM_AUDIO_FORMATS)}", "response_format")
+    response_format = _stream_format(message)
     return TextStreamParams(
         model=_string(message, "model"),
         voice=parse_voice(message.get("voice")),
@@ -422,6 +435,18 @@ def parse_stream_start(message: dict, limits: Limits, is_voice, max_chunk_bytes:
         options=request_options(message, STREAM, limits),
         chunk_bytes=_number(message, "chunk_bytes", MIN_CHUNK_BYTES, max_chunk_bytes, integer=True),
     )
+
+
+def _stream_format(message: dict) -> str:
+    """A `start` message's `response_format`: the schema entry's, narrowed to what a text stream
+    sends (`STREAM_AUDIO_FORMATS`, the first when absent, null or "")."""
+    value = message.get("response_format")
+    if value == "":
+        return STREAM_AUDIO_FORMATS[0]
+    if isinstance(value, str) and value not in STREAM_AUDIO_FORMATS:
+        raise ApiError(400, f"response_format: {value!r}; a text stream sends {list(STREAM_AUDIO_FORMATS)}",
+                       "response_format")
+    return option_value(message, "response_format") or STREAM_AUDIO_FORMATS[0]
 
 
 def parse_text_message(message: dict, received: int, limits: Limits, index: int) -> str | None:
