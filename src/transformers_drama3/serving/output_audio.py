@@ -22,6 +22,8 @@ from fractions import Fraction
 import numpy as np
 import soxr
 
+from ..decoding.options import MAX_SPEED, MIN_SPEED
+
 try:
     import av
 except ImportError:  # the [serve] extra brings PyAV; without it `speed` other than 1.0 is refused
@@ -29,9 +31,6 @@ except ImportError:  # the [serve] extra brings PyAV; without it `speed` other t
 
 OPENAI_PCM_RATE = 24000
 """The rate OpenAI's `pcm` is defined at (16-bit mono, 24 kHz): what clients play it at."""
-MIN_SPEED, MAX_SPEED = 0.25, 4.0
-MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 8000, 48000
-"""The `sample_rate` a request may ask for (telephony's 8 kHz to 48 kHz)."""
 ATEMPO_RANGE = (0.5, 2.0)
 """The factors one atempo stage stretches by blending (it drops samples above 2.0)."""
 
