@@ -3,6 +3,7 @@
 These tests fail first, and by name, when an upgrade of transformers moves one of them.
 """
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 import transformers
 
 from transformers_drama3 import integrations  # importing the package installs the routing
@@ -322,3 +324,149 @@ def test_set_attn_implementation_still_asks_the_hook_and_a_moved_one_is_named(mo
     monkeypatch.delattr(transformers.PreTrainedModel, "_can_set_attn_implementation")
     with pytest.raises(InternalsChanged, match=r"PreTrainedModel\._can_set_attn_implementation: expected a classmethod"):
         Drama3ForSpeechGeneration._can_set_attn_implementation()
+
+
+# ---- 10. the routed experts' implementation, switched around a decode call
+
+
+def experts_implementations(model) -> list[str]:
+    """The implementation each of the backbone's experts modules reads at its next call."""
+    return [module.config._experts_implementation for module in model.modules() if type(module) is qwen.Qwen3_5MoeExperts]
+
+
+def everywhere(experts) -> bool:
+    return True
+
+
+def test_the_experts_run_batched_mm_inside_the_switch_and_grouped_mm_again_after_it():
+    from model_helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    before = experts_implementations(model)
+    assert before and set(before) == {"grouped_mm"}
+    asked = []
+    with integrations.experts_on_batched_mm(model, where=lambda experts: asked.append(experts) or True):
+        assert set(experts_implementations(model)) == {"batched_mm"}
+        with integrations.experts_on_batched_mm(model, where=everywhere):  # nested: nothing left to switch
+            assert set(experts_implementations(model)) == {"batched_mm"}
+        assert set(experts_implementations(model)) == {"batched_mm"}  # the inner block put nothing back
+    assert experts_implementations(model) == before
+    assert len(asked) == 1 and asked[0] == [m for m in model.modules() if type(m) is qwen.Qwen3_5MoeExperts]
+    with integrations.experts_on_batched_mm(model, where=lambda experts: False):
+        assert experts_implementations(model) == before
+
+
+def test_the_experts_go_back_to_grouped_mm_when_the_block_raises():
+    from model_helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    with pytest.raises(RuntimeError, match="the step failed"), integrations.experts_on_batched_mm(model, where=everywhere):
+        assert set(experts_implementations(model)) == {"batched_mm"}
+        raise RuntimeError("the step failed")
+    assert set(experts_implementations(model)) == {"grouped_mm"}
+
+
+def test_experts_on_another_implementation_are_left_on_it():
+    from model_helpers import tiny_model
+
+    model = tiny_model(seed=0)
+    model.set_experts_implementation("eager")
+    with integrations.experts_on_batched_mm(model, where=everywhere):
+        assert set(experts_implementations(model)) == {"eager"}
+    assert set(experts_implementations(model)) == {"eager"}  # not "restored" to grouped_mm
+
+
+def test_the_switch_the_experts_rely_on_is_still_there():
+    integrations.check_experts_implementation_switch()
+
+
+def without_batched_mm(monkeypatch):
+    monkeypatch.delitem(transformers.integrations.moe.ExpertsInterface._global_mapping, "batched_mm")
+
+
+def without_the_property(monkeypatch):
+    monkeypatch.delattr(transformers.PreTrainedConfig, "_experts_implementation")
+
+
+def with_a_read_only_property(monkeypatch):
+    monkeypatch.setattr(transformers.PreTrainedConfig, "_experts_implementation", property(lambda self: "grouped_mm"))
+
+
+def with_experts_bound_once(monkeypatch):
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # an implementation chosen when built, say
+        return self.bound_forward(hidden_states, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(qwen.Qwen3_5MoeExperts, "forward", forward)
+
+
+MOVED_SWITCH = {
+    "batched_mm unregistered": (without_batched_mm, r"moe\.ALL_EXPERTS_FUNCTIONS: expected the experts functions .*missing \['batched_mm'\]"),
+    "no property": (without_the_property, r"PreTrainedConfig\._experts_implementation: expected a property with a setter"),
+    "read-only property": (with_a_read_only_property, r"PreTrainedConfig\._experts_implementation: expected a property with a setter"),
+    "forward reads no config": (with_experts_bound_once, r"Qwen3_5MoeExperts\.forward: expected use_experts_implementation's forward"),
+}
+
+
+@pytest.mark.parametrize("moved", MOVED_SWITCH.values(), ids=MOVED_SWITCH.keys())
+def test_a_moved_experts_switch_is_named_in_the_error(monkeypatch, moved):
+    move, message = moved
+    move(monkeypatch)
+    with pytest.raises(InternalsChanged, match=message):
+        integrations.check_experts_implementation_switch()
+
+
+def test_the_decode_step_refuses_to_switch_experts_over_moved_internals_and_changes_nothing(monkeypatch):
+    """The guard runs where the switch is used: the first time a model's experts are switched (the
+    decode loop's `capturable_experts`, around every compiled draw and feed)."""
+    from model_helpers import tiny_model
+
+    from transformers_drama3.decoding.loop import capturable_experts
+
+    model = tiny_model(seed=0)
+    without_batched_mm(monkeypatch)
+    with pytest.raises(InternalsChanged, match=r"ALL_EXPERTS_FUNCTIONS"), capturable_experts(model):
+        pytest.fail("the block ran over moved internals")
+    assert set(experts_implementations(model)) == {"grouped_mm"}
+
+
+@torch.no_grad()
+def test_a_grouped_mm_model_decodes_the_same_codes_and_logits_with_its_experts_switched(monkeypatch):
+    """The decode loop's switch (`capturable_experts`, float32 experts) changes how the experts
+    compute, not what is drawn: a seeded run through it draws the codes the grouped-GEMM run draws,
+    with the same hidden states and logits within float32 tolerance, step by step. It really runs
+    transformers' batched matmuls inside (counted), and the grouped GEMM again after."""
+    from generation_helpers import prompt, tiny_model
+
+    from transformers_drama3.decoding.loop import DecodeRun, capturable_experts
+    from transformers_drama3.decoding.request import RequestOptions, make_sampler, resolve_request
+    from transformers_drama3.decoding.sampler import SamplingSettings
+
+    model = tiny_model(seed=0)
+    assert set(experts_implementations(model)) == {"grouped_mm"}
+    batched_calls = []
+    batched_mm = transformers.integrations.moe.ExpertsInterface._global_mapping["batched_mm"]
+    monkeypatch.setitem(transformers.integrations.moe.ExpertsInterface._global_mapping, "batched_mm",
+                        lambda *args, **kwargs: batched_calls.append(1) or batched_mm(*args, **kwargs))
+    ids, codes = prompt(1)
+    ids, codes, mask = ids[None], codes[None], torch.ones(1, ids.shape[0], dtype=torch.long)
+    options = RequestOptions(SamplingSettings(temperature=1.5, top_k=8), max_new_tokens=8, expected_seconds=1.0)
+    request = resolve_request(model, ids, mask, options)
+
+    def decode(switch):
+        run = DecodeRun.prefilled(model, ids, codes, mask, make_sampler(model, request.reseeded(3)), request.budgets)
+        taken = []
+        with switch:
+            for step in run.steps():
+                taken.append((step.main_ids, step.frames, run.state.hidden.clone(), model.speech_logits(run.state.hidden)))
+        return taken
+
+    grouped = decode(contextlib.nullcontext())
+    assert batched_calls == []
+    switched = decode(capturable_experts(model))
+    assert batched_calls, "the switched run never ran the batched matmuls"
+    assert set(experts_implementations(model)) == {"grouped_mm"}
+    assert len(switched) == len(grouped) > 4
+    for (main, frames, hidden, logits), (main_b, frames_b, hidden_b, logits_b) in zip(grouped, switched, strict=True):
+        assert torch.equal(main, main_b) and torch.equal(frames, frames_b)
+        torch.testing.assert_close(hidden_b, hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits_b, logits, rtol=1e-5, atol=1e-5)

@@ -33,7 +33,11 @@ internal when an upgrade moves it:
    (`PreTrainedModelWithComposedExperts`);
 9. `PreTrainedModel._can_set_attn_implementation`, the private classmethod through which
    `set_attn_implementation` decides whether a model may switch its attention implementation after
-   loading (`PreTrainedModelWithComposedAttention`).
+   loading (`PreTrainedModelWithComposedAttention`);
+10. `PreTrainedConfig._experts_implementation`, the private attribute of a config that
+    transformers' experts (`@use_experts_implementation`) read at every call to pick their
+    forward: set and put back around a call, so that a compiled decode step runs the routed experts
+    on batched matmuls (`experts_on_batched_mm`).
 
 The guards run where the internal is used, and `tests/test_integrations.py` runs each of them, so an
 upgrade that moves one fails there first, with the internal's name in the message. The internals
@@ -48,10 +52,12 @@ import inspect
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import transformers
 from packaging.version import Version
-from transformers import PreTrainedModel, conversion_mapping
+from transformers import PreTrainedConfig, PreTrainedModel, conversion_mapping
+from transformers.integrations import moe as transformers_moe
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import cached_file
 from transformers.utils import hub as transformers_hub
@@ -554,3 +560,75 @@ class PreTrainedModelWithComposedAttention(PreTrainedModel):
     def _can_set_attn_implementation(cls) -> bool:
         check_attn_implementation_hook()
         return True
+
+
+# ----------------------------------------------------------------------------- 10. experts implementation, per call
+
+GROUPED_GEMM = "grouped_mm"
+BATCHED_MATMULS = "batched_mm"
+
+
+def check_experts_implementation_switch() -> None:
+    """Setting a config's experts implementation still switches its experts at their next call:
+    transformers' configs keep it in the settable property `PreTrainedConfig._experts_implementation`,
+    the backbone's experts (`Qwen3_5MoeExperts`, decorated by `use_experts_implementation`) look
+    it up there at every call, not once when built, and `GROUPED_GEMM` and `BATCHED_MATMULS` are
+    experts functions transformers registers (`ALL_EXPERTS_FUNCTIONS`)."""
+    held = inspect.getattr_static(PreTrainedConfig, "_experts_implementation", None)
+    if not isinstance(held, property) or held.fset is None:
+        raise _changed("PreTrainedConfig._experts_implementation", "a property with a setter")
+    experts = getattr(qwen3_5_moe, "Qwen3_5MoeExperts", None)
+    code = getattr(getattr(experts, "forward", None), "__code__", None)
+    if code is None or not {"get_interface", "_experts_implementation"} <= set(code.co_names):
+        raise _changed(
+            "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeExperts.forward",
+            "use_experts_implementation's forward, which looks up config._experts_implementation at every call",
+        )
+    registered = getattr(transformers_moe, "ALL_EXPERTS_FUNCTIONS", {})
+    missing = [name for name in (GROUPED_GEMM, BATCHED_MATMULS) if name not in registered]
+    if missing:
+        raise _changed(
+            "transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS",
+            f"the experts functions {(GROUPED_GEMM, BATCHED_MATMULS)}, missing {missing}",
+        )
+
+
+def routed_experts(model) -> list[tuple[PreTrainedConfig, list]]:
+    """The MoE experts modules of `model` that take an experts implementation (a tensor `down_proj`,
+    a config with `_experts_implementation`), grouped by the config they read it from: found once
+    per model, after `check_experts_implementation_switch`, and kept on the model."""
+    found = getattr(model, "_drama3_routed_experts", None)
+    if found is None:
+        import torch
+
+        check_experts_implementation_switch()
+        groups: dict[int, tuple[PreTrainedConfig, list[torch.nn.Module]]] = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if hasattr(config, "_experts_implementation") and isinstance(getattr(module, "down_proj", None), torch.Tensor):
+                groups.setdefault(id(config), (config, []))[1].append(module)
+        found = model._drama3_routed_experts = list(groups.values())
+    return found
+
+
+@contextlib.contextmanager
+def experts_on_batched_mm(model, where: Callable[[list], bool]):
+    """Inside: each group of `model`'s routed experts (`routed_experts`) on transformers' grouped
+    GEMM for which `where(modules)` holds computes with its batched matmuls instead; on leaving,
+    also when the block raises, each group switched is put back on the grouped GEMM. A group on
+    another implementation (eager, batched, ...) is left alone: a nested block changes nothing.
+
+    transformers' public `set_experts_implementation` walks every module of the model and validates
+    the choice again on each call (too slow for twice a decode step); this sets the private
+    attribute the experts read, each group's once per call, guarded by
+    `check_experts_implementation_switch` when a model's experts are first found."""
+    switched = []
+    try:
+        for config, modules in routed_experts(model):
+            if config._experts_implementation == GROUPED_GEMM and where(modules):
+                config._experts_implementation = BATCHED_MATMULS
+                switched.append(config)
+        yield
+    finally:
+        for config in switched:
+            config._experts_implementation = GROUPED_GEMM

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from transformers import CompileConfig
 
+from ..integrations import experts_on_batched_mm
 from ..kernels.cuda_paths import takes_cuda_path
 from ..kernels.torch_compat import keep_recording_new_static_inputs
 from . import step as decode_step
@@ -490,18 +491,10 @@ _GROUPED_GEMM_DTYPES = (torch.bfloat16,)
 calls its fallback op, which reads the expert offsets on the host (a CUDA graph cannot hold that)."""
 
 
-def _routed_experts(model) -> list[tuple[object, list[torch.nn.Module]]]:
-    """The MoE experts modules of `model` that take an experts implementation, grouped by the
-    config they read it from (found once)."""
-    found = getattr(model, "_drama3_routed_experts", None)
-    if found is None:
-        groups: dict[int, tuple[object, list[torch.nn.Module]]] = {}
-        for module in model.modules():
-            config = getattr(module, "config", None)
-            if hasattr(config, "_experts_implementation") and isinstance(getattr(module, "down_proj", None), torch.Tensor):
-                groups.setdefault(id(config), (config, []))[1].append(module)
-        found = model._drama3_routed_experts = list(groups.values())
-    return found
+def _grouped_gemm_falls_back(experts: list[torch.nn.Module]) -> bool:
+    """Whether transformers' grouped GEMM, compiled, would call its host-reading fallback for any of
+    `experts` (their weights are not in a `_GROUPED_GEMM_DTYPES` dtype)."""
+    return any(_down_dtype(module) not in _GROUPED_GEMM_DTYPES for module in experts)
 
 
 def _down_dtype(experts: torch.nn.Module) -> torch.dtype:
@@ -509,22 +502,15 @@ def _down_dtype(experts: torch.nn.Module) -> torch.dtype:
     return (experts.down_proj if weight is None else weight).dtype
 
 
-@contextlib.contextmanager
-def capturable_experts(model):
+def capturable_experts(model) -> contextlib.AbstractContextManager:
     """Inside: the routed experts compute with transformers' `batched_mm` (gathers each chosen
     expert's weights, batched matmuls: no host read) wherever they would take `grouped_mm` in a
-    dtype its compiled form does not take. A compiled step then holds no host sync; bf16 models,
-    and every eager call, keep their grouped GEMM. Each config's setting is read once per call
-    (~0.1 ms per call read expert by expert at 40 layers, twice a step)."""
-    configs = [config for config, modules in _routed_experts(model) if config._experts_implementation == "grouped_mm"
-               and any(_down_dtype(experts) not in _GROUPED_GEMM_DTYPES for experts in modules)]
-    for config in configs:
-        config._experts_implementation = "batched_mm"
-    try:
-        yield
-    finally:
-        for config in configs:
-            config._experts_implementation = "grouped_mm"
+    dtype its compiled form does not take, and go back to `grouped_mm` on leaving. A compiled step
+    then holds no host sync; bf16 models, and every eager call, keep their grouped GEMM. The
+    switch itself is `integrations.experts_on_batched_mm` (a private attribute of transformers'
+    configs); each config's setting is read once per call (~0.1 ms per call read expert by expert
+    at 40 layers, twice a step)."""
+    return experts_on_batched_mm(model, where=_grouped_gemm_falls_back)
 
 
 def _with_capturable_experts(compiled, cuda_only: bool = False):
