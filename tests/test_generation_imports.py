@@ -36,7 +36,7 @@ GENERATION = ["generation_drama3.py", "generation/call.py", "generation/outputs.
 @pytest.mark.parametrize("module", GENERATION)
 def test_generation_imports_nothing_above_it(module):
     # prompting's text rules (the CJK reading rate) sit below the processor and import no model
-    above = ("modeling_drama3", "processing_drama3", "long_form", "pipeline_drama3", "training", "serving")
+    above = ("modeling_drama3", "processing_drama3", "processing", "runtime", "pipeline_drama3", "training", "serving")
     ours = [internal(name) for name, _ in imports_of(PACKAGE / module) if internal(name) is not None]
     assert not [name for name in ours if name.split(".")[0] in above]
     if module == "generation_drama3.py":
@@ -45,15 +45,15 @@ def test_generation_imports_nothing_above_it(module):
 
 def test_text_streaming_imports_nothing_above_generation():
     # it drives the processor it is given (duck typed) and builds rows with prompting, below it
-    above = ("modeling_drama3", "processing_drama3", "long_form", "pipeline_drama3", "training", "serving")
+    above = ("modeling_drama3", "processing_drama3", "processing", "runtime", "pipeline_drama3", "training", "serving")
     ours = [internal(name) for name, _ in imports_of(PACKAGE / "generation/live_text.py") if internal(name) is not None]
     assert {"generation_drama3", "prompting"} <= set(ours)
     assert not [name for name in ours if name.split(".")[0] in above]
 
 
-def test_the_model_gets_stream_text_from_generation_text_stream():
+def test_the_model_gets_stream_text_from_generation_live_text():
     ours = {internal(name): top for name, top in imports_of(PACKAGE / "modeling_drama3.py") if internal(name)}
-    assert ours.get("generation_text_stream") is True
+    assert ours.get("generation.live_text") is True
 
 
 def test_the_model_gets_its_cache_and_generate_from_generation():

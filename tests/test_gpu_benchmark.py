@@ -202,7 +202,7 @@ def test_a_run_with_a_graph_not_captured_exits_non_zero_after_its_table(gpu_benc
 def test_fp8_experts_are_refused_before_building_when_the_quantiser_is_missing(gpu_benchmark, monkeypatch):
     monkeypatch.setitem(sys.modules, gpu_benchmark.FP8_MODULE, None)  # import fails
     monkeypatch.setattr(gpu_benchmark, "materialised", lambda *args: pytest.fail("built before the refusal"))
-    with pytest.raises(SystemExit, match=r"--experts fp8: .*fp8_experts\.quantize_experts_fp8 is not importable"):
+    with pytest.raises(SystemExit, match=r"--experts fp8: .*fp8_expert_layer\.quantize_experts_fp8 is not importable"):
         gpu_benchmark.main([*QUICK, "--experts", "fp8"])
 
 

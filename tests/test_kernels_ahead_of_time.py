@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from script_helpers import loaded_script
-from transformers_drama3.kernels import fp8_expert_gemm as fp8_experts, fused_step, recurrent_decode, short_conv
+from transformers_drama3.kernels import fp8_expert_gemm, fused_step, recurrent_decode, short_conv
 
 TARGETS = Path(__file__).with_name("triton_targets.py")
 SM90_SHARED_MEMORY = 227 * 1024
@@ -49,8 +49,8 @@ def test_every_kernel_of_the_package_is_launched_and_compiled_under_every_config
     # the package's modules with Triton kernels are these four, and every `_..._kernel` they define is among them
     package = Path(fused_step.__file__).resolve().parents[1]
     with_kernels = {path.stem for path in package.rglob("*.py") if "@triton.jit" in path.read_text(encoding="utf-8")}
-    assert with_kernels == {"fused_step", "fp8_experts", "recurrent_decode", "short_conv"}, with_kernels
-    for module in (fused_step, fp8_experts, recurrent_decode, short_conv):
+    assert with_kernels == {"fused_step", "fp8_expert_gemm", "recurrent_decode", "short_conv"}, with_kernels
+    for module in (fused_step, fp8_expert_gemm, recurrent_decode, short_conv):
         short = module.__name__.rpartition(".")[2]
         names = {name for name in dir(module) if name.startswith("_") and name.endswith("_kernel")}
         assert names and {f"{short}.{name}" for name in names} <= defined
@@ -65,7 +65,7 @@ def test_shared_memory_is_under_the_sm90_limit(sm90):
     largest = max(sm90["variants"], key=lambda variant: variant["shared_bytes"])
     assert 0 < largest["shared_bytes"] <= SM90_SHARED_MEMORY, largest
     # the tiles of the FP8 experts' prefill use it (dot operands are staged there); so did this test
-    assert largest["kernel"].startswith("fp8_experts.")
+    assert largest["kernel"].startswith("fp8_expert_gemm.")
 
 
 def test_row_offsets_of_the_row_kernels_are_64_bit(sm90):
@@ -202,9 +202,9 @@ def test_the_fp8_expert_kernels_at_the_published_width_in_bfloat16(interpreter, 
     hidden = torch.randn(tokens, text.hidden_size, generator=g).bfloat16()
     index = torch.stack([torch.randperm(32, generator=g)[: text.num_experts_per_tok] for _ in range(tokens)])
     routing = torch.rand(tokens, text.num_experts_per_tok, generator=g) + 0.1
-    function = {"rows": fp8_experts.fp8_experts_triton_rows, "tiles": fp8_experts.fp8_experts_triton_tiles}[layout]
+    function = {"rows": fp8_expert_gemm.fp8_experts_triton_rows, "tiles": fp8_expert_gemm.fp8_experts_triton_tiles}[layout]
     out = function(hidden, index, routing, *weights, block)
-    reference = fp8_experts.fp8_experts_reference(hidden.float(), index, routing, *weights, block)
+    reference = fp8_expert_gemm.fp8_experts_reference(hidden.float(), index, routing, *weights, block)
     assert relative_error(out, reference) < SLOW_TOLERANCE
 
 

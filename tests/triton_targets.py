@@ -3,7 +3,7 @@
     python tests/triton_targets.py --arch 90 --json kernels.json     # sm_90: H100 / H200
 
 Each kernel is launched the way the package launches it: the public launchers
-(`fused_step.*_triton`, `fp8_experts.fp8_experts_triton_rows` / `_tiles`,
+(`fused_step.*_triton`, `fp8_expert_gemm.fp8_experts_triton_rows` / `_tiles`,
 `recurrent_decode.gated_delta_rule_decode_triton`, `short_conv.short_conv_update_triton`) run on
 `meta` tensors of the published model's shapes (no memory, no data), with every kernel object of
 their modules replaced by a recorder that keeps the launch's arguments instead of running it. Each
@@ -81,13 +81,13 @@ def jit_function(kernel):
 
 def kernel_modules():
     """The package's kernel modules, with their kernels defined (see the module docstring)."""
-    from transformers_drama3.kernels import fp8_expert_gemm as fp8_experts, fused_step, recurrent_decode, short_conv
+    from transformers_drama3.kernels import fp8_expert_gemm, fused_step, recurrent_decode, short_conv
 
-    for module in (fp8_experts, fused_step, recurrent_decode, short_conv):
+    for module in (fp8_expert_gemm, fused_step, recurrent_decode, short_conv):
         if module.triton is None:
             raise SystemExit(f"{module.__name__}: no kernels defined; install the [gpu] extra and set "
                              f"{fused_step.TRITON_KERNELS_ENV}=1")
-    return fused_step, fp8_experts, recurrent_decode, short_conv
+    return fused_step, fp8_expert_gemm, recurrent_decode, short_conv
 
 
 def published_shapes() -> dict:
@@ -112,10 +112,10 @@ def record_launches() -> tuple[list[tuple[str, str]], list[Launch]]:
     sizes; decode rows and prefills, bf16)."""
     import torch
 
-    fused_step, fp8_experts, recurrent_decode, short_conv = kernel_modules()
+    fused_step, fp8_expert_gemm, recurrent_decode, short_conv = kernel_modules()
     shapes = published_shapes()
     defined, launches, variant = [], [], ["?"]
-    for module in (fused_step, fp8_experts, recurrent_decode, short_conv):
+    for module in (fused_step, fp8_expert_gemm, recurrent_decode, short_conv):
         for name in dir(module):
             kernel = getattr(module, name)
             if name.startswith("_") and name.endswith("_kernel") and hasattr(jit_function(kernel), "arg_names"):
@@ -153,12 +153,12 @@ def record_launches() -> tuple[list[tuple[str, str]], list[Launch]]:
                meta(experts, dim, intermediate, dtype=fp8),
                meta(experts, -(-dim // block[0]), -(-intermediate // block[1]), dtype=torch.float32))
     variant[0] = "rows layout (a decode step)"
-    fp8_experts.fp8_experts_triton_rows(meta(16, dim), ids(16, top_k), meta(16, top_k), *weights, block)
+    fp8_expert_gemm.fp8_experts_triton_rows(meta(16, dim), ids(16, top_k), meta(16, top_k), *weights, block)
     # the tiles layout's BLOCK_M follows the rows an expert gets: 16, 32, 64 rows a tile
     for tokens in (512, 1024, 4096):
-        block_m = fp8_experts.rows_per_tile(tokens * top_k, experts)
+        block_m = fp8_expert_gemm.rows_per_tile(tokens * top_k, experts)
         variant[0] = f"tiles layout, {tokens}-row prefill (BLOCK_M {block_m})"
-        fp8_experts.fp8_experts_triton_tiles(meta(tokens, dim), ids(tokens, top_k), meta(tokens, top_k), *weights, block)
+        fp8_expert_gemm.fp8_experts_triton_tiles(meta(tokens, dim), ids(tokens, top_k), meta(tokens, top_k), *weights, block)
 
     heads, value_heads, key_dim, value_dim = shapes["key_heads"], shapes["value_heads"], shapes["key_dim"], shapes["value_dim"]
     batch = 8
