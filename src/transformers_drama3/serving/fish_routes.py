@@ -28,22 +28,13 @@ import msgpack
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 
 from ..generation_text_stream import ChunkSpoken
-from .speech_answer import (
-    ErrorResponse,
-    _key_matches,
-    _read_body,
-    _receive_within,
-    _unexpected,
-    close_reason,
-    service_or_503,
-    speak,
-    text_stream_ended,
-    text_stream_slot,
-)
+from .speech_answer import (ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason,
+                            put_when_speakable, service_or_503, socket_errors, speak, text_stream_ended,
+                            text_stream_slot)
 from .audio_formats import stream_encoder
 from .fish_protocol import FishRequest, fish_live_start, fish_speech, load_msgpack, media_loader
 from .output_audio import OutputAudio
-from .protocol import ApiError, TextStreamParams, speakable
+from .protocol import ApiError, TextStreamParams
 from .request_log import log_take, new_request_id
 from .text_stream_run import CANCELLED, Finished, TextStreamRun
 
@@ -80,14 +71,8 @@ async def fish_live(websocket: WebSocket):
     if service is None:
         return await _deny(websocket, ApiError(503, "the model is still loading; retry shortly"))
     await websocket.accept()
-    try:
+    async with socket_errors(websocket, _finish_with_error, f"WebSocket {LIVE_PATH}"):
         await _live_session(websocket, service, settings)
-    except ApiError as error:
-        await _finish_with_error(websocket, error)
-    except WebSocketDisconnect:
-        pass
-    except Exception as error:  # the catch-all: the client gets an error and a close code
-        await _finish_with_error(websocket, _unexpected(error, f"WebSocket {LIVE_PATH}"))
 
 
 def _with_voice(speech, service, settings):
@@ -221,21 +206,14 @@ async def _receive_text(websocket, settings, run: TextStreamRun, text: str, inde
     ending a segment, `stop` ending the text. A segment's pieces are held until one has a letter or
     digit; a segment with none is dropped (a flush of only punctuation says nothing). The whole
     text of the utterance is held to the input limit (413)."""
-    received, held, speaking = 0, [], False  # speaking: the current segment has said something
+    received, held = 0, []  # held: the segment's pieces before one has something to say; None once it has
     if text:
         received += len(text)
     try:
         pieces = [text] if text else []
         while True:
             for value in pieces:
-                if speaking:
-                    run.put(value)
-                    continue
-                held.append(value)
-                if speakable(value):  # the segment has something to say: speak it, from its first piece
-                    for earlier in held:
-                        run.put(earlier)
-                    held, speaking = [], True
+                held = put_when_speakable(run, held, value)
             event = await _next_event(websocket, settings.stream_idle_timeout, "text, flush or stop", index)
             index += 1
             kind, pieces = event["event"], []
@@ -250,14 +228,13 @@ async def _receive_text(websocket, settings, run: TextStreamRun, text: str, inde
                                    "text")
                 pieces = [value] if value else []
             elif kind in ("flush", "stop"):
-                held = []  # pieces with nothing to say at the end of a segment are dropped
+                speaking, held = held is None, []  # pieces with nothing to say at the end of a segment are dropped
                 if kind == "stop":
                     run.end()
                     next_index.set_result(index)
                     return
                 if speaking:
                     run.flush()
-                speaking = False
             elif kind == "start":
                 raise ApiError(400, "event: start while an utterance is running; send stop first", "event")
             else:

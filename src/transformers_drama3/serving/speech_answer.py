@@ -7,8 +7,9 @@ Fish Audio's `/v1/tts` (`fish_routes`). Beside it: the app's service, or 503 whi
 (`service_or_503`), the error body (`ErrorResponse`), a failure no check foresaw (`_unexpected`),
 a body read within its limits (`_read_body`, `json_body`), a WebSocket message within a timeout
 (`_receive_within`), the key's constant-time check (`_key_matches`), a close frame's reason
-(`close_reason`), and a text stream's slot (`text_stream_slot`) and ending (`text_stream_ended`)
-counted in the metrics.
+(`close_reason`), a WebSocket's errors answered (`socket_errors`), and a text stream's slot
+(`text_stream_slot`), first speakable piece (`put_when_speakable`) and ending
+(`text_stream_ended`, counted in the metrics).
 
 The routes find what `app.create_app` was given on the app: `app.state.get_service` (the service,
 None while it loads), `app.state.settings` (`ServerSettings`) and `app.state.text_streams` (the
@@ -24,6 +25,7 @@ import json
 import logging
 import queue
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request, WebSocket, WebSocketDisconnect
@@ -34,7 +36,7 @@ from ..codec.take_streaming import WaveformStreamer
 from .audio_formats import MEDIA_TYPES, encode, encoded_rate, stream_encoder
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .output_audio import OutputAudio, output_rate
-from .protocol import RETRY_AFTER_SECONDS, ApiError, SpeechParams, damaged_adapter, load_json
+from .protocol import RETRY_AFTER_SECONDS, ApiError, SpeechParams, damaged_adapter, load_json, speakable
 from .request_log import log_take
 from .routing import AdapterError, AdapterSlotsBusy
 from .service import SpeechService, chunk_samples
@@ -234,6 +236,36 @@ def close_reason(message: str, limit: int = 123) -> str:
     """`message` cut to at most `limit` UTF-8 bytes (a WebSocket close frame's reason), whole characters kept."""
     data = message.encode("utf-8", "replace")  # a lone surrogate the message quotes becomes "?"
     return data.decode("utf-8") if len(data) <= limit else data[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
+@asynccontextmanager
+async def socket_errors(websocket: WebSocket, send_error, where: str):
+    """Within the block, an ApiError is answered by `send_error(websocket, error)` (each door has its
+    shape), a failure no check foresaw as a 500 (`_unexpected`, logged naming `where`), and a
+    client that has gone is let go."""
+    try:
+        yield
+    except ApiError as error:
+        await send_error(websocket, error)
+    except WebSocketDisconnect:
+        pass
+    except Exception as error:  # the catch-all: the client gets an error and a close code
+        await send_error(websocket, _unexpected(error, where))
+
+
+def put_when_speakable(run, held: list | None, piece: str) -> list | None:
+    """`piece` put into the text stream `run`, or held while no piece so far has a letter or digit
+    (`protocol.speakable`); `held` is the pieces held so far, None once the text speaks. Returns the
+    new `held`: once a piece speaks, the held pieces go first, then it, and None."""
+    if held is None:
+        run.put(piece)
+        return None
+    held.append(piece)
+    if not speakable(piece):
+        return held
+    for earlier in held:
+        run.put(earlier)
+    return None
 
 
 def text_stream_slot(connection: HTTPConnection, service: SpeechService):

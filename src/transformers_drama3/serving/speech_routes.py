@@ -29,20 +29,10 @@ from .protocol import (
     parse_speech,
     parse_stream_start,
     parse_text_message,
-    speakable,
 )
 from .service import SpeechService
-from .speech_answer import (
-    _key_matches,
-    _receive_within,
-    _unexpected,
-    close_reason,
-    json_body,
-    service_or_503,
-    speak,
-    text_stream_ended,
-    text_stream_slot,
-)
+from .speech_answer import (_key_matches, _receive_within, _unexpected, close_reason, json_body, put_when_speakable,
+                            service_or_503, socket_errors, speak, text_stream_ended, text_stream_slot)
 from .text_stream_run import CANCELLED, TextStreamRun
 
 router = APIRouter()
@@ -62,7 +52,7 @@ async def speech(request: Request):
 async def speech_stream(websocket: WebSocket):
     settings = websocket.app.state.settings
     await websocket.accept()
-    try:
+    async with socket_errors(websocket, _close_with_error, f"WebSocket {STREAM_PATH}"):
         if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
         service = service_or_503(websocket)
@@ -76,12 +66,6 @@ async def speech_stream(websocket: WebSocket):
             await _run_text_stream(websocket, service, params, references, settings)
         finally:
             slots.release()
-    except ApiError as error:
-        await _close_with_error(websocket, error)
-    except WebSocketDisconnect:
-        pass
-    except Exception as error:  # the catch-all: the client gets an error and a close code
-        await _close_with_error(websocket, _unexpected(error, f"WebSocket {STREAM_PATH}"))
 
 
 async def _parsed(raw, location: str) -> dict:
@@ -135,14 +119,7 @@ async def _run_text_stream(websocket: WebSocket, service: SpeechService, params:
                     run.end()
                     return
                 received += len(piece)
-                if held is None:
-                    run.put(piece)
-                    continue
-                held.append(piece)
-                if speakable(piece):  # the text has something to say: speak it, from its first piece
-                    for earlier in held:
-                        run.put(earlier)
-                    held = None
+                held = put_when_speakable(run, held, piece)  # spoken from the first piece with something to say
         except ApiError as error:
             await run.fail(error)
         except WebSocketDisconnect:
