@@ -111,7 +111,7 @@ def run_say(args) -> int:
 
 
 def option_values(args, options: tuple[Option, ...]) -> dict:
-    """The request options given on the command line (`cli_arguments.add_option_flags`), by option
+    """The request options given on the command line (`runtime.arguments.add_option_flags`), by option
     name, each checked by the option schema's one check (the one `generate()`, the server and the
     demo run) before anything is loaded; the message names the flag."""
     values = {}

@@ -299,5 +299,5 @@ class Drama3TextStreamingMixin:
     """`stream_text` as a method of `Drama3ForSpeechGeneration` (which inherits it)."""
 
     def stream_text(self, text_pieces: Iterable[str], processor, **kwargs):
-        """Speak text pieces as they arrive. See `generation_text_stream.stream_text`."""
+        """Speak text pieces as they arrive. See `generation.live_text.stream_text`."""
         return stream_text(self, text_pieces, processor=processor, **kwargs)

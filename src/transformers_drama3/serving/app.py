@@ -18,63 +18,38 @@ each streaming chunk as soon as its look-ahead is known (`model.stream_text`) an
 audio and JSON events per chunk. Each text stream runs in its own thread beside the batch engine
 (its cache is extended turn by turn, which an engine slot does not do), at most
 `ServerSettings.max_text_streams` at once.
+
+This module builds the app: its settings, middleware (the key, Host/Origin checks, CORS, request
+ids, the catch-all 500) and error handlers. The routes live by job, each module a `router`:
+`status_routes` (health, metrics, probe), `catalog_routes` (models, voices), `speech_routes`
+(OpenAI's speech and its WebSocket) and `fish_routes` (Fish Audio's API).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import ipaddress
 import logging
-import secrets
-import time
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..generation.live_text import ChunkSpoken, ChunkStarted
-from ..prompting import CHUNK_BYTES
-from .audio_formats import pcm16, streaming_wav_header
+from . import catalog_routes, fish_routes, speech_routes, status_routes
 from .request_log import RequestIds
-from .openai_names import VoiceAliases, model_listing
+from .openai_names import VoiceAliases
 from .request_guard import LOOPBACK_HOSTS, RequestGuard
-from .protocol import (
-    RETRY_AFTER_SECONDS,
-    ApiError,
-    Limits,
-    check_speakable,
-    speakable,
-    TextStreamParams,
-    load_json,
-    parse_message,
-    parse_speech,
-    parse_stream_start,
-    parse_text_message,
-    parse_voice_upload,
-)
+from .protocol import ApiError, Limits
 from .service import SpeechService, TextStreamSlots, chunk_samples, driven_events, serve_in_background  # noqa: F401
-from .live_text_run import CANCELLED, TextStreamRun
 from .speech_answer import (  # noqa: F401  (StreamCut, close_reason: part of this module's names)
-    ErrorResponse,
     StreamCut,
     _error_response,
     _key_matches,
-    _read_body,
-    _receive_within,
     _unexpected,
     close_reason,
-    speak,
 )
-from .fish_routes import add_fish_routes
-from .voices import (
-    VoiceBusy,
-    VoiceExists,
-    VoiceReference,
-)
+from .voices import VoiceReference
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +157,13 @@ def is_loopback(host: str) -> bool:
 
 
 def create_app(get_service, settings: ServerSettings | None = None):
-    """The FastAPI app; `get_service()` returns the `SpeechService`, or None while it loads."""
+    """The FastAPI app; `get_service()` returns the `SpeechService`, or None while it loads. The
+    routes are the `router`s of `status_routes`, `catalog_routes`, `speech_routes` and
+    `fish_routes`; they find `get_service`, `settings` and the text streams' slots on `app.state`."""
     settings = settings or ServerSettings()
     app = FastAPI(title="Drama 3 speech server")
-
-    def service_or_503() -> SpeechService:
-        service = get_service()
-        if service is None:
-            raise ApiError(503, "the model is still loading; retry shortly", None, "loading")
-        return service
+    app.state.get_service, app.state.settings = get_service, settings
+    app.state.text_streams = TextStreamSlots(settings.max_text_streams)  # both WebSocket doors share them
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -205,125 +178,10 @@ def create_app(get_service, settings: ServerSettings | None = None):
         response.headers.update(error.headers or {})
         return response
 
-    async def json_body(request: Request):
-        _check_json_content_type(request.headers.get("content-type"))
-        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
-        return await asyncio.to_thread(load_json, raw)  # counted, then parsed, off the event loop
-
-    @app.get("/health")
-    async def health():
-        service = get_service()
-        if service is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ok", "model": service.model_name, "running": service.engine.running,
-                "queued": service.engine.queue_depth}
-
-    @app.get("/metrics")
-    async def metrics():
-        service = get_service()
-        if service is None:
-            return PlainTextResponse("", status_code=503)
-        return PlainTextResponse(service.metrics.render(service.engine), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        service = service_or_503()
-        return {"object": "list", "data": model_listing(service.model_name)}
-
-    @app.get("/v1/audio/models")
-    async def audio_models():  # Open WebUI asks here first, then falls back to /v1/models
-        service = service_or_503()
-        return {"models": [{"id": model["id"]} for model in model_listing(service.model_name)]}
-
-    @app.get("/v1/test")
-    async def probe():  # Kokoro-FastAPI's probe: bridges that find it (wyoming-openai) list /v1/audio/voices
-        service_or_503()
-        return {"status": "ok"}
-
-    @app.get("/v1/audio/voices")
-    async def list_voices():
-        service = service_or_503()
-        return {"voices": await asyncio.to_thread(service.voice_listing), "aliases": settings.voice_aliases.listing()}
-
-    @app.post("/v1/audio/voices")
-    async def create_voice(request: Request):
-        service = service_or_503()
-        body = await json_body(request)
-        if isinstance(body, dict) and "adapter" in body:  # a fine-tuned voice (serving.adapter_routes)
-            from .adapter_routes import register_adapter_voice  # the adapter code loads only when it is used
-
-            return await asyncio.to_thread(register_adapter_voice, service, body, settings.limits)
-        voice_id, name, references = parse_voice_upload(body, settings.limits)
-        if voice_id in service.voices:
-            raise ApiError(409, f"id: a voice {voice_id!r} exists; delete it first", "id", "voice_exists")
-        try:
-            await asyncio.to_thread(service.voices.add, voice_id, references, name)
-        except ValueError as error:
-            param = str(error).split(":")[0] if ":" in str(error) else None
-            raise ApiError(400, str(error), param) from None
-        except VoiceExists as error:
-            raise ApiError(409, str(error), "id", "voice_exists") from None
-        except VoiceBusy as error:
-            raise ApiError(409, str(error), "id", "voice_busy") from None
-        except OSError as error:
-            logger.error("storing voice %r failed: %s", voice_id, error)
-            raise ApiError(500, f"the voice {voice_id!r} could not be stored ({error.strerror or type(error).__name__}); "
-                                "nothing was changed", None, "voice_write_failed") from None
-        return {"id": voice_id, "name": name}
-
-    @app.delete("/v1/audio/voices/{voice_id}")
-    async def delete_voice(voice_id: str):
-        service = service_or_503()
-        if service.adapter_of(voice_id) is not None:
-            from .adapter_routes import delete_adapter_voice
-
-            return await asyncio.to_thread(delete_adapter_voice, service, voice_id)
-        try:
-            await asyncio.to_thread(service.voices.delete, voice_id)
-        except KeyError:
-            raise ApiError(404, f"voice: no voice {voice_id!r}", "voice", "voice_not_found") from None
-        except VoiceBusy as error:
-            raise ApiError(409, str(error), "voice", "voice_busy") from None
-        return {"id": voice_id, "deleted": True}
-
-    @app.post("/v1/audio/speech")
-    async def speech(request: Request):
-        service = service_or_503()
-        params = parse_speech(await json_body(request), settings.limits, service.has_voice)
-        params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
-        return await speak(service, params, request, settings.request_timeout)
-
-    slots = TextStreamSlots(settings.max_text_streams)
-    app.state.text_streams = slots
-
-    @app.websocket("/v1/audio/speech/stream")
-    async def speech_stream(websocket: WebSocket):
-        await websocket.accept()
-        try:
-            if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", None, "invalid_api_key")
-            service = service_or_503()
-            start = await _parsed(await _receive_within(websocket, settings.stream_idle_timeout, "start"), "messages[0]")
-            params = parse_stream_start(start, settings.limits, service.has_voice, 4 * CHUNK_BYTES)
-            params = dataclasses.replace(params, voice=settings.voice_aliases.resolve(params.voice, service.has_voice))
-            references = await asyncio.to_thread(service.references_of, params)
-            service.check_stream_options(params)
-            if not slots.acquire():
-                service.metrics.count("rejected")
-                raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None, "queue_full",
-                               {"Retry-After": str(RETRY_AFTER_SECONDS)})
-            try:
-                await _run_text_stream(websocket, service, params, references, settings)
-            finally:
-                slots.release()
-        except ApiError as error:
-            await _close_with_error(websocket, error)
-        except WebSocketDisconnect:
-            pass
-        except Exception as error:  # the catch-all: the client gets an error and a close code
-            await _close_with_error(websocket, _unexpected(error, "WebSocket /v1/audio/speech/stream"))
-
-    add_fish_routes(app, settings, get_service, slots)  # Fish Audio's API (`/v1/tts`, `/v1/tts/live`), the same service
+    app.include_router(status_routes.router)  # /health, /metrics, /v1/test
+    app.include_router(catalog_routes.router)  # /v1/models, /v1/audio/models, /v1/audio/voices
+    app.include_router(speech_routes.router)  # /v1/audio/speech, /v1/audio/speech/stream
+    app.include_router(fish_routes.router)  # Fish Audio's API (`/v1/tts`, `/v1/tts/live`), the same service
 
     app.add_middleware(KeyGuard, settings=settings)
     app.add_middleware(CatchAll)
@@ -338,122 +196,6 @@ def create_app(get_service, settings: ServerSettings | None = None):
 
 EXPOSED_HEADERS = ("X-Sample-Rate", "X-Seed", "X-Finish-Reason", "X-Anomalies", "Retry-After", "x-request-id")
 """Response headers a page of an allowed origin may read."""
-
-
-def _check_json_content_type(value: str | None) -> None:
-    """ApiError 415 unless `Content-Type` is application/json: a page of another site may send
-    text/plain or a form without asking the server first, never JSON."""
-    media = (value or "").split(";")[0].strip().lower()
-    if media != "application/json":
-        shown = "none" if value is None else repr(value if len(value) <= 64 else value[:61] + "...")
-        raise ApiError(415, f"Content-Type {shown}: expected application/json", None, "unsupported_media_type")
-
-
-async def _parsed(raw, location: str) -> dict:
-    """`parse_message` off the event loop (a message of megabytes is counted, then parsed)."""
-    return await asyncio.to_thread(parse_message, raw, location)
-
-
-async def _close_with_error(websocket: WebSocket, error: ApiError) -> None:
-    """Send the error in OpenAI's shape, then close with code 4000 + its HTTP status and the
-    message as the close frame's reason (cut to the 123 bytes a close frame holds). A 429 says
-    when to retry, as HTTP's `Retry-After` does: `retry_after` (seconds) in the event, and the
-    reason ends "retry after N s"."""
-    event, reason = {"type": "error", **error.body()}, close_reason(error.message)
-    retry = (error.headers or {}).get("Retry-After")
-    if retry is not None:
-        event["retry_after"] = int(retry)
-        reason = close_reason(error.message, 123 - len(f"; retry after {retry} s")) + f"; retry after {retry} s"
-    try:
-        await websocket.send_json(event)
-        await websocket.close(code=4000 + error.status, reason=reason)
-    except (WebSocketDisconnect, RuntimeError):
-        pass  # the client has gone already
-
-
-def _event_message(item) -> dict:
-    if isinstance(item, ChunkStarted):
-        return {"type": "chunk.started", "index": item.index, "text": item.text, "look_ahead": item.look_ahead,
-                "final_at": item.final_at, "started_at": item.started_at}
-    return {"type": "chunk.done", "index": item.index, "frames": item.frames, "finish_reason": item.finish_reason,
-            "final_at": item.final_at, "first_audio_at": item.first_audio_at, "delay": item.delay}
-
-
-async def _run_text_stream(websocket: WebSocket, service: SpeechService, params: TextStreamParams, references, settings):
-    """Pieces from the client go to `model.stream_text` in a worker thread (`TextStreamRun`); its
-    audio (16-bit PCM) and events come back. A client that goes away, or a session past the time
-    limit, stops the worker at its next frame or piece."""
-    seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
-    run = TextStreamRun(service, params, references, seed, settings.request_timeout, pcm16, _unexpected)
-
-    async def receive():
-        index, received, held = 1, 0, []  # held: the pieces before the first letter or digit
-        try:
-            while True:
-                raw = await _receive_within(websocket, settings.stream_idle_timeout, "text or done")
-                message = await _parsed(raw, f"messages[{index}]")
-                piece = parse_text_message(message, received, settings.limits, index)
-                index += 1
-                if piece is None:
-                    if held is not None:  # the whole text had nothing to say: refused as HTTP refuses it
-                        check_speakable("".join(held))
-                    run.end()
-                    return
-                received += len(piece)
-                if held is None:
-                    run.put(piece)
-                    continue
-                held.append(piece)
-                if speakable(piece):  # the text has something to say: speak it, from its first piece
-                    for earlier in held:
-                        run.put(earlier)
-                    held = None
-        except ApiError as error:
-            await run.fail(error)
-        except WebSocketDisconnect:
-            run.cancel()
-
-    rate = service.processor.sampling_rate
-    await websocket.send_json({"type": "ready", "sample_rate": rate, "seed": seed, "response_format": params.response_format})
-    if params.response_format == "wav":
-        await websocket.send_bytes(streaming_wav_header(rate))
-    run.start()
-    receiver = asyncio.ensure_future(receive())
-    started, first, frames, chunks = time.perf_counter(), None, 0, 0
-    try:
-        while True:
-            item = await run.next()
-            if isinstance(item, bytes):
-                first = time.perf_counter() - started if first is None else first
-                await websocket.send_bytes(item)
-            elif isinstance(item, (ChunkStarted, ChunkSpoken)):
-                message = _event_message(item)
-                if message["type"] == "chunk.done":
-                    frames, chunks = frames + message["frames"], chunks + 1
-                await websocket.send_json(message)
-            else:
-                outcome = item.outcome
-                break
-    except (WebSocketDisconnect, RuntimeError, OSError):
-        outcome = CANCELLED  # the client went away while audio was being sent
-    if outcome is not None:
-        run.cancel()
-    receiver.cancel()
-    await run.join()
-    if outcome is CANCELLED:
-        service.metrics.count("cancelled")
-        return
-    if isinstance(outcome, ApiError):
-        service.metrics.count("timeout" if outcome.status == 504 else "error")
-        raise outcome
-    service.metrics.count("eos")
-    if first is not None:
-        service.metrics.observe_first_audio(first)
-    try:
-        await websocket.send_json({"type": "done", "frames": frames, "chunks": chunks, "seed": seed})
-        await websocket.close(code=1000)
-    except (WebSocketDisconnect, RuntimeError, OSError):
-        pass  # the client left after the last audio
 
 
 __all__ = ["ServerSettings", "SpeechService", "TextStreamSlots", "create_app", "serve_in_background", "VoiceReference",

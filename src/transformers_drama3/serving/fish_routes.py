@@ -25,14 +25,16 @@ import secrets
 import time
 
 import msgpack
-from fastapi import Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 
 from ..generation.live_text import ChunkSpoken
-from .speech_answer import ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason, speak
+from .speech_answer import (ErrorResponse, _key_matches, _read_body, _receive_within, _unexpected, close_reason,
+                            put_when_speakable, service_or_503, socket_errors, speak, text_stream_ended,
+                            text_stream_slot)
 from .audio_formats import stream_encoder
 from .fish_protocol import FishRequest, fish_live_start, fish_speech, load_msgpack, media_loader
 from .output_audio import OutputAudio
-from .protocol import RETRY_AFTER_SECONDS, ApiError, TextStreamParams, speakable
+from .protocol import ApiError, TextStreamParams
 from .request_log import log_take, new_request_id
 from .live_text_run import CANCELLED, Finished, TextStreamRun
 
@@ -44,42 +46,33 @@ BETWEEN_UTTERANCES_SECONDS = 300.0
 an utterance each next event must come within `--stream-idle-timeout`."""
 
 
-def add_fish_routes(app, settings, get_service, slots) -> None:
-    """Register `/v1/tts` and `/v1/tts/live` on `app` (`serving.app.create_app`); `slots`: the text
-    streams' `TextStreamSlots`, shared with `/v1/audio/speech/stream`."""
+router = APIRouter()
+"""`/v1/tts` and `/v1/tts/live`, which `app.create_app` includes; the service, settings and text
+stream slots (shared with `/v1/audio/speech/stream`) come from the app (`speech_answer`)."""
 
-    def service_or_503():
-        service = get_service()
-        if service is None:
-            raise ApiError(503, "the model is still loading; retry shortly", None, "loading")
-        return service
 
-    @app.post("/v1/tts")
-    async def fish_tts(request: Request):
-        service = service_or_503()
-        loader = media_loader(request.headers.get("content-type"))  # 415 before the body is read
-        raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
-        body = await asyncio.to_thread(loader, raw)  # counted, then unpacked, off the event loop
-        fish = await asyncio.to_thread(fish_speech, body, request.headers.get("model"), service.model_name,
-                                       settings.limits, service.has_voice)  # reference clips are read here
-        return await speak(service, _with_voice(fish.speech, service, settings), request, settings.request_timeout)
+@router.post("/v1/tts")
+async def fish_tts(request: Request):
+    service, settings = service_or_503(request), request.app.state.settings
+    loader = media_loader(request.headers.get("content-type"))  # 415 before the body is read
+    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
+    body = await asyncio.to_thread(loader, raw)  # counted, then unpacked, off the event loop
+    fish = await asyncio.to_thread(fish_speech, body, request.headers.get("model"), service.model_name,
+                                   settings.limits, service.has_voice)  # reference clips are read here
+    return await speak(service, _with_voice(fish.speech, service, settings), request, settings.request_timeout)
 
-    @app.websocket(LIVE_PATH)
-    async def fish_live(websocket: WebSocket):
-        if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
-            return await _deny(websocket, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)"))
-        service = get_service()
-        if service is None:
-            return await _deny(websocket, ApiError(503, "the model is still loading; retry shortly"))
-        await websocket.accept()
-        try:
-            await _live_session(websocket, service, settings, slots)
-        except ApiError as error:
-            await _finish_with_error(websocket, error)
-        except WebSocketDisconnect:
-            pass
-        except Exception as error:  # the catch-all: the client gets an error and a close code
-            await _finish_with_error(websocket, _unexpected(error, f"WebSocket {LIVE_PATH}"))
+
+@router.websocket(LIVE_PATH)
+async def fish_live(websocket: WebSocket):
+    settings = websocket.app.state.settings
+    if settings.api_key is not None and not _key_matches(websocket.headers, settings.api_key):
+        return await _deny(websocket, ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)"))
+    service = websocket.app.state.get_service()
+    if service is None:
+        return await _deny(websocket, ApiError(503, "the model is still loading; retry shortly"))
+    await websocket.accept()
+    async with socket_errors(websocket, _finish_with_error, f"WebSocket {LIVE_PATH}"):
+        await _live_session(websocket, service, settings)
 
 
 def _with_voice(speech, service, settings):
@@ -126,7 +119,7 @@ async def _next_event(websocket: WebSocket, timeout: float, what: str, index: in
     return event
 
 
-async def _live_session(websocket: WebSocket, service, settings, slots) -> None:
+async def _live_session(websocket: WebSocket, service, settings) -> None:
     """Utterances, one after another, until the client closes the socket."""
     model, index = websocket.headers.get("model"), 0
     while True:
@@ -138,20 +131,17 @@ async def _live_session(websocket: WebSocket, service, settings, slots) -> None:
         started = time.perf_counter()
         fish = await asyncio.to_thread(fish_live_start, event, model, service.model_name, settings.limits,
                                        service.has_voice)
-        index = await _utterance(websocket, service, settings, slots, fish, index, started)
+        index = await _utterance(websocket, service, settings, fish, index, started)
 
 
-async def _utterance(websocket, service, settings, slots, fish: FishRequest, index: int, started: float) -> int:
+async def _utterance(websocket, service, settings, fish: FishRequest, index: int, started: float) -> int:
     """One utterance: its text events in, its audio out, then `finish`; the index of the next event."""
     speech = _with_voice(fish.speech, service, settings)
     params = TextStreamParams(model=speech.model, voice=speech.voice, response_format="pcm",
                               references=speech.references, options=speech.options, chunk_bytes=fish.chunk_bytes)
     references = await asyncio.to_thread(service.references_of, params)
     service.check_stream_options(params)
-    if not slots.acquire():
-        service.metrics.count("rejected")
-        raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None,
-                       "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    slots = text_stream_slot(websocket, service)
     output = OutputAudio(service.processor.sampling_rate, speech.sample_rate, speech.speed, speech.volume_db)
     encoder = stream_encoder(speech.response_format, speech.sample_rate, speech.bit_rate)
     sent = {"samples": 0}
@@ -187,15 +177,8 @@ async def _utterance(websocket, service, settings, slots, fish: FishRequest, ind
         await run.join()
         encoder.close()
         slots.release()
-    if outcome is CANCELLED:
-        service.metrics.count("cancelled")
+    if not text_stream_ended(service, outcome, first):
         raise WebSocketDisconnect(1001)
-    if isinstance(outcome, ApiError):
-        service.metrics.count("timeout" if outcome.status == 504 else "error")
-        raise outcome
-    service.metrics.count("eos")
-    if first is not None:
-        service.metrics.observe_first_audio(first)
     log_take(new_request_id(), service.voice_of(speech), seed, speech.response_format, speech.sample_rate, speech.speed,
              frames, sent["samples"], first, time.perf_counter() - started, "stop")
     await _send(websocket, {"event": "finish", "reason": "stop"})
@@ -223,21 +206,14 @@ async def _receive_text(websocket, settings, run: TextStreamRun, text: str, inde
     ending a segment, `stop` ending the text. A segment's pieces are held until one has a letter or
     digit; a segment with none is dropped (a flush of only punctuation says nothing). The whole
     text of the utterance is held to the input limit (413)."""
-    received, held, speaking = 0, [], False  # speaking: the current segment has said something
+    received, held = 0, []  # held: the segment's pieces before one has something to say; None once it has
     if text:
         received += len(text)
     try:
         pieces = [text] if text else []
         while True:
             for value in pieces:
-                if speaking:
-                    run.put(value)
-                    continue
-                held.append(value)
-                if speakable(value):  # the segment has something to say: speak it, from its first piece
-                    for earlier in held:
-                        run.put(earlier)
-                    held, speaking = [], True
+                held = put_when_speakable(run, held, value)
             event = await _next_event(websocket, settings.stream_idle_timeout, "text, flush or stop", index)
             index += 1
             kind, pieces = event["event"], []
@@ -252,14 +228,13 @@ async def _receive_text(websocket, settings, run: TextStreamRun, text: str, inde
                                    "text")
                 pieces = [value] if value else []
             elif kind in ("flush", "stop"):
-                held = []  # pieces with nothing to say at the end of a segment are dropped
+                speaking, held = held is None, []  # pieces with nothing to say at the end of a segment are dropped
                 if kind == "stop":
                     run.end()
                     next_index.set_result(index)
                     return
                 if speaking:
                     run.flush()
-                speaking = False
             elif kind == "start":
                 raise ApiError(400, "event: start while an utterance is running; send stop first", "event")
             else:

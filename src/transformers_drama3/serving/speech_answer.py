@@ -3,10 +3,17 @@
 `speak` queues a checked speech request (`protocol.SpeechParams`) on the engine and answers it:
 whole once the take has ended, or streamed from its first audio (raw bytes of its format, or
 OpenAI's SSE events). Both HTTP doors answer through it: OpenAI's `/v1/audio/speech` (`app`) and
-Fish Audio's `/v1/tts` (`fish_routes`). Beside it: the error body (`ErrorResponse`), a failure no
-check foresaw (`_unexpected`), a body read within its limits (`_read_body`), a WebSocket message
-within a timeout (`_receive_within`), the key's constant-time check (`_key_matches`) and a close
-frame's reason (`close_reason`).
+Fish Audio's `/v1/tts` (`fish_routes`). Beside it: the app's service, or 503 while it loads
+(`service_or_503`), the error body (`ErrorResponse`), a failure no check foresaw (`_unexpected`),
+a body read within its limits (`_read_body`, `json_body`), a WebSocket message within a timeout
+(`_receive_within`), the key's constant-time check (`_key_matches`), a close frame's reason
+(`close_reason`), a WebSocket's errors answered (`socket_errors`), and a text stream's slot
+(`text_stream_slot`), first speakable piece (`put_when_speakable`) and ending
+(`text_stream_ended`, counted in the metrics).
+
+The routes find what `app.create_app` was given on the app: `app.state.get_service` (the service,
+None while it loads), `app.state.settings` (`ServerSettings`) and `app.state.text_streams` (the
+text streams' `TextStreamSlots`, shared by both WebSocket doors).
 """
 
 from __future__ import annotations
@@ -18,19 +25,22 @@ import json
 import logging
 import queue
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Request, WebSocket, WebSocketDisconnect
+from fastapi.requests import HTTPConnection
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..codec.take_audio import WaveformStreamer
 from .audio_formats import MEDIA_TYPES, encode, encoded_rate, stream_encoder
 from .engine import DoneEvent, EngineStopped, ErrorEvent, FramesEvent, QueueFull
 from .output_audio import OutputAudio, output_rate
-from .protocol import RETRY_AFTER_SECONDS, ApiError, SpeechParams, damaged_adapter
+from .protocol import RETRY_AFTER_SECONDS, ApiError, SpeechParams, damaged_adapter, load_json, speakable
 from .request_log import log_take
 from .routing import AdapterError, AdapterSlotsBusy
 from .service import SpeechService, chunk_samples
+from .live_text_run import CANCELLED
 
 POLL_SECONDS = 0.25
 """How often a waiting handler looks for its client having gone."""
@@ -44,6 +54,14 @@ class ErrorResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def service_or_503(connection: HTTPConnection) -> SpeechService:
+    """The app's service (a request's or a WebSocket's); ApiError 503 while the model loads."""
+    service = connection.app.state.get_service()
+    if service is None:
+        raise ApiError(503, "the model is still loading; retry shortly", None, "loading")
+    return service
 
 
 def _error_response(error: ApiError, path: str | None = None):
@@ -89,6 +107,24 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         raise ApiError(408, f"the body did not arrive within {timeout:g} s ({size} bytes came)", None, "timeout") from None
     return b"".join(chunks)
+
+
+async def json_body(request: Request):
+    """The request's JSON body: 415 unless it says it is JSON, then read within the app's limits
+    (`_read_body`) and parsed off the event loop (`protocol.load_json`)."""
+    _check_json_content_type(request.headers.get("content-type"))
+    settings = request.app.state.settings
+    raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
+    return await asyncio.to_thread(load_json, raw)  # counted, then parsed, off the event loop
+
+
+def _check_json_content_type(value: str | None) -> None:
+    """ApiError 415 unless `Content-Type` is application/json: a page of another site may send
+    text/plain or a form without asking the server first, never JSON."""
+    media = (value or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        shown = "none" if value is None else repr(value if len(value) <= 64 else value[:61] + "...")
+        raise ApiError(415, f"Content-Type {shown}: expected application/json", None, "unsupported_media_type")
 
 
 async def _receive_within(websocket: WebSocket, timeout: float, what: str):
@@ -200,6 +236,63 @@ def close_reason(message: str, limit: int = 123) -> str:
     """`message` cut to at most `limit` UTF-8 bytes (a WebSocket close frame's reason), whole characters kept."""
     data = message.encode("utf-8", "replace")  # a lone surrogate the message quotes becomes "?"
     return data.decode("utf-8") if len(data) <= limit else data[: limit - 3].decode("utf-8", "ignore") + "..."
+
+
+@asynccontextmanager
+async def socket_errors(websocket: WebSocket, send_error, where: str):
+    """Within the block, an ApiError is answered by `send_error(websocket, error)` (each door has its
+    shape), a failure no check foresaw as a 500 (`_unexpected`, logged naming `where`), and a
+    client that has gone is let go."""
+    try:
+        yield
+    except ApiError as error:
+        await send_error(websocket, error)
+    except WebSocketDisconnect:
+        pass
+    except Exception as error:  # the catch-all: the client gets an error and a close code
+        await send_error(websocket, _unexpected(error, where))
+
+
+def put_when_speakable(run, held: list | None, piece: str) -> list | None:
+    """`piece` put into the text stream `run`, or held while no piece so far has a letter or digit
+    (`protocol.speakable`); `held` is the pieces held so far, None once the text speaks. Returns the
+    new `held`: once a piece speaks, the held pieces go first, then it, and None."""
+    if held is None:
+        run.put(piece)
+        return None
+    held.append(piece)
+    if not speakable(piece):
+        return held
+    for earlier in held:
+        run.put(earlier)
+    return None
+
+
+def text_stream_slot(connection: HTTPConnection, service: SpeechService):
+    """A slot for one more text stream (`app.state.text_streams`, shared by both WebSocket doors),
+    or ApiError 429 (counted as rejected) when all are taken; the caller releases it."""
+    slots = connection.app.state.text_streams
+    if not slots.acquire():
+        service.metrics.count("rejected")
+        raise ApiError(429, f"the server is busy: {slots.limit} text streams are running; retry later", None,
+                       "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return slots
+
+
+def text_stream_ended(service: SpeechService, outcome, first_audio: float | None) -> bool:
+    """Count how a text stream ended (`TextStreamRun`'s `Finished.outcome`) in the metrics: True when
+    its text was spoken to the end (its seconds to the first audio observed), False when its client
+    went away; an ApiError that ended it (504 past its time limit, or another failure) is raised."""
+    if outcome is CANCELLED:
+        service.metrics.count("cancelled")
+        return False
+    if isinstance(outcome, ApiError):
+        service.metrics.count("timeout" if outcome.status == 504 else "error")
+        raise outcome
+    service.metrics.count("eos")
+    if first_audio is not None:
+        service.metrics.observe_first_audio(first_audio)
+    return True
 
 
 def _observe(service, handle, first_audio: float, samples: int) -> None:
