@@ -1,7 +1,7 @@
 """The `drama3` console script: parse the command line, then import the package and run it.
 
 Importing the package imports torch and transformers (seconds), which `--help` and a mistyped flag
-should not wait for. So the parser's module, `transformers_drama3.runtime.arguments`, and the option
+should not wait for. So the parser's module, `transformers_drama3.runtime.command_line`, and the option
 schema its flags are made from, `transformers_drama3.decoding.options`, and the quantisation
 schemes its `--quant` choices are, `transformers_drama3.checkpoint.quantization.schemes` (all standard
 library only), are loaded from the package's folder without running the package's `__init__`; the package
@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-ARGUMENTS_MODULE = "transformers_drama3.runtime.arguments"
+ARGUMENTS_MODULE = "transformers_drama3.runtime.command_line"
 STANDALONE_MODULES = (
     "transformers_drama3.decoding.options",
     "transformers_drama3.checkpoint.quantization.schemes",
@@ -24,8 +24,8 @@ STANDALONE_MODULES = (
 
 
 def load_arguments_module():
-    """`transformers_drama3.runtime.arguments`, loaded from its file without importing the package (the
-    package's own `from .cli_arguments import ...` later finds this same module in `sys.modules`),
+    """`transformers_drama3.runtime.command_line`, loaded from its file without importing the package (the
+    package's own `from .runtime.command_line import ...` later finds this same module in `sys.modules`),
     after the option schema it reads, loaded the same way."""
     package = importlib.util.find_spec("transformers_drama3")  # finds the folder, runs nothing
     folder = Path(package.submodule_search_locations[0])

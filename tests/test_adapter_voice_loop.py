@@ -21,7 +21,7 @@ from recipes.drama3_tiny import instruments as I  # noqa: E402
 from recipes.drama3_tiny.corpus import SAMPLING_RATE, Voice, espeak_available, synthesize, write_wav  # noqa: E402
 from transformers_drama3 import Drama3ForSpeechGeneration  # noqa: E402
 from transformers_drama3.cli import check_adapter_flags  # noqa: E402
-from transformers_drama3.runtime.arguments import build_parser  # noqa: E402
+from transformers_drama3.runtime.command_line import build_parser  # noqa: E402
 from transformers_drama3.serving.app import ServerSettings, SpeechService, create_app  # noqa: E402
 from transformers_drama3.serving.audio_formats import pcm16  # noqa: E402
 from transformers_drama3.serving.protocol import Limits, parse_speech  # noqa: E402

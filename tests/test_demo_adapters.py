@@ -72,7 +72,7 @@ def test_a_scene_with_a_clipless_fine_tuned_voice_and_another_speaker_is_refused
 
 def test_drama3_demo_refuses_a_bad_adapter_flag_before_loading(tmp_path):
     from transformers_drama3.cli import check_adapter_specs
-    from transformers_drama3.runtime.arguments import build_parser
+    from transformers_drama3.runtime.command_line import build_parser
     from transformers_drama3.runtime.loading import CommandError
 
     args = build_parser().parse_args(["demo", "--adapter", f"me={tmp_path}"])

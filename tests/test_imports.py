@@ -339,13 +339,13 @@ def test_no_import_cycle_through_the_console_script_at_run_time():
 
 
 def test_the_command_line_parser_imports_only_the_standard_library():
-    """The console script loads `runtime.arguments` and the option schema its flags are made from (its
+    """The console script loads `runtime.command_line` and the option schema its flags are made from (its
     `STANDALONE_MODULES`) without the package's `__init__`, so that `--help` needs no torch: each of
     them may import the standard library and the standalone modules loaded before it, nothing else."""
     import drama3_cli  # the standard library only
 
     names = drama3_cli.STANDALONE_MODULES
-    assert names[-1] == "transformers_drama3.runtime.arguments"
+    assert names[-1] == "transformers_drama3.runtime.command_line"
     for index, name in enumerate(names):
         path = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
         imported = set()

@@ -10,7 +10,7 @@ import torch
 from generation_helpers import prompt
 from model_helpers import tiny_model
 from transformers_drama3.cli import _check_say_arguments
-from transformers_drama3.runtime.arguments import build_parser
+from transformers_drama3.runtime.command_line import build_parser
 from transformers_drama3.decoding.counter_noise import MAIN_STREAM, exponentials, seed_keys
 from transformers_drama3.decoding.options import SamplingSettings
 from transformers_drama3.decoding.request import resolve_settings

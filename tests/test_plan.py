@@ -16,7 +16,7 @@ from generation_helpers import prompt
 from model_helpers import tiny_config, tiny_model
 from transformers_drama3 import Drama3ForSpeechGeneration, plan_memory
 from transformers_drama3.cli import main as cli_main
-from transformers_drama3.runtime.arguments import PLAN_QUANTIZATIONS
+from transformers_drama3.runtime.command_line import PLAN_QUANTIZATIONS
 from transformers_drama3.decoding.loop import DecodeRun
 from transformers_drama3.decoding.state import ColumnKeysLayer, DecodeCache, empty_state
 from transformers_drama3.placement import planning
@@ -524,7 +524,7 @@ def test_model_card_memory_figures_are_what_the_plan_gives(monkeypatch):
 
 def test_every_list_of_quantisation_schemes_is_the_one_table():
     from transformers_drama3.checkpoint.quantization import quantized_loading, schemes, weights
-    from transformers_drama3.runtime.arguments import EVAL_QUANTIZATIONS
+    from transformers_drama3.runtime.command_line import EVAL_QUANTIZATIONS
 
     assert EVAL_QUANTIZATIONS is schemes.WEIGHT_OPTIONS is quantized_loading.WEIGHT_OPTIONS
     assert weights.OPTIONS is schemes.BYTE_COUNTED

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from transformers_drama3.cli import CommandError, _check_say_arguments
-from transformers_drama3.runtime.arguments import EVAL_OPTIONS, SAY_OPTIONS, build_parser
+from transformers_drama3.runtime.command_line import EVAL_OPTIONS, SAY_OPTIONS, build_parser
 from transformers_drama3.decoding.options import (
     CLI, DEMO, GENERATE, HTTP, OPTIONS, PRESETS, SAMPLING_NAMES, SCHEMA, STREAM, SamplingSettings, check_options,
     options_for,

@@ -426,7 +426,7 @@ def test_reading_an_adapter_writes_nothing(tmp_path):
 
 def test_drama3_serve_refuses_bad_adapter_flags_before_loading(tmp_path):
     from transformers_drama3.cli import check_adapter_flags
-    from transformers_drama3.runtime.arguments import build_parser
+    from transformers_drama3.runtime.command_line import build_parser
     from transformers_drama3.runtime.loading import CommandError
 
     def flags(*argv):

@@ -731,7 +731,7 @@ def last_line(done: subprocess.CompletedProcess) -> str:
 
 
 def test_a_port_in_use_exits_with_exit_bind_and_one_line_before_anything_loads(tmp_path):
-    from transformers_drama3.runtime.arguments import EXIT_BIND
+    from transformers_drama3.runtime.command_line import EXIT_BIND
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -748,7 +748,7 @@ def test_a_port_in_use_exits_with_exit_bind_and_one_line_before_anything_loads(t
 
 @pytest.mark.parametrize("what", ["model", "adapter"])
 def test_a_model_or_adapter_that_fails_to_load_exits_with_exit_load_and_one_line(tmp_path, what):
-    from transformers_drama3.runtime.arguments import EXIT_LOAD
+    from transformers_drama3.runtime.command_line import EXIT_LOAD
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from generation_helpers import prompt, tiny_model
 
-from transformers_drama3.runtime.arguments import build_parser
+from transformers_drama3.runtime.command_line import build_parser
 from transformers_drama3.decoding import threads
 from transformers_drama3.serving.engine import Drama3Engine
 

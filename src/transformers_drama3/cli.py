@@ -1,9 +1,9 @@
-"""What the `drama3` command does, once its arguments are parsed (`runtime.arguments`).
+"""What the `drama3` command does, once its arguments are parsed (`runtime.command_line`).
 
 The console script is `drama3_cli:main`, beside the package: it parses the command line without
 importing torch (so `drama3 --help` and argument errors answer at once), then calls `run` here.
 `main(argv)` does both, for Python callers and tests. Each subcommand is a `run_<name>(args)` in
-`HANDLERS` and a parser in `runtime.arguments`. `eval` measures whether a model says the words (`evaluation`, the [eval]
+`HANDLERS` and a parser in `runtime.command_line`. `eval` measures whether a model says the words (`evaluation`, the [eval]
 extra); drama3-tiny's full evaluation (voice, directions, DTW on the corpus's held-out split) is
 research code and runs from the source tree: `python -m recipes.drama3_tiny.evaluation`.
 """
@@ -23,14 +23,14 @@ import soundfile
 import torch
 
 from .placement.accounting import account, format_table
-from .runtime.arguments import EVAL_OPTIONS, SAY_OPTIONS, SWITCH_WORDS, build_parser
+from .runtime.command_line import EVAL_OPTIONS, SAY_OPTIONS, SWITCH_WORDS, build_parser
 from .configuration_drama3 import Drama3Config
 from .evaluation import asr
 from .evaluation.espeak import INSTALL_HINT as ESPEAK_HINT
 from .evaluation.espeak import espeak_available
 from .evaluation.intelligibility import HELDOUT_SENTENCES, check_sentences, check_voices, measure_intelligibility
 from .output_files import atomic_output, check_output_path, same_file, write_text_atomic
-from .runtime.arguments import EXIT_BIND, EXIT_LOAD
+from .runtime.command_line import EXIT_BIND, EXIT_LOAD
 from .runtime.loading import DEFAULT_MODEL, CommandError, load_model_and_processor, resolve_device
 from .runtime.long_form import generate_long_form
 from .placement.planning import fitting, format_plans, load_code, plan_options, refusal
@@ -111,7 +111,7 @@ def run_say(args) -> int:
 
 
 def option_values(args, options: tuple[Option, ...]) -> dict:
-    """The request options given on the command line (`runtime.arguments.add_option_flags`), by option
+    """The request options given on the command line (`runtime.command_line.add_option_flags`), by option
     name, each checked by the option schema's one check (the one `generate()`, the server and the
     demo run) before anything is loaded; the message names the flag."""
     values = {}
@@ -544,7 +544,7 @@ def run_plan(args) -> int:
 
 HANDLERS = {"say": run_say, "table": run_table, "serve": run_serve, "demo": run_demo, "eval": run_eval,
             "plan": run_plan}
-"""Each subcommand's work, given its parsed arguments (`runtime.arguments`); returns the exit code."""
+"""Each subcommand's work, given its parsed arguments (`runtime.command_line`); returns the exit code."""
 
 
 def run(args) -> int:
@@ -558,7 +558,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`drama3 ARGV`: parse (`runtime.arguments`), run here."""
+    """`drama3 ARGV`: parse (`runtime.command_line`), run here."""
     return run(build_parser().parse_args(argv))
 
 

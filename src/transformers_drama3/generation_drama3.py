@@ -27,8 +27,8 @@ sound, and a take is what a speech caller uses (as transformers' CSM returns its
 or its audio with `output_audio=True`). `processor.decode(output.sequences)` decodes the rows to
 the same audio, which is how transformers' text-to-speech pipeline reads them.
 `num_return_sequences` speaks each prompt several times, each take reproducible from its seed
-(`generation_call`). Every other GenerationMixin option either works or is refused by name before
-any work (`generation_arguments`).
+(`generation.call`). Every other GenerationMixin option either works or is refused by name before
+any work (`generation.arguments`).
 
 Line-by-line prompts (lines separated by `<|audio_separator|>` in the last user turn, see
 docs/prompt_layouts.md) add `<|audio_separator|>` to the main candidates, once per line boundary
@@ -71,7 +71,7 @@ __all__ = ["Drama3GenerationMixin", "Drama3GenerationOutput", "check_codec_match
 
 
 def _split_kwargs(kwargs: dict, caller: str = "stream_text()") -> dict:
-    """`generation_call.split_kwargs` for the callers that return no generation output."""
+    """`generation.call.split_kwargs` for the callers that return no generation output."""
     return split_kwargs(kwargs, caller)
 
 
@@ -282,7 +282,7 @@ def generate(
             `repetition_aware` (RAS on the main token, default True), `max_new_tokens` (frames),
             the output fields below and the cache fields are read; any field that would not work
             (beams, assisted decoding, logits processors, stop strings, ...) is refused by name
-            (`generation_arguments`), as it is from the model's own generation config.
+            (`generation.arguments`), as it is from the model's own generation config.
         streamer: an object with `put(value)` and `end()` (a transformers `BaseStreamer`); batch 1.
             It receives waveform chunks `[samples]` when `codec` is given, else frames
             `[1, frames, num_codebooks]`, as soon as they are final.
@@ -311,7 +311,7 @@ def generate(
             count alone; torch's count is restored afterwards. "auto" leaves a model on CUDA alone.
         position_ids: `[batch, rows]` positions of the prompt rows; taken where they are those
             generate() gives them (each real row's count of real rows before it, as forward's
-            default), refused otherwise (`generation_call.check_position_ids`).
+            default), refused otherwise (`generation.call.check_position_ids`).
         inputs_embeds: `[batch, rows, hidden_size]` the backbone's input for the prompt rows
             instead of their embeddings (`model.embed_rows`); needs the rows too (input_ids,
             audio_codes), which the tower, RAS and the frame budget read.

@@ -2,7 +2,7 @@
 that offer it. Each door is derived from these entries, not listed by hand:
 
     generate   `generate()` / `stream()` / `stream_text()` keyword arguments and GenerationConfig
-               fields (`generation_arguments` accepts the schema's fields, refuses the others)
+               fields (`generation.arguments` accepts the schema's fields, refuses the others)
     http       the body of `POST /v1/audio/speech` (`serving.protocol`)
     stream     the `start` message of the WebSocket text stream (`serving.protocol`)
     cli        the flags of `drama3 say` (and, for the sampling entries, `drama3 eval`)

@@ -1,4 +1,4 @@
-"""One `generate()` / `stream()` call, read once: its arguments checked (`generation_arguments`), the
+"""One `generate()` / `stream()` call, read once: its arguments checked (`generation.arguments`), the
 prompt shaped (`prepare_prompt`, `position_ids`, `inputs_embeds`, `num_return_sequences`), what it
 returns (`OutputOptions`) and its decode request (`decoding.request`).
 
@@ -217,7 +217,7 @@ def resolve_pad_id(model, sources: list) -> int:
 
 def split_kwargs(kwargs: dict, caller: str = "generate()", returns_outputs: bool = False) -> dict:
     """The generation parameters among a call's keyword arguments, each checked
-    (`generation_arguments`): GenerationMixin's own arguments are refused unless they ask for
+    (`generation.arguments`): GenerationMixin's own arguments are refused unless they ask for
     nothing (and left out of the result), fields that would not work are refused by name, and any
     other name is an error (it would be ignored). `returns_outputs`: whether the caller returns
     generate()'s output (else the output fields are refused too)."""

@@ -15,7 +15,7 @@ import os
 import torch
 from transformers.utils import logging as hf_logging
 
-from .arguments import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
+from .command_line import DEFAULT_MODEL, EXIT_USAGE  # noqa: F401  (the command line's, one source)
 from ..checkpoint.quantization.quantized_loading import QuantizationRefused, quantization_config_for
 from ..configuration_drama3 import Drama3Config
 from ..modeling_drama3 import Drama3ForSpeechGeneration

@@ -1,5 +1,5 @@
 """The quantisation schemes by name, defined once and read by every place that lists them: the
-command line's `--quant` choices (`runtime.arguments`), the loader (`quantized_loading`), the byte
+command line's `--quant` choices (`runtime.command_line`), the loader (`quantized_loading`), the byte
 counts (`weights`) and the memory plan (`placement.planning`).
 
 This module imports only the standard library: the console script reads it to build `drama3`'s
