@@ -1,6 +1,7 @@
 """The torch settings that differ between the releases the GPU path runs on (CI: torch 2.13; the
 device image lent to the project: torch 2.11), each chosen by the version it is given."""
 
+import contextlib
 import sys
 
 import pytest
@@ -68,3 +69,30 @@ def test_the_installed_torch_has_the_limit_by_the_name_chosen_and_it_is_raised_n
         torch_compat.raise_recompile_limit(4)
         assert getattr(config, name) == 20
     assert getattr(config, name) == before
+
+
+@pytest.mark.parametrize("version, overruns", [
+    ("2.6.0", True), ("2.11.0+cu130", True), ("2.12.1", True), ("2.13.0+cpu", False), ("2.14.0.dev20261001", False), ("3.0.0", False),
+])
+def test_cpu_kernels_run_scalar_only_on_a_torch_whose_nested_reduction_stores_overrun(version, overruns):
+    assert torch_compat.overruns_cpu_nested_reduction_stores(version) is overruns
+    assert torch_compat.cpu_codegen_settings(version) == ({"cpp.simdlen": 1} if overruns else {})
+
+
+@pytest.mark.parametrize("version, simdlen", [("2.11.0+cu130", 1), ("2.13.0+cpu", None)])
+def test_the_compiled_step_runs_under_the_cpu_codegen_settings_of_its_torch(monkeypatch, version, simdlen):
+    """On torch 2.11 every call of the compiled step (inductor compiles inside the first one) sees
+    scalar C++ kernels, and the setting is restored after it; on 2.13 the compiled function is the
+    step torch.compile made, untouched."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(loop, "_COMPILED", {})
+    before = inductor_config.cpp.simdlen
+    seen = []
+    monkeypatch.setattr(loop, "capturable_experts", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "compile", lambda function, **_: lambda *a: seen.append(inductor_config.cpp.simdlen))
+    functions = loop.compiled_functions(CompileConfig(fullgraph=True, backend="eager", mode=None))
+    functions.step(object())
+    assert seen == [simdlen if simdlen is not None else before]
+    assert inductor_config.cpp.simdlen == before

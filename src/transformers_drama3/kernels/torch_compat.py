@@ -12,6 +12,15 @@ was lent runs torch 2.11, CUDA 13, triton 3.6). What differs, and what is done a
   function ... exceeding max re-recording limit"): the 129th `generate()` of a shape would run the
   step uncaptured. From torch 2.13 they do not count (pytorch#182531).
   `keep_recording_new_static_inputs()` lifts the limit where they count, as 2.13 behaves.
+- CPU inductor's vectorized reductions nested in a vectorized outer loop: up to torch 2.12 the C++
+  code generator stores such a reduction's result through the full vector width (16 float lanes)
+  even where the outer loop covers fewer (a Gated DeltaNet readout `o[h, v] = sum_k S[h, k, v]
+  q[h, k]` of 4 value heads vectorized over the heads): it writes up to 15 rows past the output
+  buffer, which corrupts the heap and crashes the process later (pytorch#196681 is this bug in a
+  2D-tiled reduction; torch 2.13 selects the reduction's epilogue by the same main/tail range).
+  `cpu_codegen_fixes(fn)` runs the package's compiled functions with the C++ kernels scalar
+  (`cpp.simdlen=1`) where the installed torch has the bug; CUDA graphs use Triton and are not
+  touched by the setting.
 - The recompile limit is `torch._dynamo.config.recompile_limit` from torch 2.7 and
   `cache_size_limit` before (`recompile_limit_name`); the benchmarks raise it to compile a graph per
   batch size.
@@ -24,14 +33,24 @@ and kernel tests pass on both.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+from typing import Callable
 
 import torch
 
 STATIC_INPUT_RERECORDS_UNCOUNTED = (2, 13)
 """The torch release from which CUDA-graph trees do not count re-recordings caused by inputs marked
 static changing address towards their re-record limit."""
+
+CPU_NESTED_REDUCTION_STORE_FIXED = (2, 13)
+"""The first torch release whose CPU inductor stores a reduction nested in a vectorized outer loop
+through the lanes that loop covers (earlier ones write past the output; see the module docstring)."""
+
+CPU_CODEGEN_WORKAROUND = {"cpp.simdlen": 1}
+"""The inductor settings the package compiles with where `CPU_NESTED_REDUCTION_STORE_FIXED` is not
+reached: C++ kernels without vectorization (so without the faulty store); Triton ignores them."""
 
 RECOMPILE_LIMIT_RENAMED = (2, 7)
 """The torch release that named dynamo's `cache_size_limit` `recompile_limit`."""
@@ -68,6 +87,34 @@ def keep_recording_new_static_inputs() -> None:
     wanted = rerecord_limit_for_new_static_inputs(current=current)
     if wanted > current:
         triton.cudagraph_unexpected_rerecord_limit = wanted
+
+
+def overruns_cpu_nested_reduction_stores(version: str | None = None) -> bool:
+    """Whether this torch's CPU inductor can store a nested reduction past its output buffer."""
+    return torch_release(version) < CPU_NESTED_REDUCTION_STORE_FIXED
+
+
+def cpu_codegen_settings(version: str | None = None) -> dict:
+    """The inductor settings the package's compiled functions run under on `version`."""
+    return dict(CPU_CODEGEN_WORKAROUND) if overruns_cpu_nested_reduction_stores(version) else {}
+
+
+def cpu_codegen_fixes(compiled: Callable) -> Callable:
+    """`compiled` (a `torch.compile` of a function), run with `cpu_codegen_settings()` in force:
+    inductor reads them when it compiles a graph, which happens inside a call. Returned as it is
+    where the installed torch needs none."""
+    import torch._inductor.config as inductor_config
+
+    settings = cpu_codegen_settings()
+    if not settings:
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with inductor_config.patch(settings):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def recompile_limit_name(version: str | None = None) -> str:
