@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
