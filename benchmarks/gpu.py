@@ -300,7 +300,7 @@ def weights_read_per_step(config: Drama3Config, experts: str, batch: int) -> int
 
 def batch_plan(config: Drama3Config, experts: str, batch: int, rows: int, prompt_rows: int, free_bytes: int | None = None):
     """The planner's `MemoryPlan` of a run of `batch` items: weights, codec, a compiled run's cache
-    of `rows` rows per item, the prefill of `batch x prompt_rows` rows at once (its tower logits or
+    of `rows` rows per item, the prefill of `batch x prompt_rows` rows at once (its
     expert buffers) and the workspace allowance; judged against `free_bytes` when given."""
     quantization = "fp8" if experts == "fp8" else "none"
     gpu_gb = None if free_bytes is None else free_bytes / GIB

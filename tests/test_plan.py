@@ -297,31 +297,51 @@ class AllocationLog(TorchDispatchMode):
         return out
 
 
-def test_the_planned_tower_logits_are_what_a_prefills_heads_make(monkeypatch):
-    """A prefill of 2 prompts of 12 rows teacher-forces the tower over 2 x 11 rows: the heads'
-    logits and their stack, counted as they are made, are the planner's bytes for 22 rows."""
-    model = tiny_model(seed=0)
-    made = []
-    run_tower = type(model).run_tower
-
-    def counted(self, hidden, *args, **kwargs):
-        hooks = [head.register_forward_hook(lambda module, inputs, out: made.append(out.numel() * out.element_size()))
-                 for head in self.audio_decoder_mtp.heads]
-        try:
-            logits = run_tower(self, hidden, *args, **kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        made.append(logits.numel() * logits.element_size())
-        return logits
-
-    monkeypatch.setattr(type(model), "run_tower", counted)
-    ids, codes = prompt(0)
+def prefilled(model, ids, codes):
+    """A cache of 2 items filled by `model.prefill` of the prompt (twice)."""
+    cache = DecodeCache(model, 64, torch.device("cpu"), batch=2)
+    mask = torch.ones(2, ids.shape[0], dtype=torch.long)
     with torch.no_grad():
-        model.generate(torch.stack([ids, ids]), torch.stack([codes, codes]), do_sample=False, max_new_tokens=1)
-    rows = 2 * (ids.shape[0] - 1)
-    assert len(made) == model.config.num_codebooks  # one teacher-forced run: 9 heads and their stack
-    assert sum(made) == planning.tower_logits_bytes(model.config, rows, torch.float32)
+        model.prefill(torch.stack([ids, ids]), torch.stack([codes, codes]), mask, cache)
+    return cache
+
+
+def test_a_prefill_runs_the_towers_layers_but_none_of_its_heads():
+    """A prefill fills the tower's cache and makes no codebook logits (it would discard them: 9 x
+    4096 values a row); each decode step then runs every head once, on one row an item."""
+    model = tiny_model(seed=0)
+    rows_seen = []
+    hooks = [head.register_forward_hook(lambda module, inputs, out: rows_seen.append(out.shape[-2]))
+             for head in model.audio_decoder_mtp.heads]
+    ids, codes = prompt(0)
+    prefilled(model, ids, codes)
+    assert rows_seen == []
+    with torch.no_grad():
+        model.generate(torch.stack([ids, ids]), torch.stack([codes, codes]), do_sample=False, max_new_tokens=2)
+    for hook in hooks:
+        hook.remove()
+    assert rows_seen and set(rows_seen) == {1}  # the decode steps' heads, one row at a time
+
+
+def test_the_prefill_fills_the_same_tower_cache_as_a_run_with_its_heads(monkeypatch):
+    """Leaving the heads out changes nothing a decode reads: the tower's keys and values after a
+    prefill are, bit for bit, those of the teacher-forced run with every head computed."""
+    model = tiny_model(seed=0)
+    ids, codes = prompt(0)
+    without = prefilled(model, ids, codes)
+    run_tower = type(model).run_tower
+    computed = []
+
+    def with_heads(self, *args, **kwargs):
+        computed.append(run_tower(self, *args, **{**kwargs, "heads": True}))
+        return None
+
+    monkeypatch.setattr(type(model), "run_tower", with_heads)
+    with_logits = prefilled(model, ids, codes)
+    assert len(computed) == 1 and computed[0].shape[2:] == (model.config.num_codebooks - 1, 
+                                                            model.config.audio_decoder_config.vocab_size)
+    for layer, reference in zip(without.tower.layers, with_logits.tower.layers, strict=True):
+        assert torch.equal(layer.keys, reference.keys) and torch.equal(layer.values, reference.values)
 
 
 def test_the_planned_expert_buffers_hold_what_a_published_moe_layer_makes():
@@ -350,18 +370,17 @@ def test_the_planned_expert_buffers_hold_what_a_published_moe_layer_makes():
 def test_a_plan_counts_its_prefills_larger_transient_and_the_workspace():
     config = planning.published_config()
     rows = 32 * 256  # a batch of 32 prompts of 256 rows
-    tower = planning.tower_logits_bytes(config, rows)
-    assert tower == 2 * rows * 9 * 4096 * 2 == 1.125 * GIB  # the issue's ~1.1 GiB at batch 32
     for option in ("none", "fp8"):
         plan = plan_memory(config, option, prefill_rows=rows)
         experts = planning.experts_buffer_bytes(config, rows, option)
-        assert plan.prefill == max(tower, experts) and plan.workspace == planning.WORKSPACE_ALLOWANCE == GIB
+        assert plan.prefill == experts and plan.workspace == planning.WORKSPACE_ALLOWANCE == GIB
         assert plan.total - plan_memory(config, option, prefill_rows=1).total == plan.prefill - plan_memory(
             config, option, prefill_rows=1).prefill
-    # the FP8 kernels take 4,096 tokens at a time: their buffers stop growing, the tower's logits do not
+    # the FP8 kernels take 4,096 tokens at a time and the tower makes no logits in a prefill: a long
+    # batched prefill is bounded (the logits of 64 x 4,096 rows would be 36 GiB)
     fp8_long = planning.experts_buffer_bytes(config, 64 * 4096, "fp8")
     assert fp8_long == planning.experts_buffer_bytes(config, 4096, "fp8") < 0.35 * GIB
-    assert plan_memory(config, "fp8", prefill_rows=64 * 4096).prefill == planning.tower_logits_bytes(config, 64 * 4096)
+    assert plan_memory(config, "fp8", prefill_rows=64 * 4096).prefill == fp8_long
 
 
 def test_a_plan_that_fits_without_its_transients_does_not_fit_with_them(saved_tiny):

@@ -680,13 +680,15 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         positions: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: DynamicCache | None = None,
-    ) -> torch.Tensor:
+        heads: bool = True,
+    ) -> torch.Tensor | None:
         """Teacher-forced tower: codebook logits for the frames `label_codes`.
 
         hidden: [batch, rows, dim] backbone output; input_ids, audio_codes: the input rows;
         label_codes: [batch, rows, num_codebooks] the frame each row predicts (the next row);
         label_is_audio: [batch, rows]; attention_mask: bool [batch, 1, rows, keys].
-        Returns [batch, rows, num_codebooks - 1, codebook_size].
+        Returns [batch, rows, num_codebooks - 1, codebook_size]; with `heads=False` the layers only
+        (what a prefill needs: their cache), no codebook head runs and None is returned.
         """
         extra = self.unseen_codebooks(input_ids, audio_codes).to(hidden.dtype)
         audio_weight, rotary = audio_weights(label_is_audio, hidden.dtype), self.tower_rotary(positions)
@@ -698,8 +700,9 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         logits = []
         for index, (layer, head) in enumerate(zip(self.audio_decoder_mtp.layers, self.audio_decoder_mtp.heads)):
             hidden = layer(hidden, label_codes[..., index], audio_weight, rotary, attention_mask, cache)
-            logits.append(head(hidden))
-        return torch.stack(logits, dim=2)
+            if heads:
+                logits.append(head(hidden))
+        return torch.stack(logits, dim=2) if heads else None
 
     def sample_acoustic_codes(
         self,
@@ -745,7 +748,9 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         """Fill `cache` with a prompt of at least 2 rows and return the backbone output [batch, rows, dim].
 
         The tower is teacher-forced over every row but the last, whose next frame is not known yet:
-        the first decode step (`decoding.step.draw`) computes it. `inputs_embeds` [batch, rows, dim]:
+        the first decode step (`decoding.step.draw`) computes it. Only the tower's layers run (their
+        cache is what decoding reads); its codebook heads do not (their logits would be discarded:
+        9 x 4096 values a row). `inputs_embeds` [batch, rows, dim]:
         the backbone's input instead of the rows' embeddings (`embed_rows`).
         """
         rows = input_ids.shape[1]
@@ -757,7 +762,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
         self.run_tower(
             hidden[:, :-1], input_ids[:, :-1], audio_codes[:, :-1], audio_codes[:, 1:],
             self.is_semantic(input_ids[:, 1:]) & attention_mask[:, 1:].bool(),
-            positions[:, :-1], tower_attention_mask(known, rows - 1), cache.tower,
+            positions[:, :-1], tower_attention_mask(known, rows - 1), cache.tower, heads=False,
         )
         return hidden
 
@@ -798,6 +803,7 @@ class Drama3ForSpeechGeneration(Drama3PreTrainedModel, Drama3GenerationMixin, Dr
             positions[:, past - 1 : -1],
             tower_attention_mask(attention_mask[:, :-1], new),
             cache.tower,
+            heads=False,
         )
         return hidden
 

@@ -21,11 +21,10 @@ nothing is allocated) and every parameter and buffer is put in one part by its n
     codec                the codec beside the model (its `codec/config.json`, else the S2 codec
                          of `codec.pth`), float32 as the processor keeps it
     prefill              what a prefill of `prefill_rows` rows (over the whole batch) holds at
-                         its largest beside the weights: the teacher-forced tower's logits
-                         (`tower_logits_bytes`) or a MoE layer's expert buffers
+                         its largest beside the weights: a MoE layer's expert buffers
                          (`experts_buffer_bytes`: transformers' grouped GEMM, or the FP8
                          kernels' float32 per-assignment rows, which they compute a chunk at a
-                         time), whichever is larger (they never live at once)
+                         time); the teacher-forced tower runs its layers only, no codebook head
     workspace            `WORKSPACE_ALLOWANCE` (1 GiB): cuBLAS and Triton workspaces, the CUDA-
                          graph pools of the compiled step's intermediates, the allocator's
                          rounding; an allowance, not a measurement
@@ -535,15 +534,6 @@ def state_bytes_per_stream(config: Drama3Config, context: int, dtype: torch.dtyp
     return keys_values + linear + next_columns
 
 
-def tower_logits_bytes(config: Drama3Config, rows: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of the teacher-forced tower's logits over `rows` rows: `run_tower` keeps each
-    codebook head's logits `[rows, codebook_size]` in the compute dtype, then stacks them, both
-    alive at once. A prefill computes them over every prompt row and discards them."""
-    tower = config.audio_decoder_config
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * rows * (tower.num_codebooks - 1) * tower.vocab_size * element
-
-
 def experts_buffer_bytes(config: Drama3Config, rows: int, quantization: str = "none",
                          dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes one MoE layer makes beside its input and output for `rows` rows (as if none were
@@ -562,9 +552,10 @@ def experts_buffer_bytes(config: Drama3Config, rows: int, quantization: str = "n
 
 
 def prefill_bytes(config: Drama3Config, rows: int, quantization: str = "none", dtype: torch.dtype = torch.bfloat16) -> int:
-    """The largest transient of a prefill of `rows` rows: the backbone's expert buffers, layer
-    by layer, then the tower's logits (one after the other, never at once)."""
-    return max(tower_logits_bytes(config, rows, dtype), experts_buffer_bytes(config, rows, quantization, dtype))
+    """The largest transient of a prefill of `rows` rows: the backbone's expert buffers, layer by
+    layer. The tower runs its layers over the rows but none of its codebook heads
+    (`Drama3ForSpeechGeneration.prefill`), so no [rows, 9, 4096] logits are made."""
+    return experts_buffer_bytes(config, rows, quantization, dtype)
 
 
 # ----------------------------------------------------------------------------- printing

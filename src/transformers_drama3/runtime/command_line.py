@@ -337,8 +337,8 @@ def add_plan(subparsers) -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="compute dtype of what is not quantised (default bfloat16)")
     parser.add_argument("--prefill-rows", type=positive_count, default=512,
-                        help="rows prefilled at once over every stream: the prefill's transients (tower logits, "
-                             "expert buffers) are planned for them (default 512, drama3 serve's prefill chunk on a "
+                        help="rows prefilled at once over every stream: the prefill's transients (the expert "
+                             "buffers) are planned for them (default 512, drama3 serve's prefill chunk on a "
                              "GPU; generate() of B prompts of P rows prefills B x P)")
 
 
