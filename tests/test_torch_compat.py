@@ -79,20 +79,34 @@ def test_cpu_kernels_run_scalar_only_on_a_torch_whose_nested_reduction_stores_ov
     assert torch_compat.cpu_codegen_settings(version) == ({"cpp.simdlen": 1} if overruns else {})
 
 
-@pytest.mark.parametrize("version, simdlen", [("2.11.0+cu130", 1), ("2.13.0+cpu", None)])
-def test_the_compiled_step_runs_under_the_cpu_codegen_settings_of_its_torch(monkeypatch, version, simdlen):
-    """On torch 2.11 every call of the compiled step (inductor compiles inside the first one) sees
-    scalar C++ kernels, and the setting is restored after it; on 2.13 the compiled function is the
-    step torch.compile made, untouched."""
-    import torch._inductor.config as inductor_config
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu"])
+def test_the_compiled_step_and_prefill_are_compiled_with_the_cpu_codegen_settings_of_their_torch(monkeypatch, version):
+    """On torch 2.11 inductor compiles the step and the prefill with scalar C++ kernels, the mode's
+    own options kept (torch takes a mode or options: reduce-overhead becomes its CUDA graphs); on
+    2.13 torch.compile gets the config's arguments as they are. Nothing is added to a call."""
+    from torch._inductor import list_mode_options
 
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(loop, "_COMPILED", {})
-    before = inductor_config.cpp.simdlen
-    seen = []
+    monkeypatch.setattr(loop, "_COMPILED_PREFILL", {})
     monkeypatch.setattr(loop, "capturable_experts", lambda model: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "compile", lambda function, **_: lambda *a: seen.append(inductor_config.cpp.simdlen))
-    functions = loop.compiled_functions(CompileConfig(fullgraph=True, backend="eager", mode=None))
-    functions.step(object())
-    assert seen == [simdlen if simdlen is not None else before]
-    assert inductor_config.cpp.simdlen == before
+    given = []
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: given.append(kwargs) or function)
+    config = loop.default_compile_config()
+    functions = loop.compiled_functions(config)
+    loop.compiled_prefill(config)
+    assert functions.step is not None and len(given) == 4
+    for kwargs in given:
+        if version.startswith("2.11"):
+            assert "mode" not in kwargs
+            assert kwargs["options"] == {**list_mode_options(config.mode, kwargs["dynamic"]), "cpp.simdlen": 1}
+            assert kwargs["options"]["triton.cudagraphs"] is True
+        else:
+            assert kwargs["mode"] == config.mode and kwargs["options"] is None
+    # another backend takes no inductor options
+    eager = {"backend": "eager", "mode": None, "options": None}
+    assert torch_compat.with_cpu_codegen_fixes(eager) == eager
+    # and torch.compile takes what the fixes give
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    torch.compile(lambda x: x + 1, **torch_compat.with_cpu_codegen_fixes(loop.compile_options(config)))

@@ -32,7 +32,7 @@ from transformers import CompileConfig
 
 from ..integrations import experts_on_batched_mm
 from ..kernels.cuda_paths import takes_cuda_path
-from ..kernels.torch_compat import cpu_codegen_fixes, keep_recording_new_static_inputs
+from ..kernels.torch_compat import keep_recording_new_static_inputs, with_cpu_codegen_fixes
 from . import step as decode_step
 from .steady_guards import SteadyGuards, checked_call
 from .state import DecodeCache, DecodeState, compiled_capacity, empty_state
@@ -566,8 +566,8 @@ def compiled_prefill(config: CompileConfig):
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED_PREFILL:
         keep_recording_new_static_inputs()  # each run's cache is new: its static addresses change
-        _COMPILED_PREFILL[key] = _with_capturable_experts(cpu_codegen_fixes(torch.compile(_prefill_rows, **options)),
-                                                           cuda_only=True)
+        compiled = torch.compile(_prefill_rows, **with_cpu_codegen_fixes(options))
+        _COMPILED_PREFILL[key] = _with_capturable_experts(compiled, cuda_only=True)
     return _COMPILED_PREFILL[key]
 
 
@@ -590,6 +590,6 @@ def compiled_functions(config: CompileConfig | None) -> StepFunctions:
     key = tuple(sorted((name, repr(value)) for name, value in options.items()))
     if key not in _COMPILED:
         keep_recording_new_static_inputs()  # each run's cache is new: its static addresses change
-        _COMPILED[key] = StepFunctions(*(_with_capturable_experts(cpu_codegen_fixes(torch.compile(function, **options)))
+        _COMPILED[key] = StepFunctions(*(_with_capturable_experts(torch.compile(function, **with_cpu_codegen_fixes(options)))
                                          for function in plain))
     return _COMPILED[key]

@@ -18,7 +18,7 @@ was lent runs torch 2.11, CUDA 13, triton 3.6). What differs, and what is done a
   q[h, k]` of 4 value heads vectorized over the heads): it writes up to 15 rows past the output
   buffer, which corrupts the heap and crashes the process later (pytorch#196681 is this bug in a
   2D-tiled reduction; torch 2.13 selects the reduction's epilogue by the same main/tail range).
-  `cpu_codegen_fixes(fn)` runs the package's compiled functions with the C++ kernels scalar
+  `with_cpu_codegen_fixes(kwargs)` compiles the package's functions with the C++ kernels scalar
   (`cpp.simdlen=1`) where the installed torch has the bug; CUDA graphs use Triton and are not
   touched by the setting.
 - The recompile limit is `torch._dynamo.config.recompile_limit` from torch 2.7 and
@@ -33,10 +33,8 @@ and kernel tests pass on both.
 
 from __future__ import annotations
 
-import functools
 import re
 import sys
-from collections.abc import Callable
 
 import torch
 
@@ -99,22 +97,21 @@ def cpu_codegen_settings(version: str | None = None) -> dict:
     return dict(CPU_CODEGEN_WORKAROUND) if overruns_cpu_nested_reduction_stores(version) else {}
 
 
-def cpu_codegen_fixes(compiled: Callable) -> Callable:
-    """`compiled` (a `torch.compile` of a function), run with `cpu_codegen_settings()` in force:
-    inductor reads them when it compiles a graph, which happens inside a call. Returned as it is
-    where the installed torch needs none."""
-    import torch._inductor.config as inductor_config
-
+def with_cpu_codegen_fixes(compile_kwargs: dict) -> dict:
+    """`torch.compile` keyword arguments with `cpu_codegen_settings()` added to inductor's options
+    where the installed torch needs them; returned as they are otherwise (and for other backends).
+    The settings go in at compile time (inductor reads them when it compiles a graph), so a
+    compiled call costs nothing more. torch.compile takes `mode` or `options`, not both: a mode
+    becomes the options it stands for (`torch._inductor.list_mode_options`), as torch does."""
     settings = cpu_codegen_settings()
-    if not settings:
-        return compiled
+    if not settings or compile_kwargs.get("backend", "inductor") != "inductor":
+        return compile_kwargs
+    from torch._inductor import list_mode_options
 
-    @functools.wraps(compiled)
-    def call(*args, **kwargs):
-        with inductor_config.patch(settings):
-            return compiled(*args, **kwargs)
-
-    return call
+    kwargs = dict(compile_kwargs)
+    mode = kwargs.pop("mode", None)
+    kwargs["options"] = {**list_mode_options(mode, kwargs.get("dynamic")), **(kwargs.get("options") or {}), **settings}
+    return kwargs
 
 
 def recompile_limit_name(version: str | None = None) -> str:
