@@ -109,4 +109,8 @@ def test_the_compiled_step_and_prefill_are_compiled_with_the_cpu_codegen_setting
     # and torch.compile takes what the fixes give
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
-    torch.compile(lambda x: x + 1, **torch_compat.with_cpu_codegen_fixes(loop.compile_options(config)))
+    for mode in (config.mode, None, "max-autotune-no-cudagraphs"):
+        kwargs = torch_compat.with_cpu_codegen_fixes(loop.compile_options(CompileConfig(backend="inductor", mode=mode)))
+        assert kwargs["options"] == {**(list_mode_options(mode) if mode else {}), "cpp.simdlen": 1}
+        compiled = torch.compile(lambda x: x + 1, **kwargs)
+        assert torch.equal(compiled(torch.arange(4.0)), torch.arange(1.0, 5.0))  # inductor takes the options

@@ -110,7 +110,8 @@ def with_cpu_codegen_fixes(compile_kwargs: dict) -> dict:
 
     kwargs = dict(compile_kwargs)
     mode = kwargs.pop("mode", None)
-    kwargs["options"] = {**list_mode_options(mode, kwargs.get("dynamic")), **(kwargs.get("options") or {}), **settings}
+    mode_options = list_mode_options(mode, kwargs.get("dynamic")) if mode else {}  # (None lists every mode)
+    kwargs["options"] = {**mode_options, **(kwargs.get("options") or {}), **settings}
     return kwargs
 
 
